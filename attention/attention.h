@@ -1,0 +1,108 @@
+// cpfill/attention/attention.h — the partial-attention primitive and the exact merge of partials.
+//
+// Everything in cpfill's attention is one primitive: a fused variable-length batch of query rows
+// attending to key/value rows, each token carrying its *global position within its sequence*.
+// Causal masking is `k_pos <= q_pos`, so the same call is right for a ring step's chunk pair, a
+// partial prefill after P cached tokens, or a decode query. It returns the output O and the
+// log-sum-exp LSE, which is what lets partial results over disjoint key sets be merged exactly
+// (paper App. B eq. 4; Hydragen eq. 5).
+//
+//   AttentionParams p{.shape = shape, .q = q, .q_pos = q_pos, .q_tokens = nq, ...,
+//                     .slices = slices.data(), .num_slices = slices.size(), .o = o, .lse = lse};
+//   CPFILL_RETURN_IF_ERROR(PartialAttentionCpu(p, &pool));
+//   CPFILL_RETURN_IF_ERROR(MergeInto(p.shape, nq, o_acc, lse_acc, o, lse, &pool));
+//
+// This header is backend-neutral; attention/cpu/ holds the CPU kernel, attention/cuda/ the GPU
+// one. No MPI, NCCL or UCX here (dependency rule).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <span>
+
+#include "absl/status/status.h"
+#include "base/thread_pool.h"
+
+namespace cpfill::attention {
+
+// Position of a padding token. A padding key is never visible; a padding query sees nothing.
+inline constexpr int32_t kPadPosition = -1;
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct AttentionShape {
+  int num_heads = 0;     // query heads on this rank
+  int num_kv_heads = 0;  // key/value heads on this rank; divides num_heads (GQA group size)
+  int head_dim = 0;
+  float softmax_scale = 0.0f;  // applied to q.k before the softmax; usually 1/sqrt(head_dim)
+  bool causal = true;          // key visible iff k_pos <= q_pos (and k_pos is not padding)
+
+  int group_size() const { return num_heads / num_kv_heads; }
+};
+
+// One sequence's part of a fused batch: query rows [q_begin, q_begin + q_len) attend to key rows
+// [kv_begin, kv_begin + kv_len). Slices may share key rows but never query rows.
+struct SequenceSlice {
+  int64_t q_begin = 0;
+  int64_t q_len = 0;
+  int64_t kv_begin = 0;
+  int64_t kv_len = 0;
+};
+
+// Tensor layouts (row-major, fp32, host memory for the CPU backend):
+//   q      [q_tokens, num_heads, head_dim]
+//   k, v   [kv_tokens, num_kv_heads, head_dim]
+//   q_pos  [q_tokens]   global position of each query in its sequence, or kPadPosition
+//   k_pos  [kv_tokens]  global position of each key in its sequence, or kPadPosition
+//   o      [q_tokens, num_heads, head_dim]   written for every row
+//   lse    [q_tokens, num_heads]             natural log; written for every row
+// Contract: every query row in [0, q_tokens) is written. A row covered by no slice, a padding
+// row, and a row that sees no key all get O = 0 and LSE = -inf. Nothing is NaN unless inputs are.
+struct AttentionParams {
+  AttentionShape shape;
+  const float* q = nullptr;
+  const int32_t* q_pos = nullptr;
+  int64_t q_tokens = 0;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const int32_t* k_pos = nullptr;
+  int64_t kv_tokens = 0;
+  const SequenceSlice* slices = nullptr;
+  int64_t num_slices = 0;
+  float* o = nullptr;
+  float* lse = nullptr;
+};
+
+// Checks shapes, pointers and that every slice lies inside the tensors and slices do not share
+// query rows. InvalidArgument naming the problem otherwise.
+absl::Status ValidateAttentionParams(const AttentionParams& p);
+
+// Counts (query, key) pairs the mask leaves visible, summed over slices (one head). Attention
+// FLOPs are 4 * head_dim * num_heads * VisiblePairs: the masked part is not counted.
+int64_t CountVisiblePairs(const AttentionParams& p);
+
+// CPU kernel (attention/cpu/): blocked online softmax over query and key tiles, fp32, with the
+// query heads that share a KV head processed together (GQA). Tiles the mask hides entirely are
+// skipped; tiles it shows entirely run without per-element masking. Runs on `pool` (may be null:
+// single-threaded).
+absl::Status PartialAttentionCpu(const AttentionParams& p, ThreadPool* pool);
+
+// A partial result over some key set: o [rows, num_heads, head_dim], lse [rows, num_heads].
+struct PartialView {
+  const float* o = nullptr;
+  const float* lse = nullptr;
+};
+
+// Exact merge of partials over disjoint key sets (App. B eq. 4): for each row and head,
+//   lse = log(sum_s exp(lse_s)),  o = sum_s exp(lse_s - lse) * o_s.
+// -inf safe: parts with LSE = -inf contribute nothing; a row that is -inf in every part gets
+// O = 0, LSE = -inf. Never produces NaN from finite or -inf inputs. o_out/lse_out may alias the
+// first part.
+absl::Status MergePartials(const AttentionShape& shape, int64_t rows,
+                           std::span<const PartialView> parts, float* o_out, float* lse_out,
+                           ThreadPool* pool);
+
+// Running merge: (o_acc, lse_acc) <- merge((o_acc, lse_acc), (o, lse)), in place.
+absl::Status MergeInto(const AttentionShape& shape, int64_t rows, float* o_acc, float* lse_acc,
+                       const float* o, const float* lse, ThreadPool* pool);
+
+}  // namespace cpfill::attention

@@ -1,0 +1,61 @@
+# Finds every dependency from Debian packages; nothing is downloaded at build time.
+# A missing one stops configure naming the package that provides it
+# (launch/setup.sh installs them all).
+
+macro(cpfill_require found what package)
+  if(NOT ${found})
+    message(FATAL_ERROR "cpfill needs ${what}: install it with 'apt-get install ${package}' "
+                        "(or run launch/setup.sh, which installs everything)")
+  endif()
+endmacro()
+
+find_package(MPI COMPONENTS CXX QUIET)
+cpfill_require(MPI_CXX_FOUND "Open MPI (mpi.h, mpirun)" "libopenmpi-dev openmpi-bin")
+
+find_package(absl CONFIG QUIET)
+cpfill_require(absl_FOUND "Abseil" "libabsl-dev")
+
+find_package(ucx CONFIG QUIET)
+cpfill_require(ucx_FOUND "UCX" "libucx-dev")
+
+find_package(Threads REQUIRED)
+
+if(CPFILL_BUILD_TESTS)
+  find_package(GTest CONFIG QUIET)
+  cpfill_require(GTest_FOUND "GoogleTest" "libgtest-dev libgmock-dev")
+endif()
+if(CPFILL_BUILD_BENCH)
+  find_package(benchmark CONFIG QUIET)
+  cpfill_require(benchmark_FOUND "Google Benchmark" "libbenchmark-dev")
+endif()
+
+# CUDA is optional. AUTO builds the CUDA parts when nvcc is found; ON insists on it.
+set(CPFILL_HAVE_CUDA OFF)
+if(NOT CPFILL_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 90)
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
+    find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib
+                 /usr/lib/x86_64-linux-gnu)
+    if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
+      if(CPFILL_CUDA STREQUAL "ON")
+        message(FATAL_ERROR "CPFILL_CUDA=ON but NCCL was not found: install libnccl-dev")
+      endif()
+      message(STATUS "cpfill: nvcc found but NCCL missing; CUDA backend disabled")
+    else()
+      set(CPFILL_HAVE_CUDA ON)
+    endif()
+  elseif(CPFILL_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "CPFILL_CUDA=ON but no nvcc was found: install the CUDA toolkit "
+                        "(nvidia-cuda-toolkit) or configure with -DCPFILL_CUDA=OFF")
+  endif()
+endif()

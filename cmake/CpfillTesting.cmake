@@ -1,0 +1,41 @@
+# Test helpers. Labels: unit (CPU, one process), mpi (several ranks under mpirun on one host),
+# gpu (needs a GPU; skips with a message elsewhere), multigpu.
+
+# Open MPI refuses to run as root and to oversubscribe the 2-core CI machine without these.
+set(CPFILL_MPI_TEST_ENV OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none)
+
+# cpfill_test(name SOURCES ... LIBS ... [LABEL unit] [TIMEOUT s]); "NAME name" also accepted.
+function(cpfill_test name)
+  cmake_parse_arguments(T "" "LABEL;TIMEOUT" "SOURCES;LIBS" ${ARGN})
+  if(name STREQUAL "NAME")
+    list(GET T_UNPARSED_ARGUMENTS 0 name)
+  endif()
+  if(NOT T_LABEL)
+    set(T_LABEL unit)
+  endif()
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES LABELS ${T_LABEL} TIMEOUT ${T_TIMEOUT})
+endfunction()
+
+# cpfill_mpi_test(NAME SOURCES ... LIBS ... RANKS 2 3 4): one CTest per rank count, each started
+# by mpirun. The binary provides its own main (MPI init, verdict agreed across ranks).
+function(cpfill_mpi_test name)
+  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;RANKS" ${ARGN})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 600)
+  endif()
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest)
+  foreach(n IN LISTS T_RANKS)
+    add_test(NAME ${name}_np${n}
+             COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} $<TARGET_FILE:${name}>)
+    set_tests_properties(${name}_np${n} PROPERTIES LABELS mpi TIMEOUT ${T_TIMEOUT}
+                         ENVIRONMENT "${CPFILL_MPI_TEST_ENV}" PROCESSORS ${n})
+  endforeach()
+endfunction()

@@ -1,0 +1,270 @@
+// `cpfill calibrate`: measures this cluster for the selector. Times ring pass-KV and pass-Q on a
+// grid of (T, P) with T + P fixed per context length (the paper's Table 4), measures the
+// attention compute rate C and the ring bandwidth BW, fits the App. D rule
+// h = a ln T + b ln(T/(T+P)) + c, prints each rule's choices and regret, and writes the JSON that
+// `--fit` reads.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "base/status.h"
+#include "base/thread_pool.h"
+#include "launch/commands.h"
+#include "launch/flags.h"
+#include "launch/session.h"
+#include "parallel/ring_attention.h"
+#include "parallel/selector.h"
+#include "runtime/synthetic_attention.h"
+
+namespace cpfill::launch {
+namespace {
+
+using parallel::RingAlgorithm;
+using Clock = std::chrono::steady_clock;
+
+struct CalibrateFlags {
+  int heads = 8;
+  int kv_heads = 1;
+  int head_dim = 128;
+  std::vector<int64_t> context_lens = {4096};
+  std::vector<double> miss_rates = {0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0};
+  int repeat = 3;
+  int64_t compute_tokens = 2048;
+  int64_t bandwidth_bytes = 64 << 20;
+  double elem_bytes = 2;
+  std::string out = "cpfill-fit.json";
+  SessionFlags session;
+};
+
+template <typename T>
+T Median(std::vector<T> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median over `repeat` runs (after one warm-up) of the slowest rank's time for one algorithm.
+absl::StatusOr<double> TimeAlgorithm(parallel::ProcessGrid& grid, parallel::RingAttention& ring,
+                                     RingAlgorithm algo, int repeat, const std::vector<float>& q,
+                                     const std::vector<float>& k, const std::vector<float>& v,
+                                     std::vector<float>& o, std::vector<float>& lse) {
+  std::vector<double> times;
+  for (int r = 0; r <= repeat; ++r) {
+    CPFILL_RETURN_IF_ERROR(grid.world->Barrier());
+    parallel::RingTimings t;
+    CPFILL_RETURN_IF_ERROR(ring.Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(), &t));
+    double worst = t.total_s;
+    CPFILL_RETURN_IF_ERROR(
+        grid.world->AllReduce(&worst, 1, parallel::DataType::kFloat64, parallel::ReduceOp::kMax));
+    if (r > 0) times.push_back(worst);  // run 0 sizes the buffers: a warm-up
+  }
+  return Median(times);
+}
+
+int Run(int argc, char** argv) {
+  CalibrateFlags f;
+  FlagSet flags("calibrate",
+                "time pass-KV and pass-Q on a (T, P) grid, measure C and BW, fit the selector "
+                "(under mpirun)");
+  flags.Int("heads", &f.heads, "query heads of the model (all TP ranks together)");
+  flags.Int("kv-heads", &f.kv_heads, "key/value heads of the model");
+  flags.Int("head-dim", &f.head_dim, "head dimension");
+  flags.IntList("context-lens", &f.context_lens, "T + P of the grid, comma separated");
+  flags.DoubleList("miss-rates", &f.miss_rates, "T / (T + P) of the grid, in (0, 1]");
+  flags.Int("repeat", &f.repeat, "timed runs per point (median), after one warm-up");
+  flags.Int("compute-tokens", &f.compute_tokens, "square causal attention that measures C");
+  flags.Int("bandwidth-bytes", &f.bandwidth_bytes, "ring message that measures BW");
+  flags.Double("elem-bytes", &f.elem_bytes, "bytes per element e the rules assume");
+  flags.String("out", &f.out, "calibration JSON to write (read by --fit)");
+  AddSessionFlags(flags, &f.session);
+  const absl::Status parsed = flags.Parse(argc, argv, 2);
+  std::unique_ptr<Session> session = Session::Start(&argc, &argv, f.session);
+  if (!parsed.ok()) return session->ConfigError(parsed);
+  if (flags.help()) {
+    session->Print("%s", flags.Usage());
+    return kExitOk;
+  }
+  auto grid_or = session->CreateGrid();
+  if (!grid_or.ok()) {
+    if (absl::IsInvalidArgument(grid_or.status())) return session->ConfigError(grid_or.status());
+    session->Fail(grid_or.status());
+  }
+  parallel::ProcessGrid& grid = *grid_or;
+  auto validate = [&]() -> absl::Status {
+    CPFILL_CHECK_ARG(f.heads > 0 && f.kv_heads > 0 && f.head_dim > 0 && f.heads % f.kv_heads == 0,
+                     "--heads ", f.heads, " must be a positive multiple of --kv-heads ",
+                     f.kv_heads, " and --head-dim positive");
+    CPFILL_CHECK_ARG(f.heads % grid.tp_size == 0 && f.kv_heads % grid.tp_size == 0,
+                     "--heads and --kv-heads must divide by --tp ", grid.tp_size);
+    CPFILL_CHECK_ARG(!f.context_lens.empty() && !f.miss_rates.empty(),
+                     "--context-lens and --miss-rates must not be empty");
+    for (int64_t c : f.context_lens) CPFILL_CHECK_ARG(c >= 1, "--context-lens: ", c, " < 1");
+    for (double m : f.miss_rates) {
+      CPFILL_CHECK_ARG(m > 0 && m <= 1, "--miss-rates: ", m, " is not in (0, 1]");
+    }
+    CPFILL_CHECK_ARG(f.repeat >= 1 && f.compute_tokens >= 1 && f.bandwidth_bytes >= 1,
+                     "--repeat, --compute-tokens and --bandwidth-bytes must be positive");
+    return absl::OkStatus();
+  };
+  if (absl::Status s = validate(); !s.ok()) return session->ConfigError(s);
+
+  const int threads = session->ThreadsPerRank(grid);
+  ThreadPool pool(threads);
+  parallel::CpuAttentionKernels kernels(&pool);
+  const int hq = f.heads / grid.tp_size, hkv = f.kv_heads / grid.tp_size;
+  const attention::AttentionShape shape{.num_heads = hq, .num_kv_heads = hkv,
+                                        .head_dim = f.head_dim,
+                                        .softmax_scale = 1.0f / std::sqrt(float(f.head_dim)),
+                                        .causal = true};
+  session->Print("cpfill calibrate: %s; %d / %d heads per rank x %d; CPU backend, %d thread(s) "
+                 "per rank\n", grid.Describe(), hq, hkv, f.head_dim, threads);
+
+  // Step 1: C, the attention compute rate of one rank (all ranks at once, as in a real run).
+  double tflops = 0;
+  {
+    const std::vector<sharding::SequenceRequest> one = {{.new_tokens = f.compute_tokens}};
+    const runtime::SyntheticAttention batch{.sequences = one, .num_heads = hq,
+                                            .num_kv_heads = hkv, .head_dim = f.head_dim};
+    std::vector<float> q(f.compute_tokens * hq * f.head_dim), k(f.compute_tokens * hkv * f.head_dim),
+        v(k.size()), o(q.size()), lse(f.compute_tokens * hq);
+    batch.FillGlobal(q.data(), k.data(), v.data());
+    std::vector<double> rates;
+    for (int r = 0; r <= f.repeat; ++r) {
+      auto t0 = Clock::now();
+      if (absl::Status s = parallel::SingleRankAttention(one, shape, q.data(), k.data(), v.data(),
+                                                         o.data(), lse.data(), &kernels);
+          !s.ok()) {
+        session->Fail(s);
+      }
+      const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+      const double pairs = double(f.compute_tokens) * (f.compute_tokens + 1) / 2;
+      if (r > 0) rates.push_back(4.0 * f.head_dim * hq * pairs / sec / 1e12);
+    }
+    tflops = Median(rates);
+    if (absl::Status s = grid.world->AllReduce(&tflops, 1, parallel::DataType::kFloat64,
+                                               parallel::ReduceOp::kSum);
+        !s.ok()) {
+      session->Fail(s);
+    }
+    tflops /= grid.world_size;
+  }
+  // Step 2: BW, the ring bandwidth per rank (the slowest rank's).
+  double gbps = 0;
+  {
+    std::vector<char> send(f.bandwidth_bytes, 1), recv(f.bandwidth_bytes);
+    std::vector<double> rates;
+    for (int r = 0; r <= f.repeat; ++r) {
+      if (absl::Status s = grid.cp->Barrier(); !s.ok()) session->Fail(s);
+      auto t0 = Clock::now();
+      auto ex = grid.cp->StartRingExchange(send.data(), recv.data(), send.size());
+      if (!ex.ok()) session->Fail(ex.status());
+      if (absl::Status s = (*ex)->Wait(); !s.ok()) session->Fail(s);
+      const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (r > 0) rates.push_back(f.bandwidth_bytes / sec / 1e9);
+    }
+    gbps = grid.cp_size > 1 ? Median(rates) : 0;
+    if (absl::Status s = grid.world->AllReduce(&gbps, 1, parallel::DataType::kFloat64,
+                                               parallel::ReduceOp::kMin);
+        !s.ok()) {
+      session->Fail(s);
+    }
+  }
+  session->Print("measured: C = %.4g TFLOP/s per rank (causal %d tokens), BW = %.4g GB/s per "
+                 "rank (ring message %d bytes)\n", tflops, f.compute_tokens, gbps,
+                 f.bandwidth_bytes);
+
+  // Step 3: the (T, P) grid.
+  std::vector<parallel::CalibrationPoint> points;
+  session->Print("\n%9s %9s %7s %13s %13s %8s\n", "T", "P", "miss", "pass-kv ms", "pass-q ms",
+                 "faster");
+  for (int64_t ctx : f.context_lens) {
+    for (double miss : f.miss_rates) {
+      const int64_t t_new = std::clamp<int64_t>(std::llround(miss * ctx), 1, ctx);
+      const std::vector<sharding::SequenceRequest> req = {
+          {.new_tokens = t_new, .cached_tokens = ctx - t_new}};
+      auto plan = sharding::PlanPrefill(req, grid.cp_size);
+      if (!plan.ok()) session->Fail(plan.status());
+      auto ring = parallel::RingAttention::Create(*grid.cp, *plan, shape, &kernels);
+      if (!ring.ok()) session->Fail(ring.status());
+      const auto& layout = (*ring)->layout();
+      const runtime::SyntheticAttention batch{.sequences = req, .num_heads = f.heads,
+                                              .num_kv_heads = f.kv_heads,
+                                              .head_dim = f.head_dim};
+      std::vector<float> q(layout.q_rows() * hq * f.head_dim),
+          k(layout.kv_rows() * hkv * f.head_dim), v(k.size()), o(q.size()),
+          lse(layout.q_rows() * hq);
+      batch.FillLocal(layout, runtime::HeadSlice::ForTpRank(f.heads, f.kv_heads, grid.tp_rank,
+                                                            grid.tp_size),
+                      q.data(), k.data(), v.data());
+      parallel::CalibrationPoint pt{.new_tokens = t_new, .cached_tokens = ctx - t_new};
+      auto kv = TimeAlgorithm(grid, **ring, RingAlgorithm::kPassKV, f.repeat, q, k, v, o, lse);
+      if (!kv.ok()) session->Fail(kv.status());
+      auto pq = TimeAlgorithm(grid, **ring, RingAlgorithm::kPassQ, f.repeat, q, k, v, o, lse);
+      if (!pq.ok()) session->Fail(pq.status());
+      pt.pass_kv_s = *kv;
+      pt.pass_q_s = *pq;
+      points.push_back(pt);
+      session->Print("%9d %9d %6.2f%% %13.3f %13.3f %8s\n", pt.new_tokens, pt.cached_tokens,
+                     100.0 * t_new / ctx, pt.pass_kv_s * 1e3, pt.pass_q_s * 1e3,
+                     pt.pass_kv_s <= pt.pass_q_s ? "pass-kv" : "pass-q");
+    }
+  }
+
+  // Step 4: fit, and every rule's regret on this grid.
+  parallel::CalibrationFile file;
+  file.tflops = tflops;
+  file.gbps = gbps;
+  file.points = points;
+  auto fitted = parallel::FitCoefficients(points);
+  if (fitted.ok()) {
+    file.fitted = *fitted;
+  } else {
+    session->Print("fit: %s; keeping the paper's coefficients\n",
+                   std::string(fitted.status().message()));
+  }
+  file.fitted.source = absl::StrFormat("cpfill calibrate, %s", grid.Describe());
+  session->Print("\nfit: h = %.4f ln T + %.4f ln(T/(T+P)) + %.4f\n", file.fitted.a, file.fitted.b,
+                 file.fitted.c);
+  double best_total = 0;
+  for (const auto& p : points) best_total += std::min(p.pass_kv_s, p.pass_q_s);
+  for (parallel::SelectorRule rule : {parallel::SelectorRule::kAlg1, parallel::SelectorRule::kAlg5,
+                                      parallel::SelectorRule::kFitted}) {
+    double chosen_total = 0;
+    int wrong = 0;
+    bool ok = true;
+    for (const auto& p : points) {
+      auto sel = parallel::Select(
+          {.system = {.tflops = tflops, .gbps = gbps > 0 ? gbps : 1e-9,
+                      .elem_bytes = f.elem_bytes},
+           .model = {.num_heads = hq, .num_kv_heads = hkv, .head_dim = f.head_dim},
+           .cp_size = grid.cp_size, .new_tokens = p.new_tokens, .cached_tokens = p.cached_tokens},
+          rule, file.fitted);
+      if (!sel.ok()) {
+        ok = false;
+        break;
+      }
+      const bool kv = sel->choice == RingAlgorithm::kPassKV;
+      chosen_total += kv ? p.pass_kv_s : p.pass_q_s;
+      wrong += (kv != (p.pass_kv_s <= p.pass_q_s));
+    }
+    if (ok && best_total > 0) {
+      session->Print("  %-6s regret %.2f%% (%d of %d points not the faster)\n",
+                     parallel::SelectorRuleName(rule), 100 * (chosen_total / best_total - 1),
+                     wrong, points.size());
+    }
+  }
+  if (session->is_root()) {
+    if (absl::Status s = parallel::WriteCalibrationFile(f.out, file); !s.ok()) session->Fail(s);
+    session->Print("wrote %s (use with --fit)\n", f.out);
+  }
+  if (absl::Status s = grid.world->Barrier(); !s.ok()) session->Fail(s);
+  return kExitOk;
+}
+
+}  // namespace
+
+int RunCalibrateCommand(int argc, char** argv) { return Run(argc, argv); }
+
+}  // namespace cpfill::launch

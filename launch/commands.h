@@ -1,0 +1,19 @@
+// cpfill/launch/commands.h — the subcommands of the `cpfill` program.
+//
+// Each takes the full argv (argv[1] is the subcommand name) and returns the process exit code:
+// 0 success, 1 a failed check, 2 bad input (flags, config). Distributed subcommands start MPI
+// themselves; `select` needs no MPI and runs anywhere.
+#pragma once
+
+namespace cpfill::launch {
+
+int RunAttentionCommand(int argc, char** argv);
+int RunSelectCommand(int argc, char** argv);
+int RunCalibrateCommand(int argc, char** argv);
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitCheckFailed = 1;
+inline constexpr int kExitBadInput = 2;
+inline constexpr int kExitRuntimeError = 3;
+
+}  // namespace cpfill::launch

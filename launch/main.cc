@@ -1,0 +1,40 @@
+// cpfill — context-parallel prefill of long-context LLM requests.
+//
+//   mpirun -np 4 cpfill attention --seq-lens 32768,8192,1024 --heads 16 --kv-heads 1 --check
+//   cpfill select --heads 128 --kv-heads 8 --cp 4 --tflops 800 --gbps 3 --new-tokens 6400 \
+//                 --cached-tokens 121600
+//   mpirun -np 4 cpfill calibrate --out fit.json
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "launch/commands.h"
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: cpfill <command> [flags]   ('cpfill <command> --help' for its flags)\n"
+    "\n"
+    "commands:\n"
+    "  attention   run one fused batch of context-parallel attention (under mpirun); --check\n"
+    "              compares with a single-rank computation\n"
+    "  select      choose ring pass-KV or pass-Q for a request (Alg. 1, Alg. 5, fitted); JSON\n"
+    "  calibrate   time pass-KV and pass-Q on a (T, P) grid (under mpirun), measure compute\n"
+    "              rate and link bandwidth, fit the selector; writes the JSON --fit reads\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace cpfill::launch;
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
+      std::strcmp(argv[1], "help") == 0) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? kExitBadInput : kExitOk;
+  }
+  const std::string command = argv[1];
+  if (command == "attention") return RunAttentionCommand(argc, argv);
+  if (command == "select") return RunSelectCommand(argc, argv);
+  if (command == "calibrate") return RunCalibrateCommand(argc, argv);
+  std::fprintf(stderr, "cpfill: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+  return kExitBadInput;
+}

@@ -1,0 +1,72 @@
+// `cpfill select`: the pass-KV / pass-Q decision for one request, as JSON. No MPI.
+#include <cstdio>
+#include <string>
+
+#include "launch/commands.h"
+#include "launch/flags.h"
+#include "parallel/selector.h"
+
+namespace cpfill::launch {
+
+int RunSelectCommand(int argc, char** argv) {
+  int heads = 0, kv_heads = 0, cp = 0, head_dim = 128;
+  double tflops = 0, gbps = 0, elem_bytes = 2;
+  int64_t new_tokens = 0, cached_tokens = 0;
+  std::string rule_name, fit_file;
+  FlagSet flags("select",
+                "choose ring pass-KV or pass-Q for one request; prints JSON with 'choice' and "
+                "the rule's quantities");
+  flags.Int("heads", &heads, "query heads N_H (per rank or of the model: only N_KV/N_H matters)",
+            true);
+  flags.Int("kv-heads", &kv_heads, "key/value heads N_KV", true);
+  flags.Int("cp", &cp, "context-parallel ranks N", true);
+  flags.Double("tflops", &tflops, "attention compute per rank C, TFLOP/s (alg1/alg5)");
+  flags.Double("gbps", &gbps, "ring bandwidth per rank BW, gigabytes per second (alg1/alg5)");
+  flags.Double("elem-bytes", &elem_bytes, "bytes per element e");
+  flags.Int("new-tokens", &new_tokens, "new tokens T", true);
+  flags.Int("cached-tokens", &cached_tokens, "cached tokens P");
+  flags.Int("head-dim", &head_dim, "head dimension (predicted times only)");
+  flags.String("rule", &rule_name, "alg1 | alg5 | fitted [fitted with --fit, else alg5]");
+  flags.String("fit", &fit_file, "calibration JSON from 'cpfill calibrate'");
+  if (absl::Status s = flags.Parse(argc, argv, 2); !s.ok()) {
+    std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
+    return kExitBadInput;
+  }
+  if (flags.help()) {
+    std::fputs(flags.Usage().c_str(), stdout);
+    return kExitOk;
+  }
+  parallel::FittedCoefficients fitted = parallel::FittedCoefficients::Paper();
+  if (!fit_file.empty()) {
+    auto cal = parallel::ReadCalibrationFile(fit_file);
+    if (!cal.ok()) {
+      std::fprintf(stderr, "cpfill: error: %s\n", std::string(cal.status().message()).c_str());
+      return kExitBadInput;
+    }
+    fitted = cal->fitted;
+    if (!flags.IsSet("tflops")) tflops = cal->tflops;
+    if (!flags.IsSet("gbps")) gbps = cal->gbps;
+  }
+  if (rule_name.empty()) rule_name = fit_file.empty() ? "alg5" : "fitted";
+  auto rule = parallel::ParseSelectorRule(rule_name);
+  if (!rule.ok()) {
+    std::fprintf(stderr, "cpfill: error: %s\n", std::string(rule.status().message()).c_str());
+    return kExitBadInput;
+  }
+  auto selection = parallel::Select(
+      {.system = {.tflops = tflops, .gbps = gbps, .elem_bytes = elem_bytes},
+       .model = {.num_heads = heads, .num_kv_heads = kv_heads, .head_dim = head_dim},
+       .cp_size = cp,
+       .new_tokens = new_tokens,
+       .cached_tokens = cached_tokens},
+      *rule, fitted);
+  if (!selection.ok()) {
+    std::fprintf(stderr, "cpfill: error: %s\n",
+                 std::string(selection.status().message()).c_str());
+    return kExitBadInput;
+  }
+  std::printf("%s\n", selection->ToJson().c_str());
+  return kExitOk;
+}
+
+}  // namespace cpfill::launch

@@ -1,0 +1,67 @@
+#include "launch/session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "launch/commands.h"
+
+namespace cpfill::launch {
+
+void AddSessionFlags(FlagSet& flags, SessionFlags* sf) {
+  flags.Int("tp", &sf->tp, "tensor-parallel group size; divides the ranks per node");
+  flags.Int("ranks-per-node", &sf->ranks_per_node,
+            "cut each host into emulated nodes of R ranks (also CPFILL_RANKS_PER_NODE); "
+            "0 = one node per host");
+  flags.Double("timeout-s", &sf->timeout_s,
+               "deadline of every distributed wait, seconds; a peer silent for longer ends the "
+               "job with an error");
+  flags.Int("threads", &sf->threads, "kernel threads per rank; 0 = host cores / host ranks");
+}
+
+std::unique_ptr<Session> Session::Start(int* argc, char*** argv, const SessionFlags& flags) {
+  parallel::CommOptions options;
+  const double timeout_s = flags.timeout_s > 0 ? flags.timeout_s : 600;
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  auto mpi = parallel::MpiRuntime::Create(argc, argv, options);
+  if (!mpi.ok()) {
+    std::fprintf(stderr, "cpfill: cannot start MPI: %s\n", mpi.status().ToString().c_str());
+    std::exit(kExitRuntimeError);
+  }
+  std::unique_ptr<Session> s(new Session());
+  s->mpi_ = std::move(*mpi);
+  s->flags_ = flags;
+  return s;
+}
+
+absl::StatusOr<parallel::ProcessGrid> Session::CreateGrid() {
+  return parallel::CreateProcessGrid(
+      *mpi_, {.tp = flags_.tp, .ranks_per_node = flags_.ranks_per_node});
+}
+
+int Session::ThreadsPerRank(const parallel::ProcessGrid& grid) const {
+  if (flags_.threads > 0) return flags_.threads;
+  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  // Ranks on this host: the grid's node is a part of a host; count the host's ranks from the
+  // world and node sizes is not possible in general, so use the local MPI hint when present.
+  int host_ranks = grid.ranks_per_node;
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
+    host_ranks = std::max(host_ranks, std::atoi(env));
+  }
+  return std::max(1, cores / std::max(1, host_ranks));
+}
+
+int Session::ConfigError(const absl::Status& status) {
+  if (is_root()) {
+    std::fprintf(stderr, "cpfill: error: %s\n", std::string(status.message()).c_str());
+    std::fflush(stderr);
+  }
+  return kExitBadInput;
+}
+
+void Session::Fail(const absl::Status& status) {
+  mpi_->Abort(kExitRuntimeError, status.ToString());
+}
+
+}  // namespace cpfill::launch

@@ -1,0 +1,69 @@
+// cpfill/launch/session.h — start-up and error policy shared by the distributed subcommands.
+//
+// Two kinds of failure, two policies:
+//  * Bad input (flags, config, a grid that does not fit) is found identically by every rank
+//    before any rank diverges: world rank 0 prints one message, every rank exits 2 cleanly.
+//  * A failure while running (a peer timed out, a check could not be gathered, a file could not
+//    be written) may be seen by one rank only: that rank prints it, naming itself, and aborts
+//    the whole job at once, so no other rank waits for it.
+//
+//   SessionFlags sf;  AddSessionFlags(flags, &sf);
+//   absl::Status parsed = flags.Parse(argc, argv, 2);
+//   auto session = Session::Start(&argc, &argv, sf);      // MPI up, even if parsing failed
+//   if (!parsed.ok()) return session->ConfigError(parsed); // printed once, exit 2 everywhere
+#pragma once
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "launch/flags.h"
+#include "parallel/grid.h"
+#include "parallel/mpi_communicator.h"
+
+namespace cpfill::launch {
+
+struct SessionFlags {
+  int tp = 1;
+  int ranks_per_node = 0;
+  double timeout_s = 600;
+  int threads = 0;  // per rank; 0 = host cores / ranks on the host
+};
+
+void AddSessionFlags(FlagSet& flags, SessionFlags* session_flags);
+
+class Session {
+ public:
+  // Starts MPI. Exits the process (code 3) if MPI itself cannot start.
+  static std::unique_ptr<Session> Start(int* argc, char*** argv, const SessionFlags& flags);
+
+  parallel::MpiRuntime& mpi() { return *mpi_; }
+  bool is_root() const { return mpi_->world_rank() == 0; }
+  int world_rank() const { return mpi_->world_rank(); }
+
+  // Builds the process grid; config errors come back as InvalidArgument (same on every rank).
+  absl::StatusOr<parallel::ProcessGrid> CreateGrid();
+  // Worker threads for this rank's kernels (flag, or host cores shared among host ranks).
+  int ThreadsPerRank(const parallel::ProcessGrid& grid) const;
+
+  // Bad input, identical on every rank: rank 0 prints it; returns kExitBadInput.
+  int ConfigError(const absl::Status& status);
+  // A runtime failure: this rank prints it and the job ends on every rank.
+  [[noreturn]] void Fail(const absl::Status& status);
+
+  // printf on world rank 0 only, flushed (progress must show while work runs).
+  template <typename... Args>
+  void Print(const absl::FormatSpec<Args...>& format, const Args&... args) {
+    if (!is_root()) return;
+    std::fputs(absl::StrFormat(format, args...).c_str(), stdout);
+    std::fflush(stdout);
+  }
+
+ private:
+  std::unique_ptr<parallel::MpiRuntime> mpi_;
+  SessionFlags flags_;
+};
+
+}  // namespace cpfill::launch

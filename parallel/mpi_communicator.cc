@@ -1,0 +1,530 @@
+#include "parallel/mpi_communicator.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace cpfill {
+namespace {
+std::atomic<int> g_world_rank{-1};
+}  // namespace
+
+namespace internal {
+absl::Status MpiCallError(int code, const char* call, const char* file, int line) {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  return absl::InternalError(absl::StrCat("MPI call ", call, " failed on world rank ",
+                                          g_world_rank.load(), ": ", text, " (", file, ":", line,
+                                          ")"));
+}
+}  // namespace internal
+
+namespace parallel {
+
+size_t DataTypeSize(DataType type) {
+  switch (type) {
+    case DataType::kFloat32:
+    case DataType::kInt32:
+      return 4;
+    case DataType::kFloat64:
+    case DataType::kInt64:
+      return 8;
+  }
+  return 0;
+}
+
+absl::StatusOr<bool> AllRanksOk(Communicator& comm, bool ok) {
+  int32_t verdict = ok ? 1 : 0;
+  CPFILL_RETURN_IF_ERROR(comm.AllReduce(&verdict, 1, DataType::kInt32, ReduceOp::kMin));
+  return verdict == 1;
+}
+
+namespace internal {
+
+using Clock = std::chrono::steady_clock;
+
+struct OpResult {
+  absl::Status status;
+  double transfer_s = 0;
+};
+
+// Posts requests on the progress thread. Returns an MPI error code (MPI_SUCCESS when posted).
+using StartFn = std::function<int(std::vector<MPI_Request>* requests)>;
+
+// One MPI thread for the whole process (see the header for why). Operations are started in the
+// order submitted, so every rank posts its collectives in the same order as its caller did.
+class ProgressEngine {
+ public:
+  ProgressEngine() : thread_([this] { Loop(); }) {}
+  ~ProgressEngine() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  std::future<OpResult> Submit(std::string description, StartFn start,
+                               std::chrono::milliseconds timeout) {
+    auto op = std::make_unique<Op>();
+    op->description = std::move(description);
+    op->start = std::move(start);
+    op->timeout = timeout;
+    std::future<OpResult> result = op->done.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(op));
+    }
+    cv_.notify_all();
+    return result;
+  }
+
+ private:
+  struct Op {
+    std::string description;
+    StartFn start;
+    std::chrono::milliseconds timeout;
+    Clock::time_point started;
+    std::vector<MPI_Request> requests;
+    std::promise<OpResult> done;
+  };
+
+  void Loop() {
+    std::vector<std::unique_ptr<Op>> active;
+    int idle_polls = 0;
+    while (true) {
+      std::deque<std::unique_ptr<Op>> incoming;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (active.empty()) {
+          cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        } else if (idle_polls > 64) {
+          // Nothing completed for a while: back off, so four ranks on two cores leave the
+          // compute threads their cycles; a new submission wakes us at once.
+          const auto nap = std::chrono::microseconds(std::min(200, 5 * (idle_polls - 64)));
+          cv_.wait_for(lock, nap, [&] { return stop_ || !queue_.empty(); });
+        }
+        if (stop_ && queue_.empty() && active.empty()) return;
+        incoming.swap(queue_);
+      }
+      for (auto& op : incoming) {
+        op->started = Clock::now();
+        const int rc = op->start(&op->requests);
+        if (rc != MPI_SUCCESS) {
+          op->done.set_value({cpfill::internal::MpiCallError(rc, op->description.c_str(),
+                                                             __FILE__, __LINE__)});
+          continue;
+        }
+        active.push_back(std::move(op));
+      }
+      bool progressed = false;
+      for (auto it = active.begin(); it != active.end();) {
+        Op& op = **it;
+        int flag = 1;
+        int rc = MPI_SUCCESS;
+        if (!op.requests.empty()) {
+          rc = MPI_Testall(static_cast<int>(op.requests.size()), op.requests.data(), &flag,
+                           MPI_STATUSES_IGNORE);
+        }
+        const auto now = Clock::now();
+        const double elapsed = std::chrono::duration<double>(now - op.started).count();
+        if (rc != MPI_SUCCESS) {
+          op.done.set_value({cpfill::internal::MpiCallError(rc, op.description.c_str(),
+                                                            __FILE__, __LINE__),
+                             elapsed});
+        } else if (flag) {
+          op.done.set_value({absl::OkStatus(), elapsed});
+        } else if (now - op.started > op.timeout) {
+          // MPI cannot cancel a collective; the requests are abandoned and the caller ends the
+          // job, which is the only safe continuation.
+          op.done.set_value({absl::DeadlineExceededError(absl::StrCat(
+                                 "world rank ", g_world_rank.load(), ": ", op.description,
+                                 " did not complete within ",
+                                 std::chrono::duration<double>(op.timeout).count(),
+                                 " s (a peer is dead, stuck or much slower; raise --timeout-s "
+                                 "if it is only slow)")),
+                             elapsed});
+        } else {
+          ++it;
+          continue;
+        }
+        progressed = true;
+        it = active.erase(it);
+      }
+      idle_polls = progressed ? 0 : idle_polls + 1;
+      if (!progressed && idle_polls <= 64) std::this_thread::yield();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Op>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace internal
+
+namespace {
+
+using internal::OpResult;
+using internal::ProgressEngine;
+
+// MPI counts are int: large messages travel as several pieces of at most this many bytes.
+constexpr size_t kMaxPieceBytes = size_t{1} << 30;
+
+int PostSend(const void* buf, size_t bytes, int peer, int tag, MPI_Comm comm,
+             std::vector<MPI_Request>* reqs) {
+  const char* p = static_cast<const char*>(buf);
+  for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxPieceBytes) {
+    const int n = static_cast<int>(std::min(kMaxPieceBytes, bytes - off));
+    MPI_Request r;
+    const int rc = MPI_Isend(p + off, n, MPI_BYTE, peer, tag, comm, &r);
+    if (rc != MPI_SUCCESS) return rc;
+    reqs->push_back(r);
+    if (bytes == 0) break;
+  }
+  return MPI_SUCCESS;
+}
+
+int PostRecv(void* buf, size_t bytes, int peer, int tag, MPI_Comm comm,
+             std::vector<MPI_Request>* reqs) {
+  char* p = static_cast<char*>(buf);
+  for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxPieceBytes) {
+    const int n = static_cast<int>(std::min(kMaxPieceBytes, bytes - off));
+    MPI_Request r;
+    const int rc = MPI_Irecv(p + off, n, MPI_BYTE, peer, tag, comm, &r);
+    if (rc != MPI_SUCCESS) return rc;
+    reqs->push_back(r);
+    if (bytes == 0) break;
+  }
+  return MPI_SUCCESS;
+}
+
+MPI_Datatype ToMpi(DataType t) {
+  switch (t) {
+    case DataType::kFloat32:
+      return MPI_FLOAT;
+    case DataType::kFloat64:
+      return MPI_DOUBLE;
+    case DataType::kInt32:
+      return MPI_INT32_T;
+    case DataType::kInt64:
+      return MPI_INT64_T;
+  }
+  return MPI_BYTE;
+}
+
+MPI_Op ToMpi(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return MPI_SUM;
+    case ReduceOp::kMax:
+      return MPI_MAX;
+    case ReduceOp::kMin:
+      return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+enum Tag : int { kTagRing = 11, kTagAllToAll = 12, kTagAllGather = 13 };
+
+// Waits for an engine result. The engine enforces the deadline for non-blocking operations; the
+// extra margin here catches a progress thread stuck inside a blocking MPI call.
+absl::Status Await(std::future<OpResult>& result, std::chrono::milliseconds timeout,
+                   const std::string& description, double* transfer_s = nullptr) {
+  if (result.wait_for(timeout + std::chrono::seconds(5)) != std::future_status::ready) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "world rank ", g_world_rank.load(), ": ", description, " did not complete within ",
+        std::chrono::duration<double>(timeout).count(), " s (blocked inside MPI)"));
+  }
+  OpResult r = result.get();
+  if (transfer_s) *transfer_s = r.transfer_s;
+  return r.status;
+}
+
+class MpiExchange : public PendingExchange {
+ public:
+  MpiExchange(std::future<OpResult> result, std::chrono::milliseconds timeout,
+              std::string description)
+      : result_(std::move(result)), timeout_(timeout), description_(std::move(description)) {}
+  ~MpiExchange() override {
+    // The buffers belong to the caller: never let them go while MPI may still write them.
+    if (!waited_ && result_.valid()) (void)Wait();
+  }
+  absl::Status Wait() override {
+    waited_ = true;
+    return Await(result_, timeout_, description_, &transfer_s_);
+  }
+  double transfer_s() const override { return transfer_s_; }
+
+ private:
+  std::future<OpResult> result_;
+  std::chrono::milliseconds timeout_;
+  std::string description_;
+  double transfer_s_ = 0;
+  bool waited_ = false;
+};
+
+class MpiCommunicator : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, bool owned, std::string name, ProgressEngine* engine,
+                  CommOptions options)
+      : comm_(comm), owned_(owned), name_(std::move(name)), engine_(engine), options_(options) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+  ~MpiCommunicator() override {
+    if (owned_) {
+      MPI_Comm comm = comm_;
+      // MPI_Comm_free is local (no peer to wait for); run it on the MPI thread.
+      auto done = engine_->Submit(
+          "free communicator",
+          [comm](std::vector<MPI_Request>*) mutable { return MPI_Comm_free(&comm); },
+          options_.timeout);
+      done.wait();
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  MPI_Comm comm() const { return comm_; }
+
+  absl::StatusOr<std::unique_ptr<PendingExchange>> StartRingExchange(const void* send,
+                                                                    void* recv,
+                                                                    size_t bytes) override {
+    const int next = next_rank(), prev = prev_rank();
+    std::string what = absl::StrCat("ring exchange on ", name_, " (rank ", rank_, " of ", size_,
+                                    "): send ", bytes, " bytes to rank ", next,
+                                    ", receive ", bytes, " bytes from rank ", prev);
+    MPI_Comm comm = comm_;
+    auto result = engine_->Submit(
+        what,
+        [=](std::vector<MPI_Request>* reqs) {
+          const int rc = PostRecv(recv, bytes, prev, kTagRing, comm, reqs);
+          return rc != MPI_SUCCESS ? rc : PostSend(send, bytes, next, kTagRing, comm, reqs);
+        },
+        options_.timeout);
+    return std::make_unique<MpiExchange>(std::move(result), options_.timeout, std::move(what));
+  }
+
+  absl::Status AllToAll(const void* send, std::span<const size_t> send_bytes,
+                        std::span<const size_t> send_offsets, void* recv,
+                        std::span<const size_t> recv_bytes,
+                        std::span<const size_t> recv_offsets) override {
+    const size_t n = static_cast<size_t>(size_);
+    CPFILL_CHECK_ARG(send_bytes.size() == n && send_offsets.size() == n &&
+                         recv_bytes.size() == n && recv_offsets.size() == n,
+                     "all-to-all on ", name_, ": size arrays must have ", n, " entries");
+    size_t total_send = 0, total_recv = 0;
+    for (size_t p = 0; p < n; ++p) total_send += send_bytes[p], total_recv += recv_bytes[p];
+    const std::string what =
+        absl::StrCat("all-to-all on ", name_, " (rank ", rank_, " of ", size_, "): send ",
+                     total_send, " bytes, receive ", total_recv, " bytes");
+    // Self copy first (no message needed); then one receive and one send per peer.
+    if (send_bytes[rank_] > 0) {
+      CPFILL_CHECK_ARG(send_bytes[rank_] == recv_bytes[rank_], "all-to-all on ", name_,
+                       ": self block sizes differ");
+      std::memmove(static_cast<char*>(recv) + recv_offsets[rank_],
+                   static_cast<const char*>(send) + send_offsets[rank_], send_bytes[rank_]);
+    }
+    std::vector<size_t> sb(send_bytes.begin(), send_bytes.end()),
+        so(send_offsets.begin(), send_offsets.end()), rb(recv_bytes.begin(), recv_bytes.end()),
+        ro(recv_offsets.begin(), recv_offsets.end());
+    MPI_Comm comm = comm_;
+    const int me = rank_, np = size_;
+    auto result = engine_->Submit(
+        what,
+        [=](std::vector<MPI_Request>* reqs) {
+          for (int p = 0; p < np; ++p) {
+            if (p == me || rb[p] == 0) continue;
+            const int rc =
+                PostRecv(static_cast<char*>(recv) + ro[p], rb[p], p, kTagAllToAll, comm, reqs);
+            if (rc != MPI_SUCCESS) return rc;
+          }
+          for (int p = 0; p < np; ++p) {
+            if (p == me || sb[p] == 0) continue;
+            const int rc = PostSend(static_cast<const char*>(send) + so[p], sb[p], p,
+                                    kTagAllToAll, comm, reqs);
+            if (rc != MPI_SUCCESS) return rc;
+          }
+          return MPI_SUCCESS;
+        },
+        options_.timeout);
+    return Await(result, options_.timeout, what);
+  }
+
+  absl::Status AllGather(const void* send, size_t bytes, void* recv) override {
+    std::vector<size_t> sb(size_, bytes), so(size_, 0), rb(size_, bytes), ro(size_);
+    for (int p = 0; p < size_; ++p) ro[p] = static_cast<size_t>(p) * bytes;
+    return AllToAll(send, sb, so, recv, rb, ro);
+  }
+
+  absl::Status AllReduce(void* data, size_t count, DataType type, ReduceOp op) override {
+    CPFILL_CHECK_ARG(count <= static_cast<size_t>(INT32_MAX), "all-reduce of ", count,
+                     " elements is larger than one MPI call takes");
+    const std::string what = absl::StrCat("all-reduce on ", name_, " (rank ", rank_, " of ",
+                                          size_, "): ", count * DataTypeSize(type), " bytes");
+    MPI_Comm comm = comm_;
+    auto result = engine_->Submit(
+        what,
+        [=](std::vector<MPI_Request>* reqs) {
+          MPI_Request r;
+          const int rc = MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(count), ToMpi(type),
+                                        ToMpi(op), comm, &r);
+          if (rc == MPI_SUCCESS) reqs->push_back(r);
+          return rc;
+        },
+        options_.timeout);
+    return Await(result, options_.timeout, what);
+  }
+
+  absl::Status Broadcast(void* data, size_t bytes, int root) override {
+    CPFILL_CHECK_ARG(root >= 0 && root < size_, "broadcast root ", root, " outside ", name_);
+    const std::string what = absl::StrCat("broadcast on ", name_, " (rank ", rank_, " of ", size_,
+                                          ") of ", bytes, " bytes from rank ", root);
+    MPI_Comm comm = comm_;
+    auto result = engine_->Submit(
+        what,
+        [=](std::vector<MPI_Request>* reqs) {
+          char* p = static_cast<char*>(data);
+          for (size_t off = 0; off < bytes; off += kMaxPieceBytes) {
+            MPI_Request r;
+            const int rc = MPI_Ibcast(p + off, static_cast<int>(std::min(kMaxPieceBytes,
+                                                                         bytes - off)),
+                                      MPI_BYTE, root, comm, &r);
+            if (rc != MPI_SUCCESS) return rc;
+            reqs->push_back(r);
+          }
+          return MPI_SUCCESS;
+        },
+        options_.timeout);
+    return Await(result, options_.timeout, what);
+  }
+
+  absl::Status Barrier() override {
+    const std::string what =
+        absl::StrCat("barrier on ", name_, " (rank ", rank_, " of ", size_, ")");
+    MPI_Comm comm = comm_;
+    auto result = engine_->Submit(
+        what,
+        [=](std::vector<MPI_Request>* reqs) {
+          MPI_Request r;
+          const int rc = MPI_Ibarrier(comm, &r);
+          if (rc == MPI_SUCCESS) reqs->push_back(r);
+          return rc;
+        },
+        options_.timeout);
+    return Await(result, options_.timeout, what);
+  }
+
+ private:
+  MPI_Comm comm_;
+  bool owned_;
+  std::string name_;
+  ProgressEngine* engine_;
+  CommOptions options_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MpiRuntime>> MpiRuntime::Create(int* argc, char*** argv,
+                                                              CommOptions options) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  CPFILL_CHECK_ARG(!initialized, "MPI is already initialized in this process");
+  int provided = 0;
+  // MULTIPLE lets Abort() run from any thread; the progress thread alone makes MPI calls
+  // otherwise, which needs SERIALIZED at least.
+  CPFILL_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+  if (provided < MPI_THREAD_SERIALIZED) {
+    MPI_Finalize();
+    return absl::FailedPreconditionError(
+        "this MPI library provides no thread support (need MPI_THREAD_SERIALIZED or better)");
+  }
+  std::unique_ptr<MpiRuntime> rt(new MpiRuntime());
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rt->world_rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &rt->world_size_);
+  g_world_rank = rt->world_rank_;
+  rt->options_ = options;
+  rt->engine_ = std::make_unique<internal::ProgressEngine>();
+  return rt;
+}
+
+MpiRuntime::~MpiRuntime() {
+  engine_.reset();  // joins the progress thread: no MPI call runs past this point
+  MPI_Finalize();
+}
+
+std::unique_ptr<Communicator> MpiRuntime::World() {
+  return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, /*owned=*/false, "world",
+                                           engine_.get(), options_);
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MpiRuntime::Split(Communicator& parent, int color,
+                                                                 int key, std::string name) {
+  auto* mpi_parent = dynamic_cast<MpiCommunicator*>(&parent);
+  CPFILL_CHECK_ARG(mpi_parent != nullptr, "Split needs an MPI communicator");
+  MPI_Comm parent_comm = mpi_parent->comm();
+  auto out = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
+  const std::string what = absl::StrCat("split of ", parent.name(), " into ", name);
+  // MPI_Comm_split is blocking; it runs on the progress thread and is waited on with a deadline.
+  auto result = engine_->Submit(
+      what, [=](std::vector<MPI_Request>*) { return MPI_Comm_split(parent_comm, color, key, out.get()); },
+      options_.timeout);
+  CPFILL_RETURN_IF_ERROR(Await(result, options_.timeout, what));
+  MPI_Comm_set_errhandler(*out, MPI_ERRORS_RETURN);
+  return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(
+      *out, /*owned=*/true, std::move(name), engine_.get(), options_));
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MpiRuntime::SplitShared(Communicator& parent,
+                                                                       std::string name) {
+  auto* mpi_parent = dynamic_cast<MpiCommunicator*>(&parent);
+  CPFILL_CHECK_ARG(mpi_parent != nullptr, "SplitShared needs an MPI communicator");
+  MPI_Comm parent_comm = mpi_parent->comm();
+  const int key = parent.rank();
+  auto out = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
+  const std::string what = absl::StrCat("shared-memory split of ", parent.name());
+  auto result = engine_->Submit(
+      what,
+      [=](std::vector<MPI_Request>*) {
+        return MPI_Comm_split_type(parent_comm, MPI_COMM_TYPE_SHARED, key,
+                                   MPI_INFO_NULL, out.get());
+      },
+      options_.timeout);
+  CPFILL_RETURN_IF_ERROR(Await(result, options_.timeout, what));
+  MPI_Comm_set_errhandler(*out, MPI_ERRORS_RETURN);
+  return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(
+      *out, /*owned=*/true, std::move(name), engine_.get(), options_));
+}
+
+void MpiRuntime::Abort(int code, const std::string& message) {
+  std::fprintf(stderr, "cpfill: error on world rank %d: %s\n", world_rank_, message.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; this keeps [[noreturn]] honest
+}
+
+}  // namespace parallel
+}  // namespace cpfill

@@ -1,0 +1,61 @@
+// cpfill/parallel/mpi_communicator.h — MPI host-memory Communicator and the MPI runtime.
+//
+// MpiRuntime owns MPI for the process: MPI_Init_thread in Create(), a progress thread, and
+// MPI_Finalize (or MPI_Abort) at the end. Every MPI call after start-up runs on the progress
+// thread, which posts non-blocking operations and polls them with MPI_Test until they complete
+// or their deadline passes. That is what makes ring exchanges progress while the caller computes
+// (Open MPI has no asynchronous progress of its own for shared-memory transfers) and what gives
+// every wait a deadline: even a blocking call (MPI_Comm_split) is waited on with a timeout.
+//
+//   CPFILL_ASSIGN_OR_RETURN(auto mpi, MpiRuntime::Create(&argc, &argv, options));
+//   std::unique_ptr<Communicator> world = mpi->World();
+//   ...
+//   mpi->Abort(1, "message");   // on an error that other ranks may not see: ends every rank
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "parallel/communicator.h"
+
+namespace cpfill::parallel {
+
+namespace internal {
+class ProgressEngine;
+}
+
+class MpiRuntime {
+ public:
+  static absl::StatusOr<std::unique_ptr<MpiRuntime>> Create(int* argc, char*** argv,
+                                                           CommOptions options);
+  ~MpiRuntime();  // stops the progress thread and finalizes MPI
+
+  int world_rank() const { return world_rank_; }
+  int world_size() const { return world_size_; }
+  const CommOptions& options() const { return options_; }
+
+  // A communicator over MPI_COMM_WORLD.
+  std::unique_ptr<Communicator> World();
+
+  // Collective over `parent`: ranks with the same color form a group ordered by key (as
+  // MPI_Comm_split), waited on with the deadline. `name` labels the group in messages.
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(Communicator& parent, int color, int key,
+                                                      std::string name);
+  // Ranks of `parent` that share memory with this one (MPI_Comm_split_type SHARED).
+  absl::StatusOr<std::unique_ptr<Communicator>> SplitShared(Communicator& parent,
+                                                            std::string name);
+
+  // Ends every rank of the job at once: prints `message` (with this rank) to stderr, then
+  // MPI_Abort(code). For errors other ranks may not know of (a timeout, a failed check).
+  [[noreturn]] void Abort(int code, const std::string& message);
+
+ private:
+  MpiRuntime() = default;
+  int world_rank_ = 0;
+  int world_size_ = 1;
+  CommOptions options_;
+  std::unique_ptr<internal::ProgressEngine> engine_;
+};
+
+}  // namespace cpfill::parallel

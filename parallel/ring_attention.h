@@ -1,0 +1,162 @@
+// cpfill/parallel/ring_attention.h — context-parallel attention over a CP ring.
+//
+// Three algorithms, written once on the Communicator interface and one AttentionKernels backend:
+//   pass-KV    (paper Alg. 2) each rank's KV, padded per sequence to L^i = max_j(P_j^i + T_j^i)
+//              so every message has one size, travels the ring; the exchange for step j+1 runs
+//              while step j computes; partial outputs are merged as they arrive.
+//   pass-Q     (Alg. 3) queries and their positions travel, KV stays; each rank's partial outputs
+//              for the other ranks' queries go back to their owners in one all-to-all, and every
+//              rank merges the N partials of its own queries (App. B eq. 4).
+//   all-gather the baseline: gather every rank's KV, then one attention per sequence.
+// All three handle full prefill (P = 0) and partial prefill (P > 0) alike: the plan says where
+// cached KV lives and every token carries its global position, so the causal mask is exact.
+// A (sequence, step) pair whose keys the causal mask hides from every query is skipped.
+//
+//   CPFILL_ASSIGN_OR_RETURN(auto ring, RingAttention::Create(*grid.cp, plan, shape, &kernels));
+//   for (layer ...) CPFILL_RETURN_IF_ERROR(ring->Run(RingAlgorithm::kPassKV, q, k, v, o, lse,
+//                                                   &timings));
+// Buffers are sized from the plan on the first Run of each algorithm and reused after, so the
+// per-layer loop allocates nothing.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attention/attention.h"
+#include "base/host_buffer.h"
+#include "base/thread_pool.h"
+#include "parallel/communicator.h"
+#include "parallel/selector.h"
+#include "sharding/plan.h"
+
+namespace cpfill::parallel {
+
+// The attention compute a ring runs on: CPU now; the CUDA backend implements the same.
+class AttentionKernels {
+ public:
+  virtual ~AttentionKernels() = default;
+  virtual absl::Status Attend(const attention::AttentionParams& p) = 0;
+  virtual absl::Status MergeInto(const attention::AttentionShape& shape, int64_t rows,
+                                 float* o_acc, float* lse_acc, const float* o,
+                                 const float* lse) = 0;
+  virtual absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
+                             std::span<const attention::PartialView> parts, float* o,
+                             float* lse) = 0;
+};
+
+class CpuAttentionKernels : public AttentionKernels {
+ public:
+  explicit CpuAttentionKernels(ThreadPool* pool) : pool_(pool) {}
+  absl::Status Attend(const attention::AttentionParams& p) override;
+  absl::Status MergeInto(const attention::AttentionShape& shape, int64_t rows, float* o_acc,
+                         float* lse_acc, const float* o, const float* lse) override;
+  absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
+                     std::span<const attention::PartialView> parts, float* o,
+                     float* lse) override;
+
+ private:
+  ThreadPool* pool_;
+};
+
+// One iteration of the ring loop (the paper's Table 5 rows).
+struct RingStepTiming {
+  int step = 0;
+  int source_cp_rank = 0;     // whose KV (pass-KV) or queries (pass-Q) were computed on
+  double compute_s = 0;       // partial attention (+ running merge for pass-KV)
+  double transfer_s = 0;      // the exchange's own duration, posted to completed
+  double wait_s = 0;          // exposed: how long compute waited for the exchange
+  int64_t exchange_bytes = 0; // sent (= received) this step; 0 on the last step
+  int64_t visible_pairs = 0;  // (query, key) pairs computed, one head
+  // (query chunk, key chunk) pairs this step, and those the causal mask hides entirely: they
+  // are not computed (a sequence whose pairs are all hidden is left out of the launch; the
+  // kernel skips hidden tiles of the others).
+  int64_t chunk_pairs = 0;
+  int64_t chunk_pairs_hidden = 0;
+};
+
+struct RingTimings {
+  RingAlgorithm algorithm = RingAlgorithm::kPassKV;
+  std::vector<RingStepTiming> steps;
+  double pack_s = 0;          // copies into message layout and back
+  double all_gather_s = 0;    // all-gather baseline only
+  double all_to_all_s = 0;    // pass-Q only
+  int64_t all_to_all_bytes = 0;
+  double merge_s = 0;         // final merge (pass-Q); running merges count as compute
+  double total_s = 0;
+  int64_t visible_pairs = 0;  // sum over steps; FLOPs = 4 * head_dim * heads * visible_pairs
+};
+
+class RingAttention {
+ public:
+  // `cp` must be the CP ring the plan is for (size and rank). Queries/keys follow
+  // sharding::MakeLocalLayout(plan, cp.rank()).
+  static absl::StatusOr<std::unique_ptr<RingAttention>> Create(
+      Communicator& cp, const sharding::ShardPlan& plan, const attention::AttentionShape& shape,
+      AttentionKernels* kernels);
+
+  // q [layout.q_rows, H, D], k/v [layout.kv_rows, H_kv, D] -> o [q_rows, H, D], lse [q_rows, H].
+  absl::Status Run(RingAlgorithm algorithm, const float* q, const float* k, const float* v,
+                   float* o, float* lse, RingTimings* timings);
+
+  const sharding::LocalLayout& layout() const { return layout_; }
+
+ private:
+  RingAttention(Communicator& cp, const sharding::ShardPlan& plan,
+                const attention::AttentionShape& shape, AttentionKernels* kernels);
+
+  absl::Status RunPassKV(const float* q, const float* k, const float* v, float* o, float* lse,
+                         RingTimings* t);
+  absl::Status RunPassQ(const float* q, const float* k, const float* v, float* o, float* lse,
+                        RingTimings* t);
+  absl::Status RunAllGather(const float* q, const float* k, const float* v, float* o, float* lse,
+                            RingTimings* t);
+
+  // pass-KV message: [K: slots x H_kv x D][V: same][positions: slots int32], sequence i at
+  // slot kv_slot_offset_[i], L^i slots; padding slots hold zeros and position -1.
+  size_t KvMessageBytes() const;
+  void PackKv(const float* k, const float* v, HostBuffer& msg) const;
+  // pass-Q message: [Q: slots x H x D][positions: slots int32], sequence i at q_slot_offset_[i].
+  size_t QMessageBytes() const;
+  void PackQ(const float* q, HostBuffer& msg) const;
+
+  // Counts the (query run, key run) pairs between `q_rank`'s new tokens of `seq` and
+  // `kv_rank`'s keys of `seq`, and those the causal mask hides entirely. A run is a chunk of the
+  // load-balanced cut (or a cached run). Returns true when some pair is visible.
+  bool CountChunkPairs(int seq, int q_rank, int kv_rank, RingStepTiming* step) const;
+
+  Communicator& cp_;
+  sharding::ShardPlan plan_;
+  attention::AttentionShape shape_;
+  AttentionKernels* kernels_;
+  sharding::LocalLayout layout_;
+  int cp_rank_;
+  int cp_size_;
+
+  // Message geometry (slots are token rows of a padded message).
+  std::vector<int64_t> kv_slot_offset_, kv_slots_;  // per sequence: L^i
+  int64_t kv_slots_total_ = 0;
+  std::vector<int64_t> q_slot_offset_, q_slots_;    // per sequence: max_j T_j^i
+  int64_t q_slots_total_ = 0;
+
+  // Buffers, sized on first use and reused.
+  HostBuffer msg_[2];       // ring messages: the one computed on, the one arriving
+  HostBuffer step_out_;     // pass-KV: one step's partial [O | LSE] before the running merge
+  HostBuffer partials_;     // pass-Q: N blocks [O | LSE] in q-slot layout, block s for rank s
+  HostBuffer received_;     // pass-Q: N blocks, block p = my queries against rank p's KV
+  HostBuffer merged_;       // pass-Q: merged [O | LSE] in q-slot layout
+  HostBuffer gathered_;     // all-gather: N pass-KV messages
+  HostBuffer gathered_kv_;  // all-gather: per sequence, every rank's keys side by side
+};
+
+// Single-rank attention of a whole batch, for checks: every sequence's new queries against its
+// cached + new keys in position order. Tensors in global token order (q: new tokens of sequence
+// 0, then 1, ...; k/v: cached then new of sequence 0, then 1, ...).
+absl::Status SingleRankAttention(const std::vector<sharding::SequenceRequest>& sequences,
+                                 const attention::AttentionShape& shape, const float* q,
+                                 const float* k, const float* v, float* o, float* lse,
+                                 AttentionKernels* kernels);
+
+}  // namespace cpfill::parallel

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# End-to-end tests of the `cpfill` program, one per CTest: cli_test.sh NAME PATH/TO/cpfill
+# Each checks exit codes and messages as a user sees them, under mpirun with several ranks.
+set -u
+name=$1
+cpfill=$2
+here=$(cd "$(dirname "$0")" && pwd)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+mpi() { mpirun -np "$@"; }
+
+fail() { echo "FAIL: $*"; exit 1; }
+
+# expect_exit CODE PATTERN -- command...: runs it, checks its exit code and that its output
+# (stdout + stderr) matches PATTERN (grep -E).
+expect_exit() {
+  local want=$1 pattern=$2; shift 3
+  "$@" >"$tmp/out" 2>&1
+  local got=$?
+  cat "$tmp/out"
+  [ "$got" -eq "$want" ] || fail "exit code $got, expected $want: $*"
+  grep -Eq -- "$pattern" "$tmp/out" || fail "output lacks /$pattern/: $*"
+  echo "ok: exit $got, /$pattern/"
+}
+
+case $name in
+select_reproduces_alg1_alg5)
+  # Llama-3-405B on CP4, Table 4's points: miss >= 12.5% -> pass-KV under Alg. 1 whatever C, BW.
+  expect_exit 0 '"choice": *"pass-kv"' -- "$cpfill" select --heads 128 --kv-heads 8 --cp 4 \
+    --tflops 800 --gbps 3 --new-tokens 25600 --cached-tokens 102400 --rule alg1
+  # 2.5% miss on the paper's TCP cluster: T below eq. 2's threshold and miss below 12.5% -> pass-Q.
+  expect_exit 0 '"choice": *"pass-q"' -- "$cpfill" select --heads 128 --kv-heads 8 --cp 4 \
+    --tflops 800 --gbps 3 --new-tokens 3200 --cached-tokens 124800 --rule alg1
+  expect_exit 0 '"miss_rate_threshold": *0\.125' -- "$cpfill" select --heads 128 --kv-heads 8 \
+    --cp 4 --tflops 800 --gbps 3 --new-tokens 3200 --cached-tokens 124800 --rule alg1
+  expect_exit 0 '"choice": *"pass-q"' -- "$cpfill" select --heads 128 --kv-heads 8 --cp 4 \
+    --tflops 800 --gbps 3 --new-tokens 3200 --cached-tokens 124800 --rule alg5
+  expect_exit 2 'not divisible by N_KV' -- "$cpfill" select --heads 128 --kv-heads 7 --cp 4 --tflops 800 \
+    --gbps 3 --new-tokens 10
+  expect_exit 2 'unknown flag --bogus' -- "$cpfill" select --bogus 1
+  ;;
+bad_input_flags)
+  expect_exit 2 'negative' -- mpi 4 "$cpfill" attention --seq-lens 100,-1
+  expect_exit 2 'unknown flag --sequence-lens' -- mpi 4 "$cpfill" attention --sequence-lens 100
+  expect_exit 2 "--seq-lens: 'abc' is not an integer" -- mpi 4 "$cpfill" attention --seq-lens abc
+  expect_exit 2 '--cached-lens has 1 entries but --seq-lens has 2' -- mpi 4 "$cpfill" attention \
+    --seq-lens 100,200 --cached-lens 5
+  expect_exit 2 'not a multiple of --kv-heads' -- mpi 4 "$cpfill" attention --seq-lens 100 \
+    --heads 6 --kv-heads 4
+  expect_exit 2 "unknown ring algorithm|valid" -- mpi 4 "$cpfill" attention --seq-lens 100 \
+    --algo pass-x
+  expect_exit 2 'unknown command' -- "$cpfill" prefil
+  # One message, not one per rank.
+  mpi 4 "$cpfill" attention --seq-lens 100,-1 >"$tmp/o" 2>&1
+  [ "$(grep -c 'negative' "$tmp/o")" -eq 1 ] || fail "the message should print once"
+  ;;
+bad_input_config)
+  expect_exit 2 'must both divide by --tp 2' -- mpi 4 "$cpfill" attention --seq-lens 100 \
+    --heads 4 --kv-heads 1 --tp 2
+  expect_exit 2 'does not divide the 2 ranks per node' -- mpi 4 "$cpfill" attention \
+    --seq-lens 100 --heads 4 --kv-heads 4 --tp 4 --ranks-per-node 2
+  expect_exit 2 'does not divide the 4 ranks on each host' -- mpi 4 "$cpfill" attention \
+    --seq-lens 100 --ranks-per-node 3
+  ;;
+check_full_prefill)
+  for algo in pass-kv pass-q all-gather; do
+    expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" attention --seq-lens 1031,257,1,0 \
+      --heads 4 --kv-heads 2 --head-dim 32 --algo $algo --check
+  done
+  # TP2 x CP2 on emulated nodes of 2 ranks.
+  expect_exit 0 'TP2 x CP2.*|PASS' -- mpi 4 "$cpfill" attention --seq-lens 600,90 --heads 4 \
+    --kv-heads 2 --head-dim 32 --tp 2 --ranks-per-node 2 --check
+  ;;
+check_partial_prefill)
+  for algo in pass-kv pass-q all-gather; do
+    expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" attention --seq-lens 301,17,5 \
+      --cached-lens 900,33,0 --heads 8 --kv-heads 1 --head-dim 64 --algo $algo --check
+  done
+  expect_exit 0 'chosen by the selector' -- mpi 3 "$cpfill" attention --seq-lens 40 \
+    --cached-lens 2000 --heads 8 --kv-heads 1 --head-dim 64 --check
+  ;;
+save_is_readable_outside)
+  expect_exit 0 'saved q, k, v, o, lse' -- mpi 4 "$cpfill" attention --seq-lens 37,9 \
+    --cached-lens 0,6 --heads 2 --kv-heads 1 --head-dim 8 --algo pass-q --save "$tmp/a.safetensors"
+  expect_exit 0 'OK' -- python3 "$here/verify_saved_attention.py" "$tmp/a.safetensors"
+  ;;
+json_report)
+  expect_exit 0 'PASS' -- mpi 2 "$cpfill" attention --seq-lens 300,20 --heads 4 --kv-heads 1 \
+    --head-dim 16 --repeat 2 --check --json "$tmp/r.json"
+  python3 - "$tmp/r.json" <<'PY' || fail "JSON report incomplete"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["check"]["pass"] is True, r["check"]
+assert len(r["runs"]) == 2 and r["runs"][0]["steps"], r["runs"]
+assert r["selection"]["choice"] in ("pass-kv", "pass-q"), r["selection"]
+print("json ok:", r["algorithm"], r["median_slowest_rank_total_ms"], "ms")
+PY
+  ;;
+dead_rank_ends_job)
+  # Rank 2 dies before the ring: the job must end, non-zero, well before the CTest timeout.
+  start=$(date +%s)
+  CPFILL_TEST_EXIT_RANK=2 mpi 4 -x CPFILL_TEST_EXIT_RANK "$cpfill" attention --seq-lens 4000 \
+    --heads 2 --kv-heads 1 --head-dim 16 --timeout-s 20 >"$tmp/out" 2>&1
+  code=$?
+  cat "$tmp/out"
+  [ $code -ne 0 ] || fail "a dead rank must fail the job"
+  [ $(( $(date +%s) - start )) -lt 120 ] || fail "took too long to notice the dead rank"
+  ;;
+stalled_rank_ends_job)
+  # Rank 1 stops answering: the others' deadline fires and the job ends with the reason.
+  start=$(date +%s)
+  CPFILL_TEST_STALL_RANK=1 mpi 4 -x CPFILL_TEST_STALL_RANK "$cpfill" attention --seq-lens 4000 \
+    --heads 2 --kv-heads 1 --head-dim 16 --timeout-s 3 >"$tmp/out" 2>&1
+  code=$?
+  cat "$tmp/out"
+  [ $code -ne 0 ] || fail "a stalled rank must fail the job"
+  grep -Eq 'did not complete within 3 s' "$tmp/out" || fail "no deadline message"
+  grep -Eq 'ring exchange on cp|barrier|all-reduce' "$tmp/out" || fail "message lacks the operation"
+  [ $(( $(date +%s) - start )) -lt 90 ] || fail "took too long to notice the stalled rank"
+  ;;
+calibrate_writes_fit)
+  expect_exit 0 'wrote' -- mpi 2 "$cpfill" calibrate --heads 2 --kv-heads 1 --head-dim 16 \
+    --context-lens 512 --miss-rates 0.02,0.1,0.5,1 --repeat 1 --compute-tokens 256 \
+    --bandwidth-bytes 1000000 --out "$tmp/fit.json"
+  expect_exit 0 '"choice"' -- "$cpfill" select --heads 2 --kv-heads 1 --cp 2 --new-tokens 100 \
+    --cached-tokens 1000 --fit "$tmp/fit.json"
+  ;;
+*)
+  fail "unknown test $name"
+  ;;
+esac
+echo "PASS: $name"
