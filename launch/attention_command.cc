@@ -311,7 +311,15 @@ int Run(int argc, char** argv) {
   std::vector<double> slowest;
   for (int r = 0; r < f.repeat; ++r) {
     parallel::RingTimings t;
-    if (absl::Status s = ring->Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(), &t);
+    // Progress: a line per ring step once steps take long enough for a user to wonder.
+    auto progress = [&](const parallel::RingStepTiming& step, int steps) {
+      if (step.compute_s + step.wait_s > 1.0) {
+        session->Print("  run %d, ring step %d/%d done: compute %s ms, exposed wait %s ms\n",
+                       r + 1, step.step + 1, steps, Ms(step.compute_s), Ms(step.wait_s));
+      }
+    };
+    if (absl::Status s = ring->Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(), &t,
+                                   progress);
         !s.ok()) {
       session->Fail(s);
     }

@@ -29,7 +29,9 @@ struct CalibrateFlags {
   int heads = 8;
   int kv_heads = 1;
   int head_dim = 128;
-  std::vector<int64_t> context_lens = {4096};
+  // Two totals: with T + P fixed, ln T and ln(T/(T+P)) move together and the fit cannot tell
+  // a from b.
+  std::vector<int64_t> context_lens = {2048, 8192};
   std::vector<double> miss_rates = {0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0};
   int repeat = 3;
   int64_t compute_tokens = 2048;

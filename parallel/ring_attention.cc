@@ -237,8 +237,7 @@ absl::Status RingAttention::RunPassKV(const float* q, const float* k, const floa
       step.transfer_s = exchange->transfer_s();
     }
     cur = 1 - cur;
-    t->visible_pairs += step.visible_pairs;
-    t->steps.push_back(step);
+    StepDone(t, step, n);
   }
   return absl::OkStatus();
 }
@@ -312,8 +311,7 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
       step.transfer_s = exchange->transfer_s();
     }
     cur = 1 - cur;
-    t->visible_pairs += step.visible_pairs;
-    t->steps.push_back(step);
+    StepDone(t, step, n);
   }
 
   // Step N: every partial goes home. Block s of `partials` (our KV against rank s's queries)
@@ -414,13 +412,20 @@ absl::Status RingAttention::RunAllGather(const float* q, const float* k, const f
   step.visible_pairs = attention::CountVisiblePairs(p);
   CPFILL_RETURN_IF_ERROR(kernels_->Attend(p));
   step.compute_s = Seconds(c0);
-  t->visible_pairs += step.visible_pairs;
-  t->steps.push_back(step);
+  StepDone(t, step, 1);
   return absl::OkStatus();
 }
 
+void RingAttention::StepDone(RingTimings* t, const RingStepTiming& step, int num_steps) {
+  t->visible_pairs += step.visible_pairs;
+  t->steps.push_back(step);
+  if (on_step_) on_step_(step, num_steps);
+}
+
 absl::Status RingAttention::Run(RingAlgorithm algorithm, const float* q, const float* k,
-                                const float* v, float* o, float* lse, RingTimings* timings) {
+                                const float* v, float* o, float* lse, RingTimings* timings,
+                                StepCallback on_step) {
+  on_step_ = std::move(on_step);
   RingTimings local;
   RingTimings* t = timings ? timings : &local;
   *t = RingTimings{};

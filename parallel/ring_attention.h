@@ -19,6 +19,7 @@
 // per-layer loop allocates nothing.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -98,12 +99,16 @@ class RingAttention {
       AttentionKernels* kernels);
 
   // q [layout.q_rows, H, D], k/v [layout.kv_rows, H_kv, D] -> o [q_rows, H, D], lse [q_rows, H].
+  // `on_step`, when set, is called after every ring step (progress for long runs).
+  using StepCallback = std::function<void(const RingStepTiming&, int num_steps)>;
   absl::Status Run(RingAlgorithm algorithm, const float* q, const float* k, const float* v,
-                   float* o, float* lse, RingTimings* timings);
+                   float* o, float* lse, RingTimings* timings, StepCallback on_step = nullptr);
 
   const sharding::LocalLayout& layout() const { return layout_; }
 
  private:
+  void StepDone(RingTimings* t, const RingStepTiming& step, int num_steps);
+
   RingAttention(Communicator& cp, const sharding::ShardPlan& plan,
                 const attention::AttentionShape& shape, AttentionKernels* kernels);
 
@@ -149,6 +154,7 @@ class RingAttention {
   HostBuffer merged_;       // pass-Q: merged [O | LSE] in q-slot layout
   HostBuffer gathered_;     // all-gather: N pass-KV messages
   HostBuffer gathered_kv_;  // all-gather: per sequence, every rank's keys side by side
+  StepCallback on_step_;
 };
 
 // Single-rank attention of a whole batch, for checks: every sequence's new queries against its
