@@ -36,8 +36,16 @@ class Value {
   Value(const char* s) : type_(Type::kString), string_(s) {}
   Value(std::string s) : type_(Type::kString), string_(std::move(s)) {}
   Value(std::string_view s) : type_(Type::kString), string_(s) {}
-  static Value Array() { Value v; v.type_ = Type::kArray; return v; }
-  static Value Object() { Value v; v.type_ = Type::kObject; return v; }
+  static Value Array() {
+    Value v;
+    v.type_ = Type::kArray;
+    return v;
+  }
+  static Value Object() {
+    Value v;
+    v.type_ = Type::kObject;
+    return v;
+  }
 
   Type type() const { return type_; }
   bool is_null() const { return type_ == Type::kNull; }
@@ -50,7 +58,7 @@ class Value {
   bool as_bool() const { return bool_; }
   double as_number() const { return number_; }
   const std::string& as_string() const { return string_; }
-  const std::vector<Value>& items() const { return items_; }                       // array
+  const std::vector<Value>& items() const { return items_; }                              // array
   const std::vector<std::pair<std::string, Value>>& members() const { return members_; }  // object
 
   // Object access. Find returns nullptr when absent or when this is not an object.

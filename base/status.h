@@ -31,39 +31,38 @@ absl::Status MpiCallError(int code, const char* call, const char* file, int line
 #define CPFILL_INTERNAL_CONCAT2(a, b) a##b
 #define CPFILL_INTERNAL_CONCAT(a, b) CPFILL_INTERNAL_CONCAT2(a, b)
 
-#define CPFILL_RETURN_IF_ERROR(expr)                                                   \
-  do {                                                                                 \
-    ::absl::Status cpfill_status_ = (expr);                                            \
-    if (!cpfill_status_.ok()) return cpfill_status_;                                   \
+#define CPFILL_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::absl::Status cpfill_status_ = (expr);          \
+    if (!cpfill_status_.ok()) return cpfill_status_; \
   } while (0)
 
-#define CPFILL_ASSIGN_OR_RETURN(lhs, expr)                                                  \
-  CPFILL_INTERNAL_ASSIGN_OR_RETURN(CPFILL_INTERNAL_CONCAT(cpfill_statusor_, __LINE__), lhs, \
-                                   expr)
+#define CPFILL_ASSIGN_OR_RETURN(lhs, expr) \
+  CPFILL_INTERNAL_ASSIGN_OR_RETURN(CPFILL_INTERNAL_CONCAT(cpfill_statusor_, __LINE__), lhs, expr)
 #define CPFILL_INTERNAL_ASSIGN_OR_RETURN(tmp, lhs, expr) \
   auto tmp = (expr);                                     \
   if (!tmp.ok()) return std::move(tmp).status();         \
   lhs = std::move(tmp).value()
 
 // Returns InvalidArgument with the concatenated message when `cond` is false.
-#define CPFILL_CHECK_ARG(cond, ...)                                          \
-  do {                                                                       \
+#define CPFILL_CHECK_ARG(cond, ...)                                                \
+  do {                                                                             \
     if (!(cond)) return ::absl::InvalidArgumentError(::absl::StrCat(__VA_ARGS__)); \
   } while (0)
 
 // Returns Internal, naming the broken invariant and its location.
-#define CPFILL_CHECK_INTERNAL(cond, ...)                                                     \
-  do {                                                                                       \
-    if (!(cond))                                                                             \
-      return ::absl::InternalError(::absl::StrCat(__FILE__, ":", __LINE__, ": invariant '", \
-                                                  #cond, "' broken: ", __VA_ARGS__));         \
+#define CPFILL_CHECK_INTERNAL(cond, ...)                                                           \
+  do {                                                                                             \
+    if (!(cond))                                                                                   \
+      return ::absl::InternalError(::absl::StrCat(__FILE__, ":", __LINE__, ": invariant '", #cond, \
+                                                  "' broken: ", __VA_ARGS__));                     \
   } while (0)
 
 // Wraps an MPI call: non-MPI_SUCCESS becomes an Internal status naming the call and rank.
 // Use only where <mpi.h> is included (parallel/).
-#define CPFILL_MPI_CHECK(call)                                                        \
-  do {                                                                                \
-    int cpfill_mpi_rc_ = (call);                                                      \
-    if (cpfill_mpi_rc_ != MPI_SUCCESS)                                                \
+#define CPFILL_MPI_CHECK(call)                                                            \
+  do {                                                                                    \
+    int cpfill_mpi_rc_ = (call);                                                          \
+    if (cpfill_mpi_rc_ != MPI_SUCCESS)                                                    \
       return ::cpfill::internal::MpiCallError(cpfill_mpi_rc_, #call, __FILE__, __LINE__); \
   } while (0)

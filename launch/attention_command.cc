@@ -2,12 +2,12 @@
 // Table 5, optionally checked against a single-rank computation and saved for outside tools.
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
-#include <thread>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -71,8 +71,8 @@ absl::Status ValidateFlags(const AttentionFlags& f, const parallel::ProcessGrid&
                    "--cached-lens has ", f.cached_lens.size(), " entries but --seq-lens has ",
                    f.seq_lens.size(), "; give one cached length per sequence");
   for (size_t i = 0; i < f.cached_lens.size(); ++i) {
-    CPFILL_CHECK_ARG(f.cached_lens[i] >= 0, "--cached-lens: sequence ", i,
-                     " has negative length ", f.cached_lens[i]);
+    CPFILL_CHECK_ARG(f.cached_lens[i] >= 0, "--cached-lens: sequence ", i, " has negative length ",
+                     f.cached_lens[i]);
   }
   CPFILL_CHECK_ARG(f.heads > 0 && f.kv_heads > 0 && f.head_dim > 0, "--heads (", f.heads,
                    "), --kv-heads (", f.kv_heads, ") and --head-dim (", f.head_dim,
@@ -102,16 +102,16 @@ CheckResult Compare(const std::vector<float>& o, const std::vector<float>& lse,
   }
   r.rel_fro_o = ref2 > 0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
   for (size_t i = 0; i < lse.size(); ++i) {
-    const bool a_inf = std::isinf(lse[i]) && lse[i] < 0, b_inf = std::isinf(lse_ref[i]) &&
-                                                                 lse_ref[i] < 0;
+    const bool a_inf = std::isinf(lse[i]) && lse[i] < 0,
+               b_inf = std::isinf(lse_ref[i]) && lse_ref[i] < 0;
     if (a_inf != b_inf || std::isnan(lse[i])) {
       ++r.lse_inf_mismatch;
     } else if (!a_inf) {
       r.max_abs_lse = std::max(r.max_abs_lse, std::fabs(static_cast<double>(lse[i]) - lse_ref[i]));
     }
   }
-  r.pass = finite && r.lse_inf_mismatch == 0 && r.max_abs_o <= tolerance &&
-           r.max_abs_lse <= tolerance;
+  r.pass =
+      finite && r.lse_inf_mismatch == 0 && r.max_abs_o <= tolerance && r.max_abs_lse <= tolerance;
   return r;
 }
 
@@ -174,14 +174,14 @@ int Run(int argc, char** argv) {
   flags.Int("kv-heads", &f.kv_heads, "key/value heads of the model");
   flags.Int("head-dim", &f.head_dim, "head dimension");
   flags.String("algo", &f.algo, "auto | pass-kv | pass-q | all-gather");
-  flags.String("rule", &f.rule, "selector rule for --algo auto: alg1 | alg5 | fitted "
-                                "[fitted with --fit, else alg5]");
+  flags.String("rule", &f.rule,
+               "selector rule for --algo auto: alg1 | alg5 | fitted "
+               "[fitted with --fit, else alg5]");
   flags.String("fit", &f.fit_file, "calibration JSON from 'cpfill calibrate' (a, b, c; C, BW)");
   flags.Double("tflops", &f.tflops, "selector: attention compute per rank C, TFLOP/s");
   flags.Double("gbps", &f.gbps, "selector: ring bandwidth per rank BW, GB/s (bytes)");
   flags.Double("elem-bytes", &f.elem_bytes, "selector: bytes per element e");
-  flags.Bool("check", &f.check,
-             "compare with a single-rank computation; exit 1 above --tolerance");
+  flags.Bool("check", &f.check, "compare with a single-rank computation; exit 1 above --tolerance");
   flags.Double("tolerance", &f.tolerance, "max abs error of O and LSE that --check accepts");
   flags.String("save", &f.save_file,
                "write q, k, v, o, lse in global token order to this safetensors file");
@@ -192,20 +192,11 @@ int Run(int argc, char** argv) {
   AddSessionFlags(flags, &f.session);
   const absl::Status parsed = flags.Parse(argc, argv, 2);
 
-  std::unique_ptr<Session> session = Session::Start(&argc, &argv, f.session);
-  if (!parsed.ok()) return session->ConfigError(parsed);
-  if (flags.help()) {
-    session->Print("%s", flags.Usage());
-    return kExitOk;
-  }
-
+  Started started = Session::Begin(&argc, &argv, flags, parsed, f.session);
+  if (started.exit_code) return *started.exit_code;
+  Session* session = started.session.get();
+  parallel::ProcessGrid& grid = *started.grid;
   // ---- configuration: every rank reaches the same verdict ----------------------------------
-  auto grid_or = session->CreateGrid();
-  if (!grid_or.ok()) {
-    if (absl::IsInvalidArgument(grid_or.status())) return session->ConfigError(grid_or.status());
-    session->Fail(grid_or.status());
-  }
-  parallel::ProcessGrid& grid = *grid_or;
   if (absl::Status s = ValidateFlags(f, grid); !s.ok()) return session->ConfigError(s);
   auto algo_or = f.algo == "auto" ? absl::StatusOr<RingAlgorithm>(RingAlgorithm::kPassKV)
                                   : parallel::ParseRingAlgorithm(f.algo);
@@ -238,7 +229,9 @@ int Run(int argc, char** argv) {
                                   .head_dim = f.head_dim};
   int64_t total_new = 0, total_cached = 0;
   for (const auto& r : requests) total_new += r.new_tokens, total_cached += r.cached_tokens;
-  auto selection_or = parallel::Select({.system = system, .model = model, .cp_size = grid.cp_size,
+  auto selection_or = parallel::Select({.system = system,
+                                        .model = model,
+                                        .cp_size = grid.cp_size,
                                         .new_tokens = std::max<int64_t>(total_new, 1),
                                         .cached_tokens = total_cached},
                                        *rule_or, fitted);
@@ -254,20 +247,22 @@ int Run(int argc, char** argv) {
       plan.num_sequences(), absl::StrJoin(f.seq_lens, "+"),
       f.cached_lens.empty() ? "0" : absl::StrJoin(f.cached_lens, "+"), f.heads, f.kv_heads,
       f.head_dim, model.num_heads, model.num_kv_heads, f.non_causal ? "non-causal" : "causal");
-  session->Print("grid: %s; CPU backend, %d kernel thread(s) per rank\n", grid.Describe(),
-                 threads);
+  session->Print("grid: %s; CPU backend, %d kernel thread(s) per rank\n", grid.Describe(), threads);
   session->Print("plan: 2N = %d chunks per sequence; padding %d new-token and %d KV slots\n",
                  2 * grid.cp_size, plan.NewTokenPadding(), plan.KvPadding());
   session->Print("selector (%s%s): %s\n", parallel::SelectorRuleName(*rule_or),
                  *rule_or == parallel::SelectorRule::kFitted ? ", " + selection.fitted.source : "",
                  selection.reason);
-  session->Print("  predicted per layer: pass-kv %s ms, pass-q %s ms (C = %g TFLOP/s, BW = %g "
-                 "GB/s, e = %g)\n",
-                 Ms(selection.predicted.pass_kv_total_s), Ms(selection.predicted.pass_q_total_s),
-                 system.tflops, system.gbps, system.elem_bytes);
+  session->Print(
+      "  predicted per layer: pass-kv %s ms, pass-q %s ms (C = %g TFLOP/s, BW = %g "
+      "GB/s, e = %g)\n",
+      Ms(selection.predicted.pass_kv_total_s), Ms(selection.predicted.pass_q_total_s),
+      system.tflops, system.gbps, system.elem_bytes);
   if (plan.num_sequences() > 1) {
     for (int s = 0; s < plan.num_sequences(); ++s) {
-      auto one = parallel::Select({.system = system, .model = model, .cp_size = grid.cp_size,
+      auto one = parallel::Select({.system = system,
+                                   .model = model,
+                                   .cp_size = grid.cp_size,
                                    .new_tokens = std::max<int64_t>(requests[s].new_tokens, 1),
                                    .cached_tokens = requests[s].cached_tokens},
                                   *rule_or, fitted);
@@ -303,7 +298,7 @@ int Run(int argc, char** argv) {
   std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * shape.head_dim), v(k.size());
   batch.FillLocal(layout, slice, q.data(), k.data(), v.data());
   std::vector<float> o(q.size(), std::nanf("")), lse(layout.q_rows() * shape.num_heads,
-                                                      std::nanf(""));  // poisoned
+                                                     std::nanf(""));  // poisoned
   const double flops_per_pair = 4.0 * shape.head_dim * shape.num_heads;
 
   InjectFaultForTests(grid.world_rank);
@@ -314,12 +309,12 @@ int Run(int argc, char** argv) {
     // Progress: a line per ring step once steps take long enough for a user to wonder.
     auto progress = [&](const parallel::RingStepTiming& step, int steps) {
       if (step.compute_s + step.wait_s > 1.0) {
-        session->Print("  run %d, ring step %d/%d done: compute %s ms, exposed wait %s ms\n",
-                       r + 1, step.step + 1, steps, Ms(step.compute_s), Ms(step.wait_s));
+        session->Print("  run %d, ring step %d/%d done: compute %s ms, exposed wait %s ms\n", r + 1,
+                       step.step + 1, steps, Ms(step.compute_s), Ms(step.wait_s));
       }
     };
-    if (absl::Status s = ring->Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(), &t,
-                                   progress);
+    if (absl::Status s =
+            ring->Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(), &t, progress);
         !s.ok()) {
       session->Fail(s);
     }
@@ -349,24 +344,25 @@ int Run(int argc, char** argv) {
                    absl::StrCat(s.chunk_pairs_hidden, "/", s.chunk_pairs, " skipped"));
   }
   session->Print("  pack/unpack %s ms", Ms(last.pack_s));
-  if (algo == RingAlgorithm::kAllGather) session->Print(", all-gather %s ms", Ms(last.all_gather_s));
+  if (algo == RingAlgorithm::kAllGather)
+    session->Print(", all-gather %s ms", Ms(last.all_gather_s));
   if (algo == RingAlgorithm::kPassQ) {
     session->Print(", all-to-all %s ms (%s), merge %s ms", Ms(last.all_to_all_s),
                    Bytes(last.all_to_all_bytes), Ms(last.merge_s));
   }
   const double gflop = last.visible_pairs * flops_per_pair / 1e9;
-  session->Print("\n  total %s ms on this rank; median over %d run(s) on the slowest rank %s ms; "
-                 "%.2f GFLOP on this rank, %.2f GFLOP/s\n",
-                 Ms(last.total_s), f.repeat, Ms(median), gflop, gflop / last.total_s);
+  session->Print(
+      "\n  total %s ms on this rank; median over %d run(s) on the slowest rank %s ms; "
+      "%.2f GFLOP on this rank, %.2f GFLOP/s\n",
+      Ms(last.total_s), f.repeat, Ms(median), gflop, gflop / last.total_s);
 
   // ---- check and save -------------------------------------------------------------------
   CheckResult check;
   std::vector<float> o_all, lse_all;
   if (f.check || !f.save_file.empty()) {
-    if (absl::Status s = parallel::GatherAttentionOutputs(*grid.world, plan, grid.tp_rank,
-                                                          grid.tp_size, grid.cp_rank, f.heads,
-                                                          f.head_dim, o.data(), lse.data(),
-                                                          &o_all, &lse_all);
+    if (absl::Status s = parallel::GatherAttentionOutputs(
+            *grid.world, plan, grid.tp_rank, grid.tp_size, grid.cp_rank, f.heads, f.head_dim,
+            o.data(), lse.data(), &o_all, &lse_all);
         !s.ok()) {
       session->Fail(s);
     }
@@ -389,18 +385,19 @@ int Run(int argc, char** argv) {
       full.num_heads = f.heads;
       full.num_kv_heads = f.kv_heads;
       std::vector<float> o_ref(o_all.size(), std::nanf("")), lse_ref(lse_all.size(), std::nanf(""));
-      if (absl::Status s = parallel::SingleRankAttention(requests, full, q_all.data(),
-                                                         k_all.data(), v_all.data(), o_ref.data(),
-                                                         lse_ref.data(), &ref_kernels);
+      if (absl::Status s = parallel::SingleRankAttention(requests, full, q_all.data(), k_all.data(),
+                                                         v_all.data(), o_ref.data(), lse_ref.data(),
+                                                         &ref_kernels);
           !s.ok()) {
         session->Fail(s);
       }
       check = Compare(o_all, lse_all, o_ref, lse_ref, f.tolerance);
       verdict = check.pass ? 1 : 0;
-      session->Print("check: max |O - O_ref| = %.3g, ||O - O_ref|| / ||O_ref|| = %.3g, "
-                     "max |LSE - LSE_ref| = %.3g, -inf mismatches %d (tolerance %g): %s\n",
-                     check.max_abs_o, check.rel_fro_o, check.max_abs_lse, check.lse_inf_mismatch,
-                     f.tolerance, check.pass ? "PASS" : "FAIL");
+      session->Print(
+          "check: max |O - O_ref| = %.3g, ||O - O_ref|| / ||O_ref|| = %.3g, "
+          "max |LSE - LSE_ref| = %.3g, -inf mismatches %d (tolerance %g): %s\n",
+          check.max_abs_o, check.rel_fro_o, check.max_abs_lse, check.lse_inf_mismatch, f.tolerance,
+          check.pass ? "PASS" : "FAIL");
     }
     if (absl::Status s = grid.world->Broadcast(&verdict, sizeof(verdict), 0); !s.ok()) {
       session->Fail(s);
@@ -411,17 +408,21 @@ int Run(int argc, char** argv) {
     runtime::SafetensorsWriter writer;
     const int64_t tn = batch.total_new_tokens(), tk = batch.total_kv_tokens();
     absl::Status s = writer.Add("q", runtime::DType::kF32, {tn, f.heads, f.head_dim}, q_all.data());
-    if (s.ok()) s = writer.Add("k", runtime::DType::kF32, {tk, f.kv_heads, f.head_dim}, k_all.data());
-    if (s.ok()) s = writer.Add("v", runtime::DType::kF32, {tk, f.kv_heads, f.head_dim}, v_all.data());
+    if (s.ok())
+      s = writer.Add("k", runtime::DType::kF32, {tk, f.kv_heads, f.head_dim}, k_all.data());
+    if (s.ok())
+      s = writer.Add("v", runtime::DType::kF32, {tk, f.kv_heads, f.head_dim}, v_all.data());
     if (s.ok()) s = writer.Add("o", runtime::DType::kF32, {tn, f.heads, f.head_dim}, o_all.data());
     if (s.ok()) s = writer.Add("lse", runtime::DType::kF32, {tn, f.heads}, lse_all.data());
     writer.SetMetadata("seq_lens", absl::StrJoin(f.seq_lens, ","));
-    writer.SetMetadata("cached_lens", f.cached_lens.empty() ? "" : absl::StrJoin(f.cached_lens, ","));
+    writer.SetMetadata("cached_lens",
+                       f.cached_lens.empty() ? "" : absl::StrJoin(f.cached_lens, ","));
     writer.SetMetadata("algorithm", std::string(parallel::RingAlgorithmName(algo)));
     writer.SetMetadata("causal", f.non_causal ? "false" : "true");
     writer.SetMetadata("softmax_scale", absl::StrCat(shape.softmax_scale));
-    writer.SetMetadata("layout", "global token order; per sequence k/v hold cached then new "
-                                 "tokens, q/o/lse the new ones; lse natural log, -inf = no key");
+    writer.SetMetadata("layout",
+                       "global token order; per sequence k/v hold cached then new "
+                       "tokens, q/o/lse the new ones; lse natural log, -inf = no key");
     if (s.ok()) s = writer.Write(f.save_file);
     if (!s.ok()) session->Fail(s);
     session->Print("saved q, k, v, o, lse to %s\n", f.save_file);
@@ -430,20 +431,28 @@ int Run(int argc, char** argv) {
     auto sel_json = json::Parse(selection.ToJson());
     json::Value report = json::Value::Object();
     report.Set("command", "attention")
-        .Set("seq_lens", [&] {
-          json::Value a = json::Value::Array();
-          for (int64_t x : f.seq_lens) a.Push(x);
-          return a;
-        }())
-        .Set("cached_lens", [&] {
-          json::Value a = json::Value::Array();
-          for (const auto& r : requests) a.Push(r.cached_tokens);
-          return a;
-        }())
-        .Set("heads", f.heads).Set("kv_heads", f.kv_heads).Set("head_dim", f.head_dim)
-        .Set("causal", !f.non_causal).Set("world_size", grid.world_size)
-        .Set("tp", grid.tp_size).Set("cp", grid.cp_size).Set("nodes", grid.num_nodes)
-        .Set("threads_per_rank", threads).Set("backend", "cpu")
+        .Set("seq_lens",
+             [&] {
+               json::Value a = json::Value::Array();
+               for (int64_t x : f.seq_lens) a.Push(x);
+               return a;
+             }())
+        .Set("cached_lens",
+             [&] {
+               json::Value a = json::Value::Array();
+               for (const auto& r : requests) a.Push(r.cached_tokens);
+               return a;
+             }())
+        .Set("heads", f.heads)
+        .Set("kv_heads", f.kv_heads)
+        .Set("head_dim", f.head_dim)
+        .Set("causal", !f.non_causal)
+        .Set("world_size", grid.world_size)
+        .Set("tp", grid.tp_size)
+        .Set("cp", grid.cp_size)
+        .Set("nodes", grid.num_nodes)
+        .Set("threads_per_rank", threads)
+        .Set("backend", "cpu")
         .Set("algorithm", std::string(parallel::RingAlgorithmName(algo)))
         .Set("algorithm_source", f.algo == "auto" ? "selector" : "--algo")
         .Set("selection", sel_json.ok() ? *sel_json : json::Value())

@@ -82,22 +82,14 @@ int Run(int argc, char** argv) {
   flags.String("out", &f.out, "calibration JSON to write (read by --fit)");
   AddSessionFlags(flags, &f.session);
   const absl::Status parsed = flags.Parse(argc, argv, 2);
-  std::unique_ptr<Session> session = Session::Start(&argc, &argv, f.session);
-  if (!parsed.ok()) return session->ConfigError(parsed);
-  if (flags.help()) {
-    session->Print("%s", flags.Usage());
-    return kExitOk;
-  }
-  auto grid_or = session->CreateGrid();
-  if (!grid_or.ok()) {
-    if (absl::IsInvalidArgument(grid_or.status())) return session->ConfigError(grid_or.status());
-    session->Fail(grid_or.status());
-  }
-  parallel::ProcessGrid& grid = *grid_or;
+  Started started = Session::Begin(&argc, &argv, flags, parsed, f.session);
+  if (started.exit_code) return *started.exit_code;
+  Session* session = started.session.get();
+  parallel::ProcessGrid& grid = *started.grid;
   auto validate = [&]() -> absl::Status {
     CPFILL_CHECK_ARG(f.heads > 0 && f.kv_heads > 0 && f.head_dim > 0 && f.heads % f.kv_heads == 0,
-                     "--heads ", f.heads, " must be a positive multiple of --kv-heads ",
-                     f.kv_heads, " and --head-dim positive");
+                     "--heads ", f.heads, " must be a positive multiple of --kv-heads ", f.kv_heads,
+                     " and --head-dim positive");
     CPFILL_CHECK_ARG(f.heads % grid.tp_size == 0 && f.kv_heads % grid.tp_size == 0,
                      "--heads and --kv-heads must divide by --tp ", grid.tp_size);
     CPFILL_CHECK_ARG(!f.context_lens.empty() && !f.miss_rates.empty(),
@@ -116,21 +108,25 @@ int Run(int argc, char** argv) {
   ThreadPool pool(threads);
   parallel::CpuAttentionKernels kernels(&pool);
   const int hq = f.heads / grid.tp_size, hkv = f.kv_heads / grid.tp_size;
-  const attention::AttentionShape shape{.num_heads = hq, .num_kv_heads = hkv,
+  const attention::AttentionShape shape{.num_heads = hq,
+                                        .num_kv_heads = hkv,
                                         .head_dim = f.head_dim,
                                         .softmax_scale = 1.0f / std::sqrt(float(f.head_dim)),
                                         .causal = true};
-  session->Print("cpfill calibrate: %s; %d / %d heads per rank x %d; CPU backend, %d thread(s) "
-                 "per rank\n", grid.Describe(), hq, hkv, f.head_dim, threads);
+  session->Print(
+      "cpfill calibrate: %s; %d / %d heads per rank x %d; CPU backend, %d thread(s) "
+      "per rank\n",
+      grid.Describe(), hq, hkv, f.head_dim, threads);
 
   // Step 1: C, the attention compute rate of one rank (all ranks at once, as in a real run).
   double tflops = 0;
   {
     const std::vector<sharding::SequenceRequest> one = {{.new_tokens = f.compute_tokens}};
-    const runtime::SyntheticAttention batch{.sequences = one, .num_heads = hq,
-                                            .num_kv_heads = hkv, .head_dim = f.head_dim};
-    std::vector<float> q(f.compute_tokens * hq * f.head_dim), k(f.compute_tokens * hkv * f.head_dim),
-        v(k.size()), o(q.size()), lse(f.compute_tokens * hq);
+    const runtime::SyntheticAttention batch{
+        .sequences = one, .num_heads = hq, .num_kv_heads = hkv, .head_dim = f.head_dim};
+    std::vector<float> q(f.compute_tokens * hq * f.head_dim),
+        k(f.compute_tokens * hkv * f.head_dim), v(k.size()), o(q.size()),
+        lse(f.compute_tokens * hq);
     batch.FillGlobal(q.data(), k.data(), v.data());
     std::vector<double> rates;
     for (int r = 0; r <= f.repeat; ++r) {
@@ -167,15 +163,16 @@ int Run(int argc, char** argv) {
       if (r > 0) rates.push_back(f.bandwidth_bytes / sec / 1e9);
     }
     gbps = grid.cp_size > 1 ? Median(rates) : 0;
-    if (absl::Status s = grid.world->AllReduce(&gbps, 1, parallel::DataType::kFloat64,
-                                               parallel::ReduceOp::kMin);
+    if (absl::Status s =
+            grid.world->AllReduce(&gbps, 1, parallel::DataType::kFloat64, parallel::ReduceOp::kMin);
         !s.ok()) {
       session->Fail(s);
     }
   }
-  session->Print("measured: C = %.4g TFLOP/s per rank (causal %d tokens), BW = %.4g GB/s per "
-                 "rank (ring message %d bytes)\n", tflops, f.compute_tokens, gbps,
-                 f.bandwidth_bytes);
+  session->Print(
+      "measured: C = %.4g TFLOP/s per rank (causal %d tokens), BW = %.4g GB/s per "
+      "rank (ring message %d bytes)\n",
+      tflops, f.compute_tokens, gbps, f.bandwidth_bytes);
 
   // Step 3: the (T, P) grid.
   std::vector<parallel::CalibrationPoint> points;
@@ -191,15 +188,16 @@ int Run(int argc, char** argv) {
       auto ring = parallel::RingAttention::Create(*grid.cp, *plan, shape, &kernels);
       if (!ring.ok()) session->Fail(ring.status());
       const auto& layout = (*ring)->layout();
-      const runtime::SyntheticAttention batch{.sequences = req, .num_heads = f.heads,
+      const runtime::SyntheticAttention batch{.sequences = req,
+                                              .num_heads = f.heads,
                                               .num_kv_heads = f.kv_heads,
                                               .head_dim = f.head_dim};
       std::vector<float> q(layout.q_rows() * hq * f.head_dim),
           k(layout.kv_rows() * hkv * f.head_dim), v(k.size()), o(q.size()),
           lse(layout.q_rows() * hq);
-      batch.FillLocal(layout, runtime::HeadSlice::ForTpRank(f.heads, f.kv_heads, grid.tp_rank,
-                                                            grid.tp_size),
-                      q.data(), k.data(), v.data());
+      batch.FillLocal(
+          layout, runtime::HeadSlice::ForTpRank(f.heads, f.kv_heads, grid.tp_rank, grid.tp_size),
+          q.data(), k.data(), v.data());
       parallel::CalibrationPoint pt{.new_tokens = t_new, .cached_tokens = ctx - t_new};
       auto kv = TimeAlgorithm(grid, **ring, RingAlgorithm::kPassKV, f.repeat, q, k, v, o, lse);
       if (!kv.ok()) session->Fail(kv.status());
@@ -238,10 +236,11 @@ int Run(int argc, char** argv) {
     bool ok = true;
     for (const auto& p : points) {
       auto sel = parallel::Select(
-          {.system = {.tflops = tflops, .gbps = gbps > 0 ? gbps : 1e-9,
-                      .elem_bytes = f.elem_bytes},
+          {.system = {.tflops = tflops, .gbps = gbps > 0 ? gbps : 1e-9, .elem_bytes = f.elem_bytes},
            .model = {.num_heads = hq, .num_kv_heads = hkv, .head_dim = f.head_dim},
-           .cp_size = grid.cp_size, .new_tokens = p.new_tokens, .cached_tokens = p.cached_tokens},
+           .cp_size = grid.cp_size,
+           .new_tokens = p.new_tokens,
+           .cached_tokens = p.cached_tokens},
           rule, file.fitted);
       if (!sel.ok()) {
         ok = false;
@@ -253,8 +252,8 @@ int Run(int argc, char** argv) {
     }
     if (ok && best_total > 0) {
       session->Print("  %-6s regret %.2f%% (%d of %d points not the faster)\n",
-                     parallel::SelectorRuleName(rule), 100 * (chosen_total / best_total - 1),
-                     wrong, points.size());
+                     parallel::SelectorRuleName(rule), 100 * (chosen_total / best_total - 1), wrong,
+                     points.size());
     }
   }
   if (session->is_root()) {

@@ -13,8 +13,7 @@ namespace cpfill::launch {
 namespace {
 
 absl::Status BadValue(const std::string& name, const std::string& value, const char* what) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("--", name, ": '", value, "' is not ", what));
+  return absl::InvalidArgumentError(absl::StrCat("--", name, ": '", value, "' is not ", what));
 }
 
 absl::Status ParseInt64(const std::string& name, const std::string& v, int64_t* out) {
@@ -50,7 +49,10 @@ bool FlagSet::IsSet(const std::string& name) const {
 
 void FlagSet::String(const std::string& name, std::string* target, const std::string& help,
                      bool required) {
-  Add({.name = name, .help = help, .default_text = *target, .required = required,
+  Add({.name = name,
+       .help = help,
+       .default_text = *target,
+       .required = required,
        .parse = [target](const std::string& v) {
          *target = v;
          return absl::OkStatus();
@@ -59,12 +61,18 @@ void FlagSet::String(const std::string& name, std::string* target, const std::st
 
 void FlagSet::Int(const std::string& name, int64_t* target, const std::string& help,
                   bool required) {
-  Add({.name = name, .help = help, .default_text = absl::StrCat(*target), .required = required,
+  Add({.name = name,
+       .help = help,
+       .default_text = absl::StrCat(*target),
+       .required = required,
        .parse = [name, target](const std::string& v) { return ParseInt64(name, v, target); }});
 }
 
 void FlagSet::Int(const std::string& name, int* target, const std::string& help, bool required) {
-  Add({.name = name, .help = help, .default_text = absl::StrCat(*target), .required = required,
+  Add({.name = name,
+       .help = help,
+       .default_text = absl::StrCat(*target),
+       .required = required,
        .parse = [name, target](const std::string& v) {
          int64_t x;
          CPFILL_RETURN_IF_ERROR(ParseInt64(name, v, &x));
@@ -76,12 +84,18 @@ void FlagSet::Int(const std::string& name, int* target, const std::string& help,
 
 void FlagSet::Double(const std::string& name, double* target, const std::string& help,
                      bool required) {
-  Add({.name = name, .help = help, .default_text = absl::StrCat(*target), .required = required,
+  Add({.name = name,
+       .help = help,
+       .default_text = absl::StrCat(*target),
+       .required = required,
        .parse = [name, target](const std::string& v) { return ParseDouble(name, v, target); }});
 }
 
 void FlagSet::Bool(const std::string& name, bool* target, const std::string& help) {
-  Add({.name = name, .help = help, .default_text = *target ? "true" : "false", .is_bool = true,
+  Add({.name = name,
+       .help = help,
+       .default_text = *target ? "true" : "false",
+       .is_bool = true,
        .parse = [name, target](const std::string& v) {
          if (v == "true" || v == "1") {
            *target = true;
@@ -96,8 +110,11 @@ void FlagSet::Bool(const std::string& name, bool* target, const std::string& hel
 
 void FlagSet::IntList(const std::string& name, std::vector<int64_t>* target,
                       const std::string& help, bool required) {
-  Add({.name = name, .help = help, .default_text = absl::StrJoin(*target, ","),
-       .required = required, .parse = [name, target](const std::string& v) {
+  Add({.name = name,
+       .help = help,
+       .default_text = absl::StrJoin(*target, ","),
+       .required = required,
+       .parse = [name, target](const std::string& v) {
          target->clear();
          for (absl::string_view piece : absl::StrSplit(v, ',')) {
            int64_t x;
@@ -110,8 +127,11 @@ void FlagSet::IntList(const std::string& name, std::vector<int64_t>* target,
 
 void FlagSet::DoubleList(const std::string& name, std::vector<double>* target,
                          const std::string& help, bool required) {
-  Add({.name = name, .help = help, .default_text = absl::StrJoin(*target, ","),
-       .required = required, .parse = [name, target](const std::string& v) {
+  Add({.name = name,
+       .help = help,
+       .default_text = absl::StrJoin(*target, ","),
+       .required = required,
+       .parse = [name, target](const std::string& v) {
          target->clear();
          for (absl::string_view piece : absl::StrSplit(v, ',')) {
            double x;

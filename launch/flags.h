@@ -7,9 +7,9 @@
 //
 //   FlagSet flags("attention", "one fused batch of context-parallel attention");
 //   flags.Int("heads", &heads, "query heads of the model (all TP ranks together)");
-//   flags.IntList("seq-lens", &lens, "new tokens per sequence, comma separated", /*required=*/true);
-//   CPFILL_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2));
-//   if (flags.help()) { std::cout << flags.Usage(); return 0; }
+//   flags.IntList("seq-lens", &lens, "new tokens per sequence, comma separated",
+//   /*required=*/true); CPFILL_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2)); if
+//   (flags.help()) { std::cout << flags.Usage(); return 0; }
 #pragma once
 
 #include <cstdint>

@@ -61,8 +61,7 @@ int RunSelectCommand(int argc, char** argv) {
        .cached_tokens = cached_tokens},
       *rule, fitted);
   if (!selection.ok()) {
-    std::fprintf(stderr, "cpfill: error: %s\n",
-                 std::string(selection.status().message()).c_str());
+    std::fprintf(stderr, "cpfill: error: %s\n", std::string(selection.status().message()).c_str());
     return kExitBadInput;
   }
   std::printf("%s\n", selection->ToJson().c_str());

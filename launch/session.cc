@@ -35,16 +35,42 @@ std::unique_ptr<Session> Session::Start(int* argc, char*** argv, const SessionFl
   return s;
 }
 
+Started Session::Begin(int* argc, char*** argv, const FlagSet& flags, const absl::Status& parsed,
+                       const SessionFlags& session_flags) {
+  Started started;
+  started.session = Start(argc, argv, session_flags);
+  Session& session = *started.session;
+  if (!parsed.ok()) {
+    started.exit_code = session.ConfigError(parsed);
+    return started;
+  }
+  if (flags.help()) {
+    session.Print("%s", flags.Usage());
+    started.exit_code = kExitOk;
+    return started;
+  }
+  auto grid = session.CreateGrid();
+  if (!grid.ok()) {
+    // InvalidArgument comes from checks every rank makes alike; anything else is a failure of
+    // communication that only some ranks may see.
+    if (!absl::IsInvalidArgument(grid.status())) session.Fail(grid.status());
+    started.exit_code = session.ConfigError(grid.status());
+    return started;
+  }
+  started.grid = std::move(*grid);
+  return started;
+}
+
 absl::StatusOr<parallel::ProcessGrid> Session::CreateGrid() {
-  return parallel::CreateProcessGrid(
-      *mpi_, {.tp = flags_.tp, .ranks_per_node = flags_.ranks_per_node});
+  return parallel::CreateProcessGrid(*mpi_,
+                                     {.tp = flags_.tp, .ranks_per_node = flags_.ranks_per_node});
 }
 
 int Session::ThreadsPerRank(const parallel::ProcessGrid& grid) const {
   if (flags_.threads > 0) return flags_.threads;
   const int cores = std::max(1u, std::thread::hardware_concurrency());
-  // Ranks on this host: the grid's node is a part of a host; count the host's ranks from the
-  // world and node sizes is not possible in general, so use the local MPI hint when present.
+  // The cores are shared by every rank on the host, which may hold several (emulated) nodes:
+  // Open MPI says how many ranks it started here; the node size is the fallback.
   int host_ranks = grid.ranks_per_node;
   if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
     host_ranks = std::max(host_ranks, std::atoi(env));

@@ -9,12 +9,14 @@
 //
 //   SessionFlags sf;  AddSessionFlags(flags, &sf);
 //   absl::Status parsed = flags.Parse(argc, argv, 2);
-//   auto session = Session::Start(&argc, &argv, sf);      // MPI up, even if parsing failed
-//   if (!parsed.ok()) return session->ConfigError(parsed); // printed once, exit 2 everywhere
+//   Started started = Session::Begin(&argc, &argv, flags, parsed, sf);  // MPI + grid
+//   if (started.exit_code) return *started.exit_code;   // bad input or --help: done
+//   Session& session = *started.session;  parallel::ProcessGrid& grid = *started.grid;
 #pragma once
 
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -34,8 +36,23 @@ struct SessionFlags {
 
 void AddSessionFlags(FlagSet& flags, SessionFlags* session_flags);
 
+class Session;
+
+// What Session::Begin hands a subcommand: the session and its grid, or an exit code to return
+// at once (bad input, already reported on rank 0; or --help, already printed).
+struct Started {
+  std::unique_ptr<Session> session;
+  std::optional<parallel::ProcessGrid> grid;
+  std::optional<int> exit_code;
+};
+
 class Session {
  public:
+  // The common start of a distributed subcommand whose flags were parsed into `parsed`: starts
+  // MPI (also when parsing failed, so the message prints once), handles --help, builds the grid.
+  static Started Begin(int* argc, char*** argv, const FlagSet& flags, const absl::Status& parsed,
+                       const SessionFlags& session_flags);
+
   // Starts MPI. Exits the process (code 3) if MPI itself cannot start.
   static std::unique_ptr<Session> Start(int* argc, char*** argv, const SessionFlags& flags);
 

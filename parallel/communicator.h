@@ -57,8 +57,8 @@ class Communicator {
   // `send` and `recv` must stay valid and untouched until Wait() returns. Equal sizes on every
   // rank (the ring algorithms pad to make it so).
   virtual absl::StatusOr<std::unique_ptr<PendingExchange>> StartRingExchange(const void* send,
-                                                                            void* recv,
-                                                                            size_t bytes) = 0;
+                                                                             void* recv,
+                                                                             size_t bytes) = 0;
 
   // Rank r sends send_bytes[p] bytes at send + send_offsets[p] to every peer p, and receives
   // recv_bytes[p] bytes from p at recv + recv_offsets[p]. Sizes may differ per peer (and be 0);

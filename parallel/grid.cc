@@ -11,8 +11,8 @@ namespace cpfill::parallel {
 
 std::string ProcessGrid::Describe() const {
   return absl::StrCat("world ", world_size, " = ", num_nodes, " node(s) x ", ranks_per_node,
-                      " rank(s); TP", tp_size, " x CP", cp_size, " (", tp_size,
-                      " CP ring(s) of ", cp_size, " rank(s), one per TP rank)");
+                      " rank(s); TP", tp_size, " x CP", cp_size, " (", tp_size, " CP ring(s) of ",
+                      cp_size, " rank(s), one per TP rank)");
 }
 
 absl::StatusOr<ProcessGrid> CreateProcessGrid(MpiRuntime& mpi, GridOptions options) {
@@ -41,10 +41,11 @@ absl::StatusOr<ProcessGrid> CreateProcessGrid(MpiRuntime& mpi, GridOptions optio
     }
   }
   if (r == 0) r = host_ranks;
-  CPFILL_CHECK_ARG(r > 0 && host_ranks % r == 0, "--ranks-per-node ", r,
-                   " does not divide the ", host_ranks, " ranks on each host");
+  CPFILL_CHECK_ARG(r > 0 && host_ranks % r == 0, "--ranks-per-node ", r, " does not divide the ",
+                   host_ranks, " ranks on each host");
   CPFILL_CHECK_ARG(options.tp >= 1 && r % options.tp == 0, "--tp ", options.tp,
-                   " does not divide the ", r, " ranks per node; a TP group must sit inside one "
+                   " does not divide the ", r,
+                   " ranks per node; a TP group must sit inside one "
                    "node");
   // Hosts are numbered by their lowest world rank; nodes by (host, host_rank / R).
   int64_t host_leader = g.world_rank;

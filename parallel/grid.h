@@ -29,7 +29,7 @@ struct GridOptions {
 
 struct ProcessGrid {
   int world_rank = 0, world_size = 1;
-  int node = 0, num_nodes = 1;          // emulated or real
+  int node = 0, num_nodes = 1;  // emulated or real
   int local_rank = 0, ranks_per_node = 1;
   int tp_rank = 0, tp_size = 1;
   int cp_rank = 0, cp_size = 1;

@@ -127,8 +127,8 @@ class ProgressEngine {
         op->started = Clock::now();
         const int rc = op->start(&op->requests);
         if (rc != MPI_SUCCESS) {
-          op->done.set_value({cpfill::internal::MpiCallError(rc, op->description.c_str(),
-                                                             __FILE__, __LINE__)});
+          op->done.set_value(
+              {cpfill::internal::MpiCallError(rc, op->description.c_str(), __FILE__, __LINE__)});
           continue;
         }
         active.push_back(std::move(op));
@@ -145,21 +145,21 @@ class ProgressEngine {
         const auto now = Clock::now();
         const double elapsed = std::chrono::duration<double>(now - op.started).count();
         if (rc != MPI_SUCCESS) {
-          op.done.set_value({cpfill::internal::MpiCallError(rc, op.description.c_str(),
-                                                            __FILE__, __LINE__),
-                             elapsed});
+          op.done.set_value(
+              {cpfill::internal::MpiCallError(rc, op.description.c_str(), __FILE__, __LINE__),
+               elapsed});
         } else if (flag) {
           op.done.set_value({absl::OkStatus(), elapsed});
         } else if (now - op.started > op.timeout) {
           // MPI cannot cancel a collective; the requests are abandoned and the caller ends the
           // job, which is the only safe continuation.
-          op.done.set_value({absl::DeadlineExceededError(absl::StrCat(
-                                 "world rank ", g_world_rank.load(), ": ", op.description,
-                                 " did not complete within ",
-                                 std::chrono::duration<double>(op.timeout).count(),
-                                 " s (a peer is dead, stuck or much slower; raise --timeout-s "
-                                 "if it is only slow)")),
-                             elapsed});
+          op.done.set_value(
+              {absl::DeadlineExceededError(absl::StrCat(
+                   "world rank ", g_world_rank.load(), ": ", op.description,
+                   " did not complete within ", std::chrono::duration<double>(op.timeout).count(),
+                   " s (a peer is dead, stuck or much slower; raise --timeout-s "
+                   "if it is only slow)")),
+               elapsed});
         } else {
           ++it;
           continue;
@@ -307,13 +307,12 @@ class MpiCommunicator : public Communicator {
   const std::string& name() const override { return name_; }
   MPI_Comm comm() const { return comm_; }
 
-  absl::StatusOr<std::unique_ptr<PendingExchange>> StartRingExchange(const void* send,
-                                                                    void* recv,
-                                                                    size_t bytes) override {
+  absl::StatusOr<std::unique_ptr<PendingExchange>> StartRingExchange(const void* send, void* recv,
+                                                                     size_t bytes) override {
     const int next = next_rank(), prev = prev_rank();
-    std::string what = absl::StrCat("ring exchange on ", name_, " (rank ", rank_, " of ", size_,
-                                    "): send ", bytes, " bytes to rank ", next,
-                                    ", receive ", bytes, " bytes from rank ", prev);
+    std::string what =
+        absl::StrCat("ring exchange on ", name_, " (rank ", rank_, " of ", size_, "): send ", bytes,
+                     " bytes to rank ", next, ", receive ", bytes, " bytes from rank ", prev);
     MPI_Comm comm = comm_;
     auto result = engine_->Submit(
         what,
@@ -330,8 +329,8 @@ class MpiCommunicator : public Communicator {
                         std::span<const size_t> recv_bytes,
                         std::span<const size_t> recv_offsets) override {
     const size_t n = static_cast<size_t>(size_);
-    CPFILL_CHECK_ARG(send_bytes.size() == n && send_offsets.size() == n &&
-                         recv_bytes.size() == n && recv_offsets.size() == n,
+    CPFILL_CHECK_ARG(send_bytes.size() == n && send_offsets.size() == n && recv_bytes.size() == n &&
+                         recv_offsets.size() == n,
                      "all-to-all on ", name_, ": size arrays must have ", n, " entries");
     size_t total_send = 0, total_recv = 0;
     for (size_t p = 0; p < n; ++p) total_send += send_bytes[p], total_recv += recv_bytes[p];
@@ -361,8 +360,8 @@ class MpiCommunicator : public Communicator {
           }
           for (int p = 0; p < np; ++p) {
             if (p == me || sb[p] == 0) continue;
-            const int rc = PostSend(static_cast<const char*>(send) + so[p], sb[p], p,
-                                    kTagAllToAll, comm, reqs);
+            const int rc = PostSend(static_cast<const char*>(send) + so[p], sb[p], p, kTagAllToAll,
+                                    comm, reqs);
             if (rc != MPI_SUCCESS) return rc;
           }
           return MPI_SUCCESS;
@@ -380,8 +379,8 @@ class MpiCommunicator : public Communicator {
   absl::Status AllReduce(void* data, size_t count, DataType type, ReduceOp op) override {
     CPFILL_CHECK_ARG(count <= static_cast<size_t>(INT32_MAX), "all-reduce of ", count,
                      " elements is larger than one MPI call takes");
-    const std::string what = absl::StrCat("all-reduce on ", name_, " (rank ", rank_, " of ",
-                                          size_, "): ", count * DataTypeSize(type), " bytes");
+    const std::string what = absl::StrCat("all-reduce on ", name_, " (rank ", rank_, " of ", size_,
+                                          "): ", count * DataTypeSize(type), " bytes");
     MPI_Comm comm = comm_;
     auto result = engine_->Submit(
         what,
@@ -407,9 +406,9 @@ class MpiCommunicator : public Communicator {
           char* p = static_cast<char*>(data);
           for (size_t off = 0; off < bytes; off += kMaxPieceBytes) {
             MPI_Request r;
-            const int rc = MPI_Ibcast(p + off, static_cast<int>(std::min(kMaxPieceBytes,
-                                                                         bytes - off)),
-                                      MPI_BYTE, root, comm, &r);
+            const int rc =
+                MPI_Ibcast(p + off, static_cast<int>(std::min(kMaxPieceBytes, bytes - off)),
+                           MPI_BYTE, root, comm, &r);
             if (rc != MPI_SUCCESS) return rc;
             reqs->push_back(r);
           }
@@ -448,7 +447,7 @@ class MpiCommunicator : public Communicator {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MpiRuntime>> MpiRuntime::Create(int* argc, char*** argv,
-                                                              CommOptions options) {
+                                                               CommOptions options) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   CPFILL_CHECK_ARG(!initialized, "MPI is already initialized in this process");
@@ -477,12 +476,12 @@ MpiRuntime::~MpiRuntime() {
 }
 
 std::unique_ptr<Communicator> MpiRuntime::World() {
-  return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, /*owned=*/false, "world",
-                                           engine_.get(), options_);
+  return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, /*owned=*/false, "world", engine_.get(),
+                                           options_);
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> MpiRuntime::Split(Communicator& parent, int color,
-                                                                 int key, std::string name) {
+                                                                int key, std::string name) {
   auto* mpi_parent = dynamic_cast<MpiCommunicator*>(&parent);
   CPFILL_CHECK_ARG(mpi_parent != nullptr, "Split needs an MPI communicator");
   MPI_Comm parent_comm = mpi_parent->comm();
@@ -490,7 +489,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> MpiRuntime::Split(Communicator& pa
   const std::string what = absl::StrCat("split of ", parent.name(), " into ", name);
   // MPI_Comm_split is blocking; it runs on the progress thread and is waited on with a deadline.
   auto result = engine_->Submit(
-      what, [=](std::vector<MPI_Request>*) { return MPI_Comm_split(parent_comm, color, key, out.get()); },
+      what,
+      [=](std::vector<MPI_Request>*) { return MPI_Comm_split(parent_comm, color, key, out.get()); },
       options_.timeout);
   CPFILL_RETURN_IF_ERROR(Await(result, options_.timeout, what));
   MPI_Comm_set_errhandler(*out, MPI_ERRORS_RETURN);
@@ -499,7 +499,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MpiRuntime::Split(Communicator& pa
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> MpiRuntime::SplitShared(Communicator& parent,
-                                                                       std::string name) {
+                                                                      std::string name) {
   auto* mpi_parent = dynamic_cast<MpiCommunicator*>(&parent);
   CPFILL_CHECK_ARG(mpi_parent != nullptr, "SplitShared needs an MPI communicator");
   MPI_Comm parent_comm = mpi_parent->comm();
@@ -509,8 +509,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> MpiRuntime::SplitShared(Communicat
   auto result = engine_->Submit(
       what,
       [=](std::vector<MPI_Request>*) {
-        return MPI_Comm_split_type(parent_comm, MPI_COMM_TYPE_SHARED, key,
-                                   MPI_INFO_NULL, out.get());
+        return MPI_Comm_split_type(parent_comm, MPI_COMM_TYPE_SHARED, key, MPI_INFO_NULL,
+                                   out.get());
       },
       options_.timeout);
   CPFILL_RETURN_IF_ERROR(Await(result, options_.timeout, what));

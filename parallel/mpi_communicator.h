@@ -28,7 +28,7 @@ class ProgressEngine;
 class MpiRuntime {
  public:
   static absl::StatusOr<std::unique_ptr<MpiRuntime>> Create(int* argc, char*** argv,
-                                                           CommOptions options);
+                                                            CommOptions options);
   ~MpiRuntime();  // stops the progress thread and finalizes MPI
 
   int world_rank() const { return world_rank_; }
@@ -43,8 +43,7 @@ class MpiRuntime {
   absl::StatusOr<std::unique_ptr<Communicator>> Split(Communicator& parent, int color, int key,
                                                       std::string name);
   // Ranks of `parent` that share memory with this one (MPI_Comm_split_type SHARED).
-  absl::StatusOr<std::unique_ptr<Communicator>> SplitShared(Communicator& parent,
-                                                            std::string name);
+  absl::StatusOr<std::unique_ptr<Communicator>> SplitShared(Communicator& parent, std::string name);
 
   // Ends every rank of the job at once: prints `message` (with this rank) to stderr, then
   // MPI_Abort(code). For errors other ranks may not know of (a timeout, a failed check).

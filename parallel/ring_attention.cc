@@ -45,15 +45,13 @@ absl::Status CpuAttentionKernels::Attend(const AttentionParams& p) {
   return attention::PartialAttentionCpu(p, pool_);
 }
 
-absl::Status CpuAttentionKernels::MergeInto(const AttentionShape& shape, int64_t rows,
-                                            float* o_acc, float* lse_acc, const float* o,
-                                            const float* lse) {
+absl::Status CpuAttentionKernels::MergeInto(const AttentionShape& shape, int64_t rows, float* o_acc,
+                                            float* lse_acc, const float* o, const float* lse) {
   return attention::MergeInto(shape, rows, o_acc, lse_acc, o, lse, pool_);
 }
 
 absl::Status CpuAttentionKernels::Merge(const AttentionShape& shape, int64_t rows,
-                                        std::span<const PartialView> parts, float* o,
-                                        float* lse) {
+                                        std::span<const PartialView> parts, float* o, float* lse) {
   return attention::MergePartials(shape, rows, parts, o, lse, pool_);
 }
 
@@ -92,8 +90,7 @@ absl::StatusOr<std::unique_ptr<RingAttention>> RingAttention::Create(
   return std::unique_ptr<RingAttention>(new RingAttention(cp, plan, shape, kernels));
 }
 
-bool RingAttention::CountChunkPairs(int seq, int q_rank, int kv_rank,
-                                    RingStepTiming* step) const {
+bool RingAttention::CountChunkPairs(int seq, int q_rank, int kv_rank, RingStepTiming* step) const {
   const auto& qs = plan_.shard(q_rank, seq);
   const auto& ks = plan_.shard(kv_rank, seq);
   bool any_visible = false;
@@ -164,6 +161,25 @@ void EnsureSize(HostBuffer& b, size_t bytes) {
 }
 }  // namespace
 
+// ---- the ring step's exchange, shared by pass-KV and pass-Q --------------------------------
+
+absl::StatusOr<std::unique_ptr<PendingExchange>> RingAttention::StartExchange(
+    int step_index, int cur, size_t bytes, RingStepTiming* step) {
+  // After the last step every rank has seen every message: nothing more to pass on.
+  if (step_index + 1 >= cp_size_) return std::unique_ptr<PendingExchange>();
+  step->exchange_bytes = static_cast<int64_t>(bytes);
+  return cp_.StartRingExchange(msg_[cur].data(), msg_[1 - cur].data(), bytes);
+}
+
+absl::Status RingAttention::FinishExchange(PendingExchange* exchange, RingStepTiming* step) {
+  if (exchange == nullptr) return absl::OkStatus();
+  auto w0 = Clock::now();
+  CPFILL_RETURN_IF_ERROR(exchange->Wait());
+  step->wait_s = Seconds(w0);  // exposed: compute had finished and waited this long
+  step->transfer_s = exchange->transfer_s();
+  return absl::OkStatus();
+}
+
 // ---- pass-KV (Alg. 2) --------------------------------------------------------------------
 
 absl::Status RingAttention::RunPassKV(const float* q, const float* k, const float* v, float* o,
@@ -191,19 +207,16 @@ absl::Status RingAttention::RunPassKV(const float* q, const float* k, const floa
     step.source_cp_rank = (me - j + n) % n;  // s: whose KV this rank holds at step j
     // Step j.1: pass the KV we hold to the next rank, receive the previous rank's (not after
     // the last step: every KV has then been seen).
-    std::unique_ptr<PendingExchange> exchange;
-    if (j + 1 < n) {
-      CPFILL_ASSIGN_OR_RETURN(exchange, cp_.StartRingExchange(msg_[cur].data(),
-                                                              msg_[1 - cur].data(), bytes));
-      step.exchange_bytes = static_cast<int64_t>(bytes);
-    }
+    CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
+                            StartExchange(j, cur, bytes, &step));
     // Step j.2: O_k^s = GQA(Q_k, KV^s), overlapping the exchange; skip sequences whose keys
     // the causal mask hides from all of our queries.
     auto c0 = Clock::now();
     slices.clear();
     for (int s = 0; s < plan_.num_sequences(); ++s) {
       if (!CountChunkPairs(s, me, step.source_cp_rank, &step)) continue;
-      slices.push_back({.q_begin = layout_.q_offset[s], .q_len = layout_.q_len[s],
+      slices.push_back({.q_begin = layout_.q_offset[s],
+                        .q_len = layout_.q_len[s],
                         .kv_begin = kv_slot_offset_[s],
                         // real keys come first in each sequence's slots; skip the padding
                         .kv_len = plan_.shard(step.source_cp_rank, s).kv_tokens()});
@@ -230,12 +243,7 @@ absl::Status RingAttention::RunPassKV(const float* q, const float* k, const floa
     }
     step.compute_s = Seconds(c0);
     // Step j.4: the next KV must have arrived before it is computed on.
-    if (exchange) {
-      auto w0 = Clock::now();
-      CPFILL_RETURN_IF_ERROR(exchange->Wait());
-      step.wait_s = Seconds(w0);
-      step.transfer_s = exchange->transfer_s();
-    }
+    CPFILL_RETURN_IF_ERROR(FinishExchange(exchange.get(), &step));
     cur = 1 - cur;
     StepDone(t, step, n);
   }
@@ -273,19 +281,17 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
     step.source_cp_rank = (me - j + n) % n;  // s: whose queries this rank holds at step j
     const int src = step.source_cp_rank;
     // Step j.1: pass the queries we hold on; receive the previous rank's.
-    std::unique_ptr<PendingExchange> exchange;
-    if (j + 1 < n) {
-      CPFILL_ASSIGN_OR_RETURN(exchange, cp_.StartRingExchange(msg_[cur].data(),
-                                                              msg_[1 - cur].data(), bytes));
-      step.exchange_bytes = static_cast<int64_t>(bytes);
-    }
+    CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
+                            StartExchange(j, cur, bytes, &step));
     // Step j.2: O_s^k = GQA(Q^s, KV_k) into the partial block destined for rank s.
     auto c0 = Clock::now();
     slices.clear();
     for (int s = 0; s < plan_.num_sequences(); ++s) {
       if (!CountChunkPairs(s, src, me, &step)) continue;
-      slices.push_back({.q_begin = q_slot_offset_[s], .q_len = plan_.shard(src, s).new_tokens(),
-                        .kv_begin = layout_.kv_offset[s], .kv_len = layout_.kv_len[s]});
+      slices.push_back({.q_begin = q_slot_offset_[s],
+                        .q_len = plan_.shard(src, s).new_tokens(),
+                        .kv_begin = layout_.kv_offset[s],
+                        .kv_len = layout_.kv_len[s]});
     }
     const float* mq = msg_[cur].As<float>(0);
     float* block = partials + src * block_floats;
@@ -304,12 +310,7 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
     step.visible_pairs = attention::CountVisiblePairs(p);
     CPFILL_RETURN_IF_ERROR(kernels_->Attend(p));
     step.compute_s = Seconds(c0);
-    if (exchange) {
-      auto w0 = Clock::now();
-      CPFILL_RETURN_IF_ERROR(exchange->Wait());
-      step.wait_s = Seconds(w0);
-      step.transfer_s = exchange->transfer_s();
-    }
+    CPFILL_RETURN_IF_ERROR(FinishExchange(exchange.get(), &step));
     cur = 1 - cur;
     StepDone(t, step, n);
   }
@@ -352,8 +353,8 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
 
 // ---- all-gather KV (baseline) ------------------------------------------------------------
 
-absl::Status RingAttention::RunAllGather(const float* q, const float* k, const float* v,
-                                         float* o, float* lse, RingTimings* t) {
+absl::Status RingAttention::RunAllGather(const float* q, const float* k, const float* v, float* o,
+                                         float* lse, RingTimings* t) {
   const int n = cp_size_;
   const size_t bytes = KvMessageBytes();
   const size_t kv_row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim;
@@ -394,8 +395,10 @@ absl::Status RingAttention::RunAllGather(const float* q, const float* k, const f
   std::vector<SequenceSlice> slices;
   for (int s = 0; s < plan_.num_sequences(); ++s) {
     if (layout_.q_len[s] == 0) continue;
-    slices.push_back({.q_begin = layout_.q_offset[s], .q_len = layout_.q_len[s],
-                      .kv_begin = n * kv_slot_offset_[s], .kv_len = n * kv_slots_[s]});
+    slices.push_back({.q_begin = layout_.q_offset[s],
+                      .q_len = layout_.q_len[s],
+                      .kv_begin = n * kv_slot_offset_[s],
+                      .kv_len = n * kv_slots_[s]});
   }
   AttentionParams p{.shape = shape_,
                     .q = q,
@@ -449,8 +452,7 @@ absl::Status RingAttention::Run(RingAlgorithm algorithm, const float* q, const f
 
 absl::Status SingleRankAttention(const std::vector<sharding::SequenceRequest>& sequences,
                                  const AttentionShape& shape, const float* q, const float* k,
-                                 const float* v, float* o, float* lse,
-                                 AttentionKernels* kernels) {
+                                 const float* v, float* o, float* lse, AttentionKernels* kernels) {
   std::vector<SequenceSlice> slices;
   std::vector<int32_t> q_pos, k_pos;
   for (const auto& s : sequences) {

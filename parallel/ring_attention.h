@@ -40,9 +40,8 @@ class AttentionKernels {
  public:
   virtual ~AttentionKernels() = default;
   virtual absl::Status Attend(const attention::AttentionParams& p) = 0;
-  virtual absl::Status MergeInto(const attention::AttentionShape& shape, int64_t rows,
-                                 float* o_acc, float* lse_acc, const float* o,
-                                 const float* lse) = 0;
+  virtual absl::Status MergeInto(const attention::AttentionShape& shape, int64_t rows, float* o_acc,
+                                 float* lse_acc, const float* o, const float* lse) = 0;
   virtual absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
                              std::span<const attention::PartialView> parts, float* o,
                              float* lse) = 0;
@@ -55,8 +54,7 @@ class CpuAttentionKernels : public AttentionKernels {
   absl::Status MergeInto(const attention::AttentionShape& shape, int64_t rows, float* o_acc,
                          float* lse_acc, const float* o, const float* lse) override;
   absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
-                     std::span<const attention::PartialView> parts, float* o,
-                     float* lse) override;
+                     std::span<const attention::PartialView> parts, float* o, float* lse) override;
 
  private:
   ThreadPool* pool_;
@@ -65,12 +63,12 @@ class CpuAttentionKernels : public AttentionKernels {
 // One iteration of the ring loop (the paper's Table 5 rows).
 struct RingStepTiming {
   int step = 0;
-  int source_cp_rank = 0;     // whose KV (pass-KV) or queries (pass-Q) were computed on
-  double compute_s = 0;       // partial attention (+ running merge for pass-KV)
-  double transfer_s = 0;      // the exchange's own duration, posted to completed
-  double wait_s = 0;          // exposed: how long compute waited for the exchange
-  int64_t exchange_bytes = 0; // sent (= received) this step; 0 on the last step
-  int64_t visible_pairs = 0;  // (query, key) pairs computed, one head
+  int source_cp_rank = 0;      // whose KV (pass-KV) or queries (pass-Q) were computed on
+  double compute_s = 0;        // partial attention (+ running merge for pass-KV)
+  double transfer_s = 0;       // the exchange's own duration, posted to completed
+  double wait_s = 0;           // exposed: how long compute waited for the exchange
+  int64_t exchange_bytes = 0;  // sent (= received) this step; 0 on the last step
+  int64_t visible_pairs = 0;   // (query, key) pairs computed, one head
   // (query chunk, key chunk) pairs this step, and those the causal mask hides entirely: they
   // are not computed (a sequence whose pairs are all hidden is left out of the launch; the
   // kernel skips hidden tiles of the others).
@@ -81,11 +79,11 @@ struct RingStepTiming {
 struct RingTimings {
   RingAlgorithm algorithm = RingAlgorithm::kPassKV;
   std::vector<RingStepTiming> steps;
-  double pack_s = 0;          // copies into message layout and back
-  double all_gather_s = 0;    // all-gather baseline only
-  double all_to_all_s = 0;    // pass-Q only
+  double pack_s = 0;        // copies into message layout and back
+  double all_gather_s = 0;  // all-gather baseline only
+  double all_to_all_s = 0;  // pass-Q only
   int64_t all_to_all_bytes = 0;
-  double merge_s = 0;         // final merge (pass-Q); running merges count as compute
+  double merge_s = 0;  // final merge (pass-Q); running merges count as compute
   double total_s = 0;
   int64_t visible_pairs = 0;  // sum over steps; FLOPs = 4 * head_dim * heads * visible_pairs
 };
@@ -107,6 +105,12 @@ class RingAttention {
   const sharding::LocalLayout& layout() const { return layout_; }
 
  private:
+  // Step j.1 of both rings: send msg_[cur] to the next rank, receive into msg_[1 - cur]
+  // (nothing after the last step). Step j.4: wait for it, recording the exposed time.
+  absl::StatusOr<std::unique_ptr<PendingExchange>> StartExchange(int step_index, int cur,
+                                                                 size_t bytes,
+                                                                 RingStepTiming* step);
+  absl::Status FinishExchange(PendingExchange* exchange, RingStepTiming* step);
   void StepDone(RingTimings* t, const RingStepTiming& step, int num_steps);
 
   RingAttention(Communicator& cp, const sharding::ShardPlan& plan,
@@ -143,7 +147,7 @@ class RingAttention {
   // Message geometry (slots are token rows of a padded message).
   std::vector<int64_t> kv_slot_offset_, kv_slots_;  // per sequence: L^i
   int64_t kv_slots_total_ = 0;
-  std::vector<int64_t> q_slot_offset_, q_slots_;    // per sequence: max_j T_j^i
+  std::vector<int64_t> q_slot_offset_, q_slots_;  // per sequence: max_j T_j^i
   int64_t q_slots_total_ = 0;
 
   // Buffers, sized on first use and reused.

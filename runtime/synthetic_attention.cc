@@ -7,8 +7,7 @@ namespace {
 
 enum Stream : uint64_t { kStreamQ = 1, kStreamK = 2, kStreamV = 3 };
 
-inline float Element(uint64_t seed, Stream stream, int seq, int64_t pos, int head, int dim,
-                     int d) {
+inline float Element(uint64_t seed, Stream stream, int seq, int64_t pos, int head, int dim, int d) {
   const uint64_t token = (static_cast<uint64_t>(seq) << 32) | static_cast<uint64_t>(pos);
   return UniformAt(seed, stream,
                    Mix64(token) + static_cast<uint64_t>(head) * static_cast<uint64_t>(dim) + d);
@@ -58,12 +57,12 @@ void SyntheticAttention::FillLocal(const sharding::LocalLayout& layout, const He
     auto ek = [&](int64_t p, int h, int d) { return K(s, p, h, d); };
     auto ev = [&](int64_t p, int h, int d) { return V(s, p, h, d); };
     const int64_t qo = layout.q_offset[s], ko = layout.kv_offset[s];
-    FillRows(eq, layout.q_positions.data() + qo, layout.q_len[s], slice.q_begin, slice.q_count,
-             dim, q + qo * slice.q_count * dim);
-    FillRows(ek, layout.kv_positions.data() + ko, layout.kv_len[s], slice.kv_begin,
-             slice.kv_count, dim, k + ko * slice.kv_count * dim);
-    FillRows(ev, layout.kv_positions.data() + ko, layout.kv_len[s], slice.kv_begin,
-             slice.kv_count, dim, v + ko * slice.kv_count * dim);
+    FillRows(eq, layout.q_positions.data() + qo, layout.q_len[s], slice.q_begin, slice.q_count, dim,
+             q + qo * slice.q_count * dim);
+    FillRows(ek, layout.kv_positions.data() + ko, layout.kv_len[s], slice.kv_begin, slice.kv_count,
+             dim, k + ko * slice.kv_count * dim);
+    FillRows(ev, layout.kv_positions.data() + ko, layout.kv_len[s], slice.kv_begin, slice.kv_count,
+             dim, v + ko * slice.kv_count * dim);
   }
 }
 
@@ -73,8 +72,10 @@ void SyntheticAttention::FillGlobal(float* q, float* k, float* v) const {
   for (int s = 0; s < static_cast<int>(sequences.size()); ++s) {
     const auto& req = sequences[s];
     std::vector<int32_t> qpos(req.new_tokens), kpos(req.cached_tokens + req.new_tokens);
-    for (int64_t i = 0; i < req.new_tokens; ++i) qpos[i] = static_cast<int32_t>(req.cached_tokens + i);
-    for (int64_t i = 0; i < static_cast<int64_t>(kpos.size()); ++i) kpos[i] = static_cast<int32_t>(i);
+    for (int64_t i = 0; i < req.new_tokens; ++i)
+      qpos[i] = static_cast<int32_t>(req.cached_tokens + i);
+    for (int64_t i = 0; i < static_cast<int64_t>(kpos.size()); ++i)
+      kpos[i] = static_cast<int32_t>(i);
     auto eq = [&](int64_t p, int h, int d) { return Q(s, p, h, d); };
     auto ek = [&](int64_t p, int h, int d) { return K(s, p, h, d); };
     auto ev = [&](int64_t p, int h, int d) { return V(s, p, h, d); };

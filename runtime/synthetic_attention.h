@@ -24,14 +24,14 @@ struct HeadSlice {
   int kv_begin = 0, kv_count = 0;
   // TP rank `tp_rank` of `tp_size` takes an equal contiguous share of both.
   static HeadSlice ForTpRank(int num_heads, int num_kv_heads, int tp_rank, int tp_size) {
-    return {num_heads / tp_size * tp_rank, num_heads / tp_size,
-            num_kv_heads / tp_size * tp_rank, num_kv_heads / tp_size};
+    return {num_heads / tp_size * tp_rank, num_heads / tp_size, num_kv_heads / tp_size * tp_rank,
+            num_kv_heads / tp_size};
   }
 };
 
 struct SyntheticAttention {
   std::vector<sharding::SequenceRequest> sequences;
-  int num_heads = 0;     // model totals; a HeadSlice picks a rank's share
+  int num_heads = 0;  // model totals; a HeadSlice picks a rank's share
   int num_kv_heads = 0;
   int head_dim = 0;
   uint64_t seed = 1;

@@ -47,8 +47,8 @@ absl::Status ValidateCache(const std::vector<SequenceRequest>& sequences, int cp
     std::vector<PositionRun> all;
     for (int r = 0; r < cp_size; ++r) {
       for (const PositionRun& run : cache.runs[r][s]) {
-        CPFILL_CHECK_ARG(run.begin >= 0 && run.length >= 0, "sequence ", s,
-                         ": KV cache run [", run.begin, ", ", run.end(), ") is invalid");
+        CPFILL_CHECK_ARG(run.begin >= 0 && run.length >= 0, "sequence ", s, ": KV cache run [",
+                         run.begin, ", ", run.end(), ") is invalid");
         if (run.length > 0) all.push_back(run);
       }
     }
@@ -61,9 +61,8 @@ absl::Status ValidateCache(const std::vector<SequenceRequest>& sequences, int cp
                        " near position ", std::min(run.begin, next));
       next = run.end();
     }
-    CPFILL_CHECK_ARG(next == sequences[s].cached_tokens, "sequence ", s, ": KV cache holds ",
-                     next, " tokens but the request says ", sequences[s].cached_tokens,
-                     " are cached");
+    CPFILL_CHECK_ARG(next == sequences[s].cached_tokens, "sequence ", s, ": KV cache holds ", next,
+                     " tokens but the request says ", sequences[s].cached_tokens, " are cached");
   }
   return absl::OkStatus();
 }

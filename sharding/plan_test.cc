@@ -81,9 +81,9 @@ TEST(PlanPrefill, EveryTokenOnceBalancedWorkAndKv) {
       // Causal work per rank within one chunk pair (chunk x chunk query-key pairs) of equal.
       // For tiny sequences (chunks of 0 or 1 token) the unit of imbalance is one query row of
       // up to T keys, which is then larger than a chunk pair.
-      EXPECT_LE(*std::max_element(work.begin(), work.end()) -
-                    *std::min_element(work.begin(), work.end()),
-                std::max<int64_t>(chunk * chunk, t))
+      EXPECT_LE(
+          *std::max_element(work.begin(), work.end()) - *std::min_element(work.begin(), work.end()),
+          std::max<int64_t>(chunk * chunk, t))
           << "T=" << t << " N=" << n;
       EXPECT_LE(*std::max_element(kv.begin(), kv.end()) - *std::min_element(kv.begin(), kv.end()),
                 1);
@@ -132,8 +132,9 @@ TEST(PlanPrefill, PartialPrefillShardsOnlyNewTokensAndKeepsTheCache) {
 
 TEST(PlanPrefill, MultiTurnLayoutsStackAndStayBalanced) {
   const int n = 4;
-  KvLayout cache{.cp_size = n, .runs = std::vector<std::vector<std::vector<PositionRun>>>(
-                                   n, std::vector<std::vector<PositionRun>>(1))};
+  KvLayout cache{.cp_size = n,
+                 .runs = std::vector<std::vector<std::vector<PositionRun>>>(
+                     n, std::vector<std::vector<PositionRun>>(1))};
   int64_t cached = 0;
   for (int64_t turn : {4000, 333, 1, 2048, 17}) {
     auto plan = PlanPrefill({{.new_tokens = turn, .cached_tokens = cached}}, n, &cache);
@@ -148,9 +149,9 @@ TEST(PlanPrefill, MultiTurnLayoutsStackAndStayBalanced) {
     }
     ExpectCoversOnce(runs, 0, cached);
     // Each turn adds floor or ceil of T/N per rank, so KV stays within one token per turn.
-    EXPECT_LE(*std::max_element(held.begin(), held.end()) -
-                  *std::min_element(held.begin(), held.end()),
-              5);
+    EXPECT_LE(
+        *std::max_element(held.begin(), held.end()) - *std::min_element(held.begin(), held.end()),
+        5);
   }
 }
 

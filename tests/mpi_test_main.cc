@@ -16,8 +16,8 @@ parallel::MpiRuntime& Mpi() { return *g_mpi; }
 
 int main(int argc, char** argv) {
   // A short deadline: a test that leaves a rank behind fails in a minute instead of hanging.
-  auto mpi = cpfill::parallel::MpiRuntime::Create(
-      &argc, &argv, {.timeout = std::chrono::seconds(120)});
+  auto mpi =
+      cpfill::parallel::MpiRuntime::Create(&argc, &argv, {.timeout = std::chrono::seconds(120)});
   if (!mpi.ok()) {
     std::fprintf(stderr, "cannot start MPI: %s\n", mpi.status().ToString().c_str());
     return 2;

@@ -68,30 +68,31 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgori
   auto ring = parallel::RingAttention::Create(*grid.cp, *plan, shape, &kernels);
   if (!ring.ok()) return fail(ring.status());
   const auto& layout = (*ring)->layout();
-  const runtime::SyntheticAttention batch{.sequences = c.sequences, .num_heads = c.heads,
-                                          .num_kv_heads = c.kv_heads, .head_dim = c.head_dim,
+  const runtime::SyntheticAttention batch{.sequences = c.sequences,
+                                          .num_heads = c.heads,
+                                          .num_kv_heads = c.kv_heads,
+                                          .head_dim = c.head_dim,
                                           .seed = 1234};
   std::vector<float> q(layout.q_rows() * shape.num_heads * c.head_dim);
   std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * c.head_dim), v(k.size());
   batch.FillLocal(layout,
                   runtime::HeadSlice::ForTpRank(c.heads, c.kv_heads, grid.tp_rank, grid.tp_size),
                   q.data(), k.data(), v.data());
-  std::vector<float> o(q.size(), std::nanf("")), lse(layout.q_rows() * shape.num_heads,
-                                                      std::nanf(""));
+  std::vector<float> o(q.size(), std::nanf("")),
+      lse(layout.q_rows() * shape.num_heads, std::nanf(""));
   // Twice: the second run reuses the buffers of the first, which must leave nothing behind.
   for (int run = 0; run < 2; ++run) {
     parallel::RingTimings timings;
-    if (absl::Status s = (*ring)->Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(),
-                                      &timings);
+    if (absl::Status s =
+            (*ring)->Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(), &timings);
         !s.ok()) {
       return fail(s);
     }
   }
   std::vector<float> o_all, lse_all;
-  if (absl::Status s = parallel::GatherAttentionOutputs(*grid.world, *plan, grid.tp_rank,
-                                                        grid.tp_size, grid.cp_rank, c.heads,
-                                                        c.head_dim, o.data(), lse.data(), &o_all,
-                                                        &lse_all);
+  if (absl::Status s = parallel::GatherAttentionOutputs(
+          *grid.world, *plan, grid.tp_rank, grid.tp_size, grid.cp_rank, c.heads, c.head_dim,
+          o.data(), lse.data(), &o_all, &lse_all);
       !s.ok()) {
     return fail(s);
   }
@@ -104,9 +105,9 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgori
   full.num_heads = c.heads;
   full.num_kv_heads = c.kv_heads;
   std::vector<float> o_ref(o_all.size(), std::nanf("")), lse_ref(lse_all.size(), std::nanf(""));
-  if (absl::Status s = parallel::SingleRankAttention(c.sequences, full, q_all.data(),
-                                                     k_all.data(), v_all.data(), o_ref.data(),
-                                                     lse_ref.data(), &kernels);
+  if (absl::Status s =
+          parallel::SingleRankAttention(c.sequences, full, q_all.data(), k_all.data(), v_all.data(),
+                                        o_ref.data(), lse_ref.data(), &kernels);
       !s.ok()) {
     return fail(s);
   }
@@ -134,25 +135,29 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgori
 
 std::vector<Case> Cases() {
   return {
-      {.name = "full prefill, one sequence that divides by 2N",
-       .sequences = {{.new_tokens = 240}}},
+      {.name = "full prefill, one sequence that divides by 2N", .sequences = {{.new_tokens = 240}}},
       {.name = "full prefill, uneven fused batch (not divisible, empty, length 1)",
-       .sequences = {{.new_tokens = 517}, {.new_tokens = 0}, {.new_tokens = 1},
-                     {.new_tokens = 33}, {.new_tokens = 2}}},
+       .sequences = {{.new_tokens = 517},
+                     {.new_tokens = 0},
+                     {.new_tokens = 1},
+                     {.new_tokens = 33},
+                     {.new_tokens = 2}}},
       {.name = "partial prefill after one full prefill",
        .sequences = {{.new_tokens = 101, .cached_tokens = 300},
                      {.new_tokens = 7, .cached_tokens = 59},
                      {.new_tokens = 64, .cached_tokens = 0}}},
       {.name = "partial prefill, few new tokens on a long cache (pass-Q territory)",
-       .sequences = {{.new_tokens = 3, .cached_tokens = 700}, {.new_tokens = 1,
-                                                               .cached_tokens = 5}}},
+       .sequences = {{.new_tokens = 3, .cached_tokens = 700},
+                     {.new_tokens = 1, .cached_tokens = 5}}},
       {.name = "partial prefill on a cache built by three earlier turns",
        .sequences = {{.new_tokens = 50, .cached_tokens = 431},
                      {.new_tokens = 13, .cached_tokens = 31}},
        .turns = {{200, 1, 230}, {10, 20, 1}}},
       {.name = "GQA 8:1, head dim 64",
        .sequences = {{.new_tokens = 190, .cached_tokens = 17}},
-       .heads = 8, .kv_heads = 1, .head_dim = 64},
+       .heads = 8,
+       .kv_heads = 1,
+       .head_dim = 64},
       {.name = "non-causal",
        .sequences = {{.new_tokens = 77, .cached_tokens = 20}, {.new_tokens = 5}},
        .causal = false},
