@@ -25,6 +25,7 @@ namespace cpfill::internal {
 // library (MPI in parallel/, CUDA in attention/cuda/), so base/ itself depends on none of them.
 // The message names the call text, file:line and the world rank of the calling process.
 absl::Status MpiCallError(int code, const char* call, const char* file, int line);
+absl::Status CudaCallError(int code, const char* call, const char* file, int line);
 
 }  // namespace cpfill::internal
 
@@ -65,4 +66,13 @@ absl::Status MpiCallError(int code, const char* call, const char* file, int line
     int cpfill_mpi_rc_ = (call);                                                          \
     if (cpfill_mpi_rc_ != MPI_SUCCESS)                                                    \
       return ::cpfill::internal::MpiCallError(cpfill_mpi_rc_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+// Wraps a CUDA runtime call: an error becomes an Internal status naming the call, the CUDA error
+// and the device. Use only where the CUDA runtime header is included (attention/cuda/, ...).
+#define CPFILL_CUDA_CHECK(call)                                                            \
+  do {                                                                                     \
+    const int cpfill_cuda_rc_ = static_cast<int>(call);                                    \
+    if (cpfill_cuda_rc_ != 0)                                                              \
+      return ::cpfill::internal::CudaCallError(cpfill_cuda_rc_, #call, __FILE__, __LINE__); \
   } while (0)

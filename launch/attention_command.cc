@@ -20,6 +20,7 @@
 #include "launch/commands.h"
 #include "launch/flags.h"
 #include "launch/session.h"
+#include "parallel/cuda_attention_kernels.h"
 #include "parallel/gather_outputs.h"
 #include "parallel/ring_attention.h"
 #include "parallel/selector.h"
@@ -51,6 +52,7 @@ struct AttentionFlags {
   int repeat = 1;
   int64_t seed = 1;
   bool non_causal = false;
+  std::string backend = "auto";
   SessionFlags session;
 };
 
@@ -189,6 +191,9 @@ int Run(int argc, char** argv) {
   flags.Int("repeat", &f.repeat, "runs of the batch (timings of each; the median is reported)");
   flags.Int("seed", &f.seed, "seed of the synthetic inputs");
   flags.Bool("non-causal", &f.non_causal, "attend to every key (default: causal)");
+  flags.String("backend", &f.backend,
+               "auto | cpu | cuda: where partial attention runs (auto: cuda when a GPU is "
+               "visible); cuda computes in bf16, so --check compares on bf16-rounded inputs");
   AddSessionFlags(flags, &f.session);
   const absl::Status parsed = flags.Parse(argc, argv, 2);
 
@@ -198,6 +203,28 @@ int Run(int argc, char** argv) {
   parallel::ProcessGrid& grid = *started.grid;
   // ---- configuration: every rank reaches the same verdict ----------------------------------
   if (absl::Status s = ValidateFlags(f, grid); !s.ok()) return session->ConfigError(s);
+  if (f.backend != "auto" && f.backend != "cpu" && f.backend != "cuda") {
+    return session->ConfigError(absl::InvalidArgumentError(
+        absl::StrCat("--backend: unknown backend '", f.backend, "' (valid: auto, cpu, cuda)")));
+  }
+  const bool use_cuda =
+      f.backend == "cuda" || (f.backend == "auto" && parallel::CudaBackendAvailable());
+  if (use_cuda) {
+    // Every rank must have a device; agree on it before anything runs, so a missing GPU is one
+    // clean message rather than one rank's abort.
+    int32_t have = parallel::CudaBackendAvailable() ? 1 : 0;
+    if (absl::Status s =
+            grid.world->AllReduce(&have, 1, parallel::DataType::kInt32, parallel::ReduceOp::kMin);
+        !s.ok()) {
+      session->Fail(s);
+    }
+    if (!have) {
+      return session->ConfigError(absl::FailedPreconditionError(
+          "--backend cuda: a rank sees no CUDA device (or this cpfill was built without the "
+          "CUDA backend); use --backend cpu"));
+    }
+    if (!flags.IsSet("tolerance")) f.tolerance = 2e-2;  // bf16 inputs and P
+  }
   auto algo_or = f.algo == "auto" ? absl::StatusOr<RingAlgorithm>(RingAlgorithm::kPassKV)
                                   : parallel::ParseRingAlgorithm(f.algo);
   if (!algo_or.ok()) return session->ConfigError(algo_or.status());
@@ -247,7 +274,8 @@ int Run(int argc, char** argv) {
       plan.num_sequences(), absl::StrJoin(f.seq_lens, "+"),
       f.cached_lens.empty() ? "0" : absl::StrJoin(f.cached_lens, "+"), f.heads, f.kv_heads,
       f.head_dim, model.num_heads, model.num_kv_heads, f.non_causal ? "non-causal" : "causal");
-  session->Print("grid: %s; CPU backend, %d kernel thread(s) per rank\n", grid.Describe(), threads);
+  session->Print("grid: %s; %s backend, %d kernel thread(s) per rank\n", grid.Describe(),
+                 use_cuda ? "CUDA (staged, bf16)" : "CPU (fp32)", threads);
   session->Print("plan: 2N = %d chunks per sequence; padding %d new-token and %d KV slots\n",
                  2 * grid.cp_size, plan.NewTokenPadding(), plan.KvPadding());
   session->Print("selector (%s%s): %s\n", parallel::SelectorRuleName(*rule_or),
@@ -289,8 +317,16 @@ int Run(int argc, char** argv) {
                                         .softmax_scale = 1.0f / std::sqrt(float(f.head_dim)),
                                         .causal = !f.non_causal};
   ThreadPool pool(threads);
-  parallel::CpuAttentionKernels kernels(&pool);
-  auto ring_or = parallel::RingAttention::Create(*grid.cp, plan, shape, &kernels);
+  std::unique_ptr<parallel::AttentionKernels> kernels;
+  if (use_cuda) {
+    auto cuda = parallel::CudaStagedAttentionKernels::Create(grid.host_rank, &pool);
+    // Every rank asked for the same backend; a rank without a device fails the job by name.
+    if (!cuda.ok()) session->Fail(cuda.status());
+    kernels = std::move(*cuda);
+  } else {
+    kernels = std::make_unique<parallel::CpuAttentionKernels>(&pool);
+  }
+  auto ring_or = parallel::RingAttention::Create(*grid.cp, plan, shape, kernels.get());
   if (!ring_or.ok()) session->Fail(ring_or.status());
   auto& ring = *ring_or;
   const sharding::LocalLayout& layout = ring->layout();
@@ -373,6 +409,11 @@ int Run(int argc, char** argv) {
     k_all.resize(batch.total_kv_tokens() * f.kv_heads * f.head_dim);
     v_all.resize(k_all.size());
     batch.FillGlobal(q_all.data(), k_all.data(), v_all.data());
+    if (use_cuda) {  // the numbers the GPU saw
+      parallel::RoundToBfloat16(q_all);
+      parallel::RoundToBfloat16(k_all);
+      parallel::RoundToBfloat16(v_all);
+    }
   }
   if (f.check) {
     int32_t verdict = 1;

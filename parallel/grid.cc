@@ -51,6 +51,7 @@ absl::StatusOr<ProcessGrid> CreateProcessGrid(MpiRuntime& mpi, GridOptions optio
   int64_t host_leader = g.world_rank;
   CPFILL_RETURN_IF_ERROR(host->AllReduce(&host_leader, 1, DataType::kInt64, ReduceOp::kMin));
   const int host_rank = host->rank();
+  g.host_rank = host_rank;
   const int node_color = static_cast<int>(host_leader) * (host_ranks / r) + host_rank / r;
   CPFILL_ASSIGN_OR_RETURN(g.node_comm, mpi.Split(*g.world, node_color, g.world_rank, "node"));
   g.local_rank = g.node_comm->rank();

@@ -31,6 +31,7 @@ struct ProcessGrid {
   int world_rank = 0, world_size = 1;
   int node = 0, num_nodes = 1;  // emulated or real
   int local_rank = 0, ranks_per_node = 1;
+  int host_rank = 0;  // rank among the processes of this host (real, not emulated): picks the GPU
   int tp_rank = 0, tp_size = 1;
   int cp_rank = 0, cp_size = 1;
   std::unique_ptr<Communicator> world, node_comm, tp, cp;

@@ -52,6 +52,11 @@ bad_input_flags)
   expect_exit 2 "unknown ring algorithm|valid" -- mpi 4 "$cpfill" attention --seq-lens 100 \
     --algo pass-x
   expect_exit 2 'unknown command' -- "$cpfill" prefil
+  expect_exit 2 "unknown backend 'gpu'" -- mpi 2 "$cpfill" attention --seq-lens 100 --backend gpu
+  if ! nvidia-smi -L >/dev/null 2>&1; then
+    expect_exit 2 'a rank sees no CUDA device' -- mpi 2 "$cpfill" attention --seq-lens 100 \
+      --backend cuda
+  fi
   # One message, not one per rank.
   mpi 4 "$cpfill" attention --seq-lens 100,-1 >"$tmp/o" 2>&1
   [ "$(grep -c 'negative' "$tmp/o")" -eq 1 ] || fail "the message should print once"
@@ -126,6 +131,15 @@ calibrate_writes_fit)
     --bandwidth-bytes 1000000 --out "$tmp/fit.json"
   expect_exit 0 '"choice"' -- "$cpfill" select --heads 2 --kv-heads 1 --cp 2 --new-tokens 100 \
     --cached-tokens 1000 --fit "$tmp/fit.json"
+  ;;
+cuda_backend_check)
+  # The ring with the CUDA kernel (staged backend) against one rank on bf16-rounded inputs.
+  if ! nvidia-smi -L >/dev/null 2>&1; then echo "SKIPPED: no GPU on this machine"; exit 77; fi
+  for algo in pass-kv pass-q all-gather; do
+    expect_exit 0 'CUDA \(staged.*|PASS' -- mpi 2 "$cpfill" attention --backend cuda --algo $algo \
+      --seq-lens 1031,257,1 --cached-lens 0,300,5 --heads 16 --kv-heads 1 --head-dim 128 --check
+    grep -q 'check: .*PASS' "$tmp/out" || fail "no PASS for $algo"
+  done
   ;;
 *)
   fail "unknown test $name"

@@ -1,0 +1,333 @@
+// Launchers of the CUDA attention backend: validation, the key-tile summary pre-pass, the
+// forward kernel (flash_kernel.cuh) per head dim, the fill of uncovered rows, and the merge.
+#include "attention/cuda/attention_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attention/cuda/flash_kernel.cuh"
+#include "base/status.h"
+
+namespace cpfill {
+namespace internal {
+absl::Status CudaCallError(int code, const char* call, const char* file, int line) {
+  int device = -1;
+  cudaGetDevice(&device);
+  return absl::InternalError(absl::StrCat("CUDA call ", call, " failed on device ", device, ": ",
+                                          cudaGetErrorString(static_cast<cudaError_t>(code)),
+                                          " (", file, ":", line, ")"));
+}
+}  // namespace internal
+
+namespace attention::cuda {
+namespace {
+
+using internal::FlashParams;
+using internal::KeyTileSummary;
+using internal::kMaxSlicesPerLaunch;
+using internal::SliceDesc;
+
+// Kernel shapes, chosen at launch (CPFILL_ATTENTION_VARIANT overrides, for benchmarking):
+//   0: 8 warps x 16 rows (128), Q in registers, one CTA per SM
+//   1: 4 warps x 16 rows (64), Q in registers, two CTAs per SM
+//   2: 4 warps x 32 rows (128), 32-key tiles, Q re-read from shared memory, two CTAs per SM:
+//      every K/V fragment feeds four MMAs instead of two
+//   3: as 2 with 64-key tiles (the default: fastest measured, bench/RESULTS.md; at head dim
+//      128 it spills a few registers, reloaded outside the MMA loop's critical path)
+// Variants 0, 1 and 3 use 64-key tiles.
+int VariantFromEnv() {
+  static const int v = [] {
+    const char* e = std::getenv("CPFILL_ATTENTION_VARIANT");
+    return e ? std::atoi(e) : 3;
+  }();
+  return v;
+}
+int BlockM() { return VariantFromEnv() == 1 ? 64 : 128; }
+int BlockN() { return VariantFromEnv() == 2 ? 32 : 64; }
+
+
+// ---- pre-pass: what each key tile holds ------------------------------------------------
+
+__global__ void KeyTileSummaryKernel(const __grid_constant__ FlashParams p, int total_k_tiles,
+                                     KeyTileSummary* out) {
+  const int tile = blockIdx.x * blockDim.x + threadIdx.x;
+  if (tile >= total_k_tiles) return;
+  int s = 0;
+  while (s + 1 < p.num_slices && tile >= p.slices[s + 1].k_tile_start) ++s;
+  const SliceDesc& sl = p.slices[s];
+  const int64_t key0 = static_cast<int64_t>(tile - sl.k_tile_start) * p.key_tile;
+  KeyTileSummary r{INT32_MAX, -1, 0, 0};
+  for (int i = 0; i < p.key_tile; ++i) {
+    if (key0 + i >= sl.kv_len) {
+      r.any_invalid = 1;
+      break;
+    }
+    const int32_t pos = p.k_pos[sl.kv_begin + key0 + i];
+    if (pos < 0) {
+      r.any_invalid = 1;
+    } else {
+      r.any_valid = 1;
+      r.min_pos = min(r.min_pos, pos);
+      r.max_pos = max(r.max_pos, pos);
+    }
+  }
+  out[tile] = r;
+}
+
+// ---- rows that no slice covers: O = 0, LSE = -inf --------------------------------------
+
+template <typename T>
+__global__ void FillEmptyKernel(T* o, float* lse, int64_t rows, int heads, int dim) {
+  const int64_t n = rows * heads * dim;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    o[i] = T(0.f);
+    if (i % dim == 0) lse[i / dim] = -INFINITY;
+  }
+}
+
+// ---- merge of N partials ---------------------------------------------------------------
+
+struct MergeParams {
+  const float* o[kMaxMergeParts];
+  const float* lse[kMaxMergeParts];
+  int num_parts;
+  int64_t rows_heads;  // rows * heads
+  int dim;
+  float* o_out;
+  __nv_bfloat16* o_out_bf16;
+  float* lse_out;
+};
+
+// One thread per 4 consecutive values of one (row, head): 16-byte loads of every part.
+__global__ void MergeKernel(const __grid_constant__ MergeParams p) {
+  const int chunks = p.dim / 4;
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= p.rows_heads * chunks) return;
+  const int64_t rh = idx / chunks;
+  const int c = static_cast<int>(idx % chunks);
+  float mx = -INFINITY;
+  for (int s = 0; s < p.num_parts; ++s) mx = fmaxf(mx, p.lse[s][rh]);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float total = 0.f;
+  if (mx != -INFINITY) {
+    for (int s = 0; s < p.num_parts; ++s) {
+      const float w = __expf(p.lse[s][rh] - mx);  // -inf parts weigh 0
+      if (w == 0.f) continue;
+      const float4 x = reinterpret_cast<const float4*>(p.o[s] + rh * p.dim)[c];
+      acc.x += w * x.x;
+      acc.y += w * x.y;
+      acc.z += w * x.z;
+      acc.w += w * x.w;
+      total += w;
+    }
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  acc.x *= inv;
+  acc.y *= inv;
+  acc.z *= inv;
+  acc.w *= inv;
+  if (p.o_out != nullptr) reinterpret_cast<float4*>(p.o_out + rh * p.dim)[c] = acc;
+  if (p.o_out_bf16 != nullptr) {
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(p.o_out_bf16 + rh * p.dim + c * 4);
+    dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+    dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+  }
+  if (c == 0) p.lse_out[rh] = total > 0.f ? mx + __logf(total) : -INFINITY;
+}
+
+// ---- dispatch --------------------------------------------------------------------------
+
+template <int kDim, int kBlockN, int kWarps, int kMTiles, int kMinBlocks>
+absl::Status LaunchFlashShape(const FlashParams& params, int num_q_tiles, int num_kv_heads,
+                              cudaStream_t stream) {
+  using Cfg = internal::FlashConfig<kDim, kBlockN, kWarps, kMTiles>;
+  auto kernel = internal::FlashForwardKernel<kDim, kBlockN, kWarps, kMTiles, kMinBlocks>;
+  // More than 48 KiB of dynamic shared memory must be asked for once per kernel.
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  CPFILL_CUDA_CHECK(attr);
+  const dim3 grid(num_q_tiles, num_kv_heads);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
+  CPFILL_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+template <int kDim>
+absl::Status LaunchFlash(const FlashParams& params, int num_q_tiles, int num_kv_heads,
+                         cudaStream_t stream) {
+  switch (VariantFromEnv()) {
+    case 0:
+      return LaunchFlashShape<kDim, 64, 8, 1, 1>(params, num_q_tiles, num_kv_heads, stream);
+    case 1:
+      return LaunchFlashShape<kDim, 64, 4, 1, 2>(params, num_q_tiles, num_kv_heads, stream);
+    case 3:
+      return LaunchFlashShape<kDim, 64, 4, 2, 2>(params, num_q_tiles, num_kv_heads, stream);
+    default:
+      return LaunchFlashShape<kDim, 32, 4, 2, 2>(params, num_q_tiles, num_kv_heads, stream);
+  }
+}
+
+// The slices with work, in launch groups of at most kMaxSlicesPerLaunch.
+std::vector<int64_t> WorkingSlices(const CudaAttentionArgs& a) {
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < a.num_slices; ++i) {
+    if (a.slices[i].q_len > 0 && a.slices[i].kv_len > 0) out.push_back(i);
+  }
+  return out;
+}
+
+int64_t KeyTiles(const SequenceSlice& s) { return (s.kv_len + BlockN() - 1) / BlockN(); }
+
+}  // namespace
+
+bool SupportedHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+size_t AttentionWorkspaceBytes(const CudaAttentionArgs& args) {
+  size_t tiles = 0;
+  for (int64_t i : WorkingSlices(args)) tiles += KeyTiles(args.slices[i]);
+  return tiles * sizeof(KeyTileSummary);
+}
+
+absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
+                                  size_t workspace_bytes, cudaStream_t stream) {
+  // Shapes and slice bounds: the CPU contract's validator (it checks pointers for null only).
+  AttentionParams view{.shape = a.shape,
+                       .q = reinterpret_cast<const float*>(a.q),
+                       .q_pos = a.q_pos,
+                       .q_tokens = a.q_tokens,
+                       .k = reinterpret_cast<const float*>(a.k),
+                       .v = reinterpret_cast<const float*>(a.v),
+                       .k_pos = a.k_pos,
+                       .kv_tokens = a.kv_tokens,
+                       .slices = a.slices,
+                       .num_slices = a.num_slices,
+                       .o = static_cast<float*>(a.o),
+                       .lse = a.lse};
+  CPFILL_RETURN_IF_ERROR(ValidateAttentionParams(view));
+  CPFILL_CHECK_ARG(SupportedHeadDim(a.shape.head_dim), "CUDA attention: head_dim ",
+                   a.shape.head_dim, " has no compiled kernel (supported: 64, 128)");
+  CPFILL_CHECK_ARG(std::isfinite(a.shape.softmax_scale), "softmax_scale must be finite");
+  const size_t need = AttentionWorkspaceBytes(a);
+  CPFILL_CHECK_ARG(workspace_bytes >= need && (need == 0 || workspace != nullptr),
+                   "CUDA attention: workspace of ", workspace_bytes, " bytes, ", need, " needed");
+
+  // Rows no slice covers are written empty first (not in merge mode: merging nothing is a
+  // no-op). Slices do not overlap, so covered rows sum to q_tokens exactly when all are covered.
+  int64_t covered = 0;
+  for (int64_t i = 0; i < a.num_slices; ++i) covered += a.slices[i].q_len;
+  const int dim = a.shape.head_dim;
+  if (covered < a.q_tokens && a.output != OutputMode::kMergeIntoFloat32) {
+    const int64_t n = a.q_tokens * a.shape.num_heads * dim;
+    const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535));
+    if (a.output == OutputMode::kFloat32) {
+      FillEmptyKernel<float><<<blocks, 256, 0, stream>>>(static_cast<float*>(a.o), a.lse,
+                                                         a.q_tokens, a.shape.num_heads, dim);
+    } else {
+      FillEmptyKernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(
+          static_cast<__nv_bfloat16*>(a.o), a.lse, a.q_tokens, a.shape.num_heads, dim);
+    }
+    CPFILL_CUDA_CHECK(cudaGetLastError());
+  }
+
+  const std::vector<int64_t> work = WorkingSlices(a);
+  const int group = a.shape.group_size();
+  KeyTileSummary* summaries = static_cast<KeyTileSummary*>(workspace);
+  int64_t summary_offset = 0;
+  for (size_t first = 0; first < work.size(); first += kMaxSlicesPerLaunch) {
+    const size_t count = std::min<size_t>(kMaxSlicesPerLaunch, work.size() - first);
+    FlashParams p{};
+    p.q = a.q;
+    p.k = a.k;
+    p.v = a.v;
+    p.q_pos = a.q_pos;
+    p.k_pos = a.k_pos;
+    p.o = a.o;
+    p.lse = a.lse;
+    p.key_tiles = summaries + summary_offset;
+    p.key_tile = BlockN();
+    p.num_heads = a.shape.num_heads;
+    p.num_kv_heads = a.shape.num_kv_heads;
+    p.group = group;
+    p.scale_log2 = a.shape.softmax_scale * internal::kLog2e;
+    p.causal = a.shape.causal ? 1 : 0;
+    p.out_mode = a.output == OutputMode::kBfloat16  ? internal::kOutBf16
+                 : a.output == OutputMode::kFloat32 ? internal::kOutF32
+                                                    : internal::kOutMergeF32;
+    p.num_slices = static_cast<int32_t>(count);
+    int64_t q_tiles = 0, k_tiles = 0;
+    for (size_t i = 0; i < count; ++i) {
+      const SequenceSlice& s = a.slices[work[first + i]];
+      p.slices[i] = SliceDesc{s.q_begin, s.q_len, s.kv_begin, s.kv_len,
+                              static_cast<int32_t>(q_tiles), static_cast<int32_t>(k_tiles)};
+      q_tiles += (s.q_len * group + BlockM() - 1) / BlockM();
+      k_tiles += KeyTiles(s);
+    }
+    CPFILL_CHECK_ARG(q_tiles < (int64_t{1} << 31) - 1, "CUDA attention: ", q_tiles,
+                     " query tiles exceed one launch");
+    KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
+        p, static_cast<int>(k_tiles), summaries + summary_offset);
+    CPFILL_CUDA_CHECK(cudaGetLastError());
+    if (dim == 128) {
+      CPFILL_RETURN_IF_ERROR(
+          LaunchFlash<128>(p, static_cast<int>(q_tiles), a.shape.num_kv_heads, stream));
+    } else {
+      CPFILL_RETURN_IF_ERROR(
+          LaunchFlash<64>(p, static_cast<int>(q_tiles), a.shape.num_kv_heads, stream));
+    }
+    summary_offset += k_tiles;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MergePartialsCuda(const AttentionShape& shape, int64_t rows,
+                               std::span<const float* const> o_parts,
+                               std::span<const float* const> lse_parts, float* o_out,
+                               __nv_bfloat16* o_out_bf16, float* lse_out, cudaStream_t stream) {
+  CPFILL_CHECK_ARG(o_parts.size() == lse_parts.size(), "merge: ", o_parts.size(), " O parts but ",
+                   lse_parts.size(), " LSE parts");
+  CPFILL_CHECK_ARG(!o_parts.empty() && o_parts.size() <= static_cast<size_t>(kMaxMergeParts),
+                   "merge: ", o_parts.size(), " parts; 1 to ", kMaxMergeParts, " per call");
+  CPFILL_CHECK_ARG(shape.num_heads > 0 && shape.head_dim > 0 && shape.head_dim % 4 == 0,
+                   "merge: head_dim must be a positive multiple of 4, got ", shape.head_dim);
+  CPFILL_CHECK_ARG(rows >= 0, "merge: rows must be >= 0");
+  CPFILL_CHECK_ARG(lse_out != nullptr && (o_out != nullptr || o_out_bf16 != nullptr),
+                   "merge: no output");
+  if (rows == 0) return absl::OkStatus();
+  MergeParams p{};
+  for (size_t i = 0; i < o_parts.size(); ++i) {
+    CPFILL_CHECK_ARG(o_parts[i] != nullptr && lse_parts[i] != nullptr, "merge: part ", i,
+                     " is null");
+    CPFILL_CHECK_ARG(reinterpret_cast<uintptr_t>(o_parts[i]) % 16 == 0, "merge: part ", i,
+                     " is not 16-byte aligned");
+    p.o[i] = o_parts[i];
+    p.lse[i] = lse_parts[i];
+  }
+  p.num_parts = static_cast<int>(o_parts.size());
+  p.rows_heads = rows * shape.num_heads;
+  p.dim = shape.head_dim;
+  p.o_out = o_out;
+  p.o_out_bf16 = o_out_bf16;
+  p.lse_out = lse_out;
+  const int64_t threads = p.rows_heads * (shape.head_dim / 4);
+  MergeKernel<<<static_cast<int>((threads + 255) / 256), 256, 0, stream>>>(p);
+  CPFILL_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+}  // namespace attention::cuda
+}  // namespace cpfill

@@ -1,0 +1,78 @@
+// cpfill/attention/cuda/attention_cuda.h — the CUDA backend of the attention primitive.
+//
+// Same semantics as attention.h (fused varseq batch, per-token global positions, causal
+// `k_pos <= q_pos`, GQA, O + natural-log LSE, rows that see nothing get O = 0 and LSE = -inf),
+// on device memory: Q/K/V in bf16, accumulation in fp32. Launchers validate, take a stream, never
+// synchronize and never allocate: a workspace (AttentionWorkspaceBytes) is passed in.
+//
+//   CudaAttentionArgs a{.shape = shape, .q = dq, .q_pos = dqpos, .q_tokens = nq, .k = dk, ...,
+//                       .slices = host_slices.data(), .num_slices = n,
+//                       .output = OutputMode::kMergeIntoFloat32, .o = d_running_o,
+//                       .lse = d_running_lse};
+//   CPFILL_RETURN_IF_ERROR(PartialAttentionCuda(a, workspace, workspace_bytes, stream));
+//
+// Output modes: kBfloat16 and kFloat32 write O (and LSE) for every query row; rows covered by no
+// slice are written empty. kMergeIntoFloat32 folds this call's result into a running fp32
+// (O, LSE) in place (App. B eq. 4), so a ring loop needs no separate merge pass; rows covered by
+// no slice are left as they are (merging an empty result changes nothing).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "attention/attention.h"
+
+namespace cpfill::attention::cuda {
+
+enum class OutputMode { kBfloat16, kFloat32, kMergeIntoFloat32 };
+
+// Layouts as attention.h: q [q_tokens, num_heads, head_dim], k/v [kv_tokens, num_kv_heads,
+// head_dim] (bf16, device); q_pos/k_pos int32 (device); o [q_tokens, num_heads, head_dim] (bf16
+// or fp32 by mode, device); lse [q_tokens, num_heads] fp32 (device). `slices` is HOST memory: the
+// launcher copies the descriptors into the kernel's parameters.
+struct CudaAttentionArgs {
+  AttentionShape shape;
+  const __nv_bfloat16* q = nullptr;
+  const int32_t* q_pos = nullptr;
+  int64_t q_tokens = 0;
+  const __nv_bfloat16* k = nullptr;
+  const __nv_bfloat16* v = nullptr;
+  const int32_t* k_pos = nullptr;
+  int64_t kv_tokens = 0;
+  const SequenceSlice* slices = nullptr;
+  int64_t num_slices = 0;
+  OutputMode output = OutputMode::kBfloat16;
+  void* o = nullptr;
+  float* lse = nullptr;
+};
+
+// Head dimensions with compiled kernels.
+bool SupportedHeadDim(int head_dim);
+
+// Device workspace the launch needs (per-key-tile position summaries); 0 is possible.
+size_t AttentionWorkspaceBytes(const CudaAttentionArgs& args);
+
+// InvalidArgument for bad shapes, unsupported head dims, slices out of range or overlapping in
+// query rows, a too small workspace; Internal for a failed launch (with the CUDA error text).
+absl::Status PartialAttentionCuda(const CudaAttentionArgs& args, void* workspace,
+                                  size_t workspace_bytes, cudaStream_t stream);
+
+// Exact merge of `o_parts.size()` fp32 partials (device pointers) [rows, heads, head_dim] with
+// their LSE [rows, heads] into o_out (fp32, or bf16 when o_out_bf16 is set) and lse_out. fp32
+// math, 16-byte loads, -inf safe. At most kMaxMergeParts parts per call; the outputs must not
+// alias the parts.
+inline constexpr int kMaxMergeParts = 16;
+absl::Status MergePartialsCuda(const AttentionShape& shape, int64_t rows,
+                               std::span<const float* const> o_parts,
+                               std::span<const float* const> lse_parts, float* o_out,
+                               __nv_bfloat16* o_out_bf16, float* lse_out, cudaStream_t stream);
+
+// Number of CUDA devices (0 when there is no driver or no GPU); never fails.
+int DeviceCount();
+
+}  // namespace cpfill::attention::cuda

@@ -1,0 +1,434 @@
+// GPU tests of the CUDA attention backend: every case against the naive fp64 reference on fresh
+// random inputs (rounded to bf16 first, so both see the same numbers), outputs poisoned with NaN
+// before each run. Exits 77 (CTest: skipped) on a machine without a GPU.
+#include "attention/cuda/attention_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attention/attention.h"
+#include "attention/reference.h"
+#include "gtest/gtest.h"
+
+namespace cpfill::attention::cuda {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+#define ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+// An owning device allocation.
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(size_t n) : n_(n) {
+    void* p = nullptr;
+    if (n_ > 0 && cudaMalloc(&p, n_ * sizeof(T)) == cudaSuccess) p_ = static_cast<T*>(p);
+  }
+  ~DeviceArray() { cudaFree(p_); }
+  DeviceArray(const DeviceArray&) = delete;
+  T* get() const { return p_; }
+  void Upload(const std::vector<T>& h) {
+    if (n_ > 0) cudaMemcpy(p_, h.data(), n_ * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  std::vector<T> Download() const {
+    std::vector<T> h(n_);
+    if (n_ > 0) cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+
+ private:
+  size_t n_;
+  T* p_ = nullptr;
+};
+
+struct Case {
+  std::string name;
+  int heads = 16, kv_heads = 1, dim = 128;
+  bool causal = true;
+  int64_t q_tokens = 0, kv_tokens = 0;
+  std::vector<int32_t> q_pos, k_pos;
+  std::vector<SequenceSlice> slices;
+  float amplitude = 2.0f;  // input range; larger makes the softmax peakier
+};
+
+// Host inputs rounded through bf16, and the same numbers as bf16 for the device.
+struct Inputs {
+  std::vector<float> q, k, v;
+  std::vector<__nv_bfloat16> qb, kb, vb;
+};
+
+Inputs MakeInputs(const Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-c.amplitude, c.amplitude);
+  Inputs in;
+  auto fill = [&](std::vector<float>& f, std::vector<__nv_bfloat16>& b, size_t n) {
+    f.resize(n);
+    b.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      b[i] = __float2bfloat16(u(rng));
+      f[i] = __bfloat162float(b[i]);
+    }
+  };
+  fill(in.q, in.qb, c.q_tokens * c.heads * c.dim);
+  fill(in.k, in.kb, c.kv_tokens * c.kv_heads * c.dim);
+  fill(in.v, in.vb, c.kv_tokens * c.kv_heads * c.dim);
+  return in;
+}
+
+AttentionShape ShapeOf(const Case& c) {
+  return AttentionShape{.num_heads = c.heads,
+                        .num_kv_heads = c.kv_heads,
+                        .head_dim = c.dim,
+                        .softmax_scale = 1.0f / std::sqrt(float(c.dim)),
+                        .causal = c.causal};
+}
+
+// What the comparison found.
+struct Errors {
+  double rel_fro_o = 0;    // ||O - ref|| / ||ref|| over rows that see keys
+  double max_abs_lse = 0;  // over rows with finite reference LSE
+  int64_t bad_empty = 0;   // rows that must be empty (LSE -inf, O 0) but are not, or vice versa
+  int64_t unwritten = 0;   // NaN left from the poison
+};
+
+Errors Compare(const Case& c, const std::vector<float>& o, const std::vector<float>& lse,
+               const std::vector<double>& o_ref, const std::vector<double>& lse_ref) {
+  Errors e;
+  double d2 = 0, r2 = 0;
+  for (int64_t row = 0; row < c.q_tokens * c.heads; ++row) {
+    const bool ref_empty = std::isinf(lse_ref[row]);
+    if (std::isnan(lse[row])) ++e.unwritten;
+    if (ref_empty != (std::isinf(lse[row]) && lse[row] < 0)) ++e.bad_empty;
+    if (!ref_empty) e.max_abs_lse = std::max(e.max_abs_lse, std::fabs(lse[row] - lse_ref[row]));
+    for (int d = 0; d < c.dim; ++d) {
+      const float x = o[row * c.dim + d];
+      if (std::isnan(x)) ++e.unwritten;
+      if (ref_empty) {
+        if (x != 0.f) ++e.bad_empty;
+        continue;
+      }
+      d2 += (x - o_ref[row * c.dim + d]) * (x - o_ref[row * c.dim + d]);
+      r2 += o_ref[row * c.dim + d] * o_ref[row * c.dim + d];
+    }
+  }
+  e.rel_fro_o = r2 > 0 ? std::sqrt(d2 / r2) : std::sqrt(d2);
+  return e;
+}
+
+void ExpectGood(const Errors& e, const std::string& what) {
+  EXPECT_LE(e.rel_fro_o, 1e-2) << what;    // bf16 inputs and P: about 3e-3 expected
+  EXPECT_LE(e.max_abs_lse, 2e-3) << what;  // LSE accumulates in fp32
+  EXPECT_EQ(e.bad_empty, 0) << what;
+  EXPECT_EQ(e.unwritten, 0) << what;
+}
+
+// Runs one case in `mode` on the GPU and returns O (as fp32) and LSE.
+void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<float>* o,
+              std::vector<float>* lse, const std::vector<float>* running_o = nullptr,
+              const std::vector<float>* running_lse = nullptr) {
+  const size_t no = c.q_tokens * c.heads * c.dim;
+  DeviceArray<__nv_bfloat16> dq(in.qb.size()), dk(in.kb.size()), dv(in.vb.size());
+  DeviceArray<int32_t> dqp(c.q_pos.size()), dkp(c.k_pos.size());
+  dq.Upload(in.qb);
+  dk.Upload(in.kb);
+  dv.Upload(in.vb);
+  dqp.Upload(c.q_pos);
+  dkp.Upload(c.k_pos);
+  DeviceArray<float> dof(mode == OutputMode::kBfloat16 ? 0 : no);
+  DeviceArray<__nv_bfloat16> dob(mode == OutputMode::kBfloat16 ? no : 0);
+  DeviceArray<float> dlse(c.q_tokens * c.heads);
+  // Poison: NaN everywhere (or the running values in merge mode).
+  if (mode == OutputMode::kMergeIntoFloat32) {
+    dof.Upload(*running_o);
+    dlse.Upload(*running_lse);
+  } else {
+    dof.Upload(std::vector<float>(mode == OutputMode::kBfloat16 ? 0 : no, kNaN));
+    dob.Upload(
+        std::vector<__nv_bfloat16>(mode == OutputMode::kBfloat16 ? no : 0, __float2bfloat16(kNaN)));
+    dlse.Upload(std::vector<float>(c.q_tokens * c.heads, kNaN));
+  }
+  CudaAttentionArgs a{.shape = ShapeOf(c),
+                      .q = dq.get(),
+                      .q_pos = dqp.get(),
+                      .q_tokens = c.q_tokens,
+                      .k = dk.get(),
+                      .v = dv.get(),
+                      .k_pos = dkp.get(),
+                      .kv_tokens = c.kv_tokens,
+                      .slices = c.slices.data(),
+                      .num_slices = static_cast<int64_t>(c.slices.size()),
+                      .output = mode,
+                      .o = mode == OutputMode::kBfloat16 ? static_cast<void*>(dob.get())
+                                                         : static_cast<void*>(dof.get()),
+                      .lse = dlse.get()};
+  const size_t ws_bytes = AttentionWorkspaceBytes(a);
+  DeviceArray<char> ws(ws_bytes);
+  absl::Status s = PartialAttentionCuda(a, ws.get(), ws_bytes, nullptr);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  *lse = dlse.Download();
+  if (mode == OutputMode::kBfloat16) {
+    std::vector<__nv_bfloat16> ob = dob.Download();
+    o->resize(no);
+    for (size_t i = 0; i < no; ++i) (*o)[i] = __bfloat162float(ob[i]);
+  } else {
+    *o = dof.Download();
+  }
+}
+
+void Reference(const Case& c, const Inputs& in, std::vector<double>* o, std::vector<double>* lse,
+               const std::vector<SequenceSlice>* slices = nullptr) {
+  const std::vector<SequenceSlice>& sl = slices ? *slices : c.slices;
+  AttentionParams p{.shape = ShapeOf(c),
+                    .q = in.q.data(),
+                    .q_pos = c.q_pos.data(),
+                    .q_tokens = c.q_tokens,
+                    .k = in.k.data(),
+                    .v = in.v.data(),
+                    .k_pos = c.k_pos.data(),
+                    .kv_tokens = c.kv_tokens,
+                    .slices = sl.data(),
+                    .num_slices = static_cast<int64_t>(sl.size())};
+  ReferenceAttention(p, o, lse);
+}
+
+void CheckCase(const Case& c, uint64_t seed = 1) {
+  const Inputs in = MakeInputs(c, seed);
+  std::vector<double> o_ref, lse_ref;
+  Reference(c, in, &o_ref, &lse_ref);
+  for (OutputMode mode : {OutputMode::kBfloat16, OutputMode::kFloat32}) {
+    std::vector<float> o, lse;
+    RunOnGpu(c, in, mode, &o, &lse);
+    if (::testing::Test::HasFatalFailure()) return;
+    ExpectGood(Compare(c, o, lse, o_ref, lse_ref),
+               absl::StrCat(c.name, mode == OutputMode::kBfloat16 ? " (bf16 O)" : " (fp32 O)"));
+  }
+}
+
+// A contiguous run of positions.
+void AppendRun(std::vector<int32_t>& pos, int32_t begin, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) pos.push_back(begin + static_cast<int32_t>(i));
+}
+
+// One slice: n_q queries at [q_start, q_start + n_q) against n_k keys at [k_start, ...).
+Case OneSlice(std::string name, int heads, int kv_heads, int dim, bool causal, int64_t n_q,
+              int32_t q_start, int64_t n_k, int32_t k_start) {
+  Case c{.name = std::move(name),
+         .heads = heads,
+         .kv_heads = kv_heads,
+         .dim = dim,
+         .causal = causal,
+         .q_tokens = n_q,
+         .kv_tokens = n_k};
+  AppendRun(c.q_pos, q_start, n_q);
+  AppendRun(c.k_pos, k_start, n_k);
+  c.slices = {{0, n_q, 0, n_k}};
+  return c;
+}
+
+TEST(CudaAttentionSmall, CausalAndNotGqaGroupsAndHeadDims) {
+  for (int dim : {64, 128}) {
+    for (auto [h, kvh] : {std::pair{4, 4}, std::pair{16, 2}, std::pair{16, 1}}) {
+      for (bool causal : {true, false}) {
+        CheckCase(OneSlice(absl::StrCat("square ", h, ":", kvh, " d", dim, causal ? " causal" : ""),
+                           h, kvh, dim, causal, 333, 0, 333, 0),
+                  dim * 100 + h);
+      }
+    }
+  }
+}
+
+TEST(CudaAttentionSmall, RingStepAndPartialPrefillOffsets) {
+  // A later query chunk against an earlier key chunk: fully visible, no mask needed.
+  CheckCase(OneSlice("later chunk", 16, 1, 128, true, 200, 3000, 150, 100));
+  // An earlier query chunk against a later key chunk: hidden, every row empty.
+  CheckCase(OneSlice("earlier chunk", 16, 1, 128, true, 100, 0, 150, 500));
+  // Partial prefill: 77 new tokens at positions [1000, 1077) after 1000 cached keys.
+  Case c = OneSlice("partial prefill", 8, 1, 128, true, 77, 1000, 0, 0);
+  AppendRun(c.k_pos, 0, 1077);
+  c.kv_tokens = 1077;
+  c.slices = {{0, 77, 0, 1077}};
+  CheckCase(c);
+  // A load-balanced shard: query chunks 0 and 7 of 8 against key chunks 3 and 4.
+  Case d{.name = "load-balanced chunk pairs", .heads = 16, .kv_heads = 1, .dim = 128};
+  AppendRun(d.q_pos, 0, 128);
+  AppendRun(d.q_pos, 896, 128);
+  AppendRun(d.k_pos, 384, 256);
+  d.q_tokens = 256;
+  d.kv_tokens = 256;
+  d.slices = {{0, 256, 0, 256}};
+  CheckCase(d);
+}
+
+TEST(CudaAttentionSmall, LengthsZeroOneSeventeenAndUnevenFusedBatch) {
+  Case c{.name = "uneven fused batch", .heads = 16, .kv_heads = 2, .dim = 64};
+  // Sequences of (new, cached): (0, 5), (1, 0), (17, 3), (300, 41), (1, 1000), (129, 0).
+  const int64_t news[] = {0, 1, 17, 300, 1, 129}, cached[] = {5, 0, 3, 41, 1000, 0};
+  for (int s = 0; s < 6; ++s) {
+    const int64_t qb = c.q_pos.size(), kb = c.k_pos.size();
+    AppendRun(c.q_pos, static_cast<int32_t>(cached[s]), news[s]);
+    AppendRun(c.k_pos, 0, cached[s] + news[s]);
+    c.slices.push_back({qb, news[s], kb, cached[s] + news[s]});
+  }
+  c.q_tokens = c.q_pos.size();
+  c.kv_tokens = c.k_pos.size();
+  CheckCase(c);
+  Case d = c;
+  d.dim = 128;
+  d.name = "uneven fused batch d128";
+  CheckCase(d, 7);
+}
+
+TEST(CudaAttentionSmall, PaddingRowsNotInSlicesAndKeysOutOfOrder) {
+  // Padding queries (-1) and keys (-1), rows 250.. in no slice, keys in scrambled order.
+  Case c{.name = "padding and scrambled keys",
+         .heads = 8,
+         .kv_heads = 1,
+         .dim = 128,
+         .q_tokens = 260,
+         .kv_tokens = 300};
+  for (int i = 0; i < 260; ++i) c.q_pos.push_back(i % 10 == 3 ? -1 : 100 + i);
+  std::mt19937 rng(5);
+  for (int i = 0; i < 300; ++i) c.k_pos.push_back(i % 13 == 0 ? -1 : i);
+  std::shuffle(c.k_pos.begin(), c.k_pos.end(), rng);
+  c.slices = {{0, 120, 0, 300}, {130, 120, 10, 200}};  // rows 120..129 and 250..259: no slice
+  CheckCase(c);
+}
+
+TEST(CudaAttentionSmall, LargeScoresStayFinite) {
+  Case c = OneSlice("peaky softmax", 16, 1, 128, true, 200, 0, 200, 0);
+  c.amplitude = 12.0f;
+  CheckCase(c, 3);
+}
+
+TEST(CudaAttentionSmall, FusedMergeEqualsAttentionOverAllKeys) {
+  // Keys split in two disjoint halves (interleaved positions): run half A in fp32, then fold
+  // half B in with kMergeIntoFloat32; compare with attention over all keys.
+  Case c = OneSlice("merge", 16, 2, 128, true, 300, 200, 500, 0);
+  const Inputs in = MakeInputs(c, 11);
+  std::vector<double> o_ref, lse_ref;
+  Reference(c, in, &o_ref, &lse_ref);
+  Case a = c, b = c;
+  for (int i = 0; i < 500; ++i) {
+    (i % 2 ? a : b).k_pos[i] = -1;  // a keeps even keys, b keeps odd keys
+  }
+  std::vector<float> o_a, lse_a, o_ab, lse_ab;
+  RunOnGpu(a, in, OutputMode::kFloat32, &o_a, &lse_a);
+  RunOnGpu(b, in, OutputMode::kMergeIntoFloat32, &o_ab, &lse_ab, &o_a, &lse_a);
+  ExpectGood(Compare(c, o_ab, lse_ab, o_ref, lse_ref), "fused merge");
+}
+
+TEST(CudaAttentionSmall, MergeKernelOfSeveralPartials) {
+  Case c = OneSlice("merge kernel", 8, 1, 128, true, 257, 500, 800, 0);
+  const Inputs in = MakeInputs(c, 13);
+  // Four partials over disjoint key ranges; one of them hidden from every query (-inf rows).
+  const int parts = 4;
+  std::vector<DeviceArray<float>*> o_parts, lse_parts;
+  std::vector<const float*> po, pl;
+  for (int s = 0; s < parts; ++s) {
+    Case part = c;
+    for (int i = 0; i < 800; ++i) {
+      if (i % parts != s) part.k_pos[i] = -1;
+    }
+    if (s == 3) {  // a part that sees no key at all: every row empty (LSE -inf)
+      for (int i = 0; i < 800; ++i) part.k_pos[i] = -1;
+    }
+    std::vector<double> po_ref, pl_ref;
+    Reference(part, in, &po_ref, &pl_ref);
+    std::vector<float> of(po_ref.begin(), po_ref.end()), lf(pl_ref.begin(), pl_ref.end());
+    o_parts.push_back(new DeviceArray<float>(of.size()));
+    lse_parts.push_back(new DeviceArray<float>(lf.size()));
+    o_parts.back()->Upload(of);
+    lse_parts.back()->Upload(lf);
+    po.push_back(o_parts.back()->get());
+    pl.push_back(lse_parts.back()->get());
+  }
+  // Part 3 was all hidden, so the merge of parts 0..2 is attention over keys i % 4 != 3: make
+  // the reference match by hiding those keys too.
+  Case merged = c;
+  for (int i = 0; i < 800; ++i) {
+    if (i % parts == 3) merged.k_pos[i] = -1;
+  }
+  std::vector<double> o_ref, lse_ref;
+  Reference(merged, in, &o_ref, &lse_ref);
+  DeviceArray<float> out(c.q_tokens * c.heads * c.dim), out_lse(c.q_tokens * c.heads);
+  DeviceArray<__nv_bfloat16> out_bf16(c.q_tokens * c.heads * c.dim);
+  out.Upload(std::vector<float>(c.q_tokens * c.heads * c.dim, kNaN));
+  out_lse.Upload(std::vector<float>(c.q_tokens * c.heads, kNaN));
+  absl::Status s = MergePartialsCuda(ShapeOf(c), c.q_tokens * 1, po, pl, out.get(), out_bf16.get(),
+                                     out_lse.get(), nullptr);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  Errors e = Compare(c, out.Download(), out_lse.Download(), o_ref, lse_ref);
+  EXPECT_LE(e.rel_fro_o, 1e-5);  // fp32 merge of fp32 parts
+  EXPECT_LE(e.max_abs_lse, 1e-4);
+  EXPECT_EQ(e.bad_empty, 0);
+  EXPECT_EQ(e.unwritten, 0);
+  for (auto* p : o_parts) delete p;
+  for (auto* p : lse_parts) delete p;
+}
+
+TEST(CudaAttentionSmall, RejectsBadInput) {
+  Case c = OneSlice("bad", 16, 3, 128, true, 10, 0, 10, 0);
+  CudaAttentionArgs a{.shape = ShapeOf(c), .q_tokens = 10, .kv_tokens = 10};
+  EXPECT_EQ(PartialAttentionCuda(a, nullptr, 0, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);  // 16 heads, 3 KV heads
+  c = OneSlice("dim", 4, 4, 96, true, 10, 0, 10, 0);
+  std::vector<SequenceSlice> sl = {{0, 10, 0, 10}};
+  int dummy;
+  a = {.shape = ShapeOf(c),
+       .q = reinterpret_cast<const __nv_bfloat16*>(&dummy),
+       .q_pos = &dummy,
+       .q_tokens = 10,
+       .k = reinterpret_cast<const __nv_bfloat16*>(&dummy),
+       .v = reinterpret_cast<const __nv_bfloat16*>(&dummy),
+       .k_pos = &dummy,
+       .kv_tokens = 10,
+       .slices = sl.data(),
+       .num_slices = 1,
+       .o = &dummy,
+       .lse = reinterpret_cast<float*>(&dummy)};
+  absl::Status s = PartialAttentionCuda(a, nullptr, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("head_dim 96"), std::string::npos) << s;
+}
+
+TEST(CudaAttentionLarge, LongCausalSequenceAndManySlices) {
+  // 4096 tokens causal, 16:1: many tiles, the fully visible path and the boundary path.
+  CheckCase(OneSlice("4K causal", 16, 1, 128, true, 4096, 0, 4096, 0), 21);
+  // 60 sequences in one call: more slices than one launch takes.
+  Case c{.name = "60 slices", .heads = 4, .kv_heads = 1, .dim = 64};
+  for (int s = 0; s < 60; ++s) {
+    const int64_t n = 1 + (s * 37) % 90;
+    c.slices.push_back(
+        {static_cast<int64_t>(c.q_pos.size()), n, static_cast<int64_t>(c.k_pos.size()), n});
+    AppendRun(c.q_pos, 0, n);
+    AppendRun(c.k_pos, 0, n);
+  }
+  c.q_tokens = c.q_pos.size();
+  c.kv_tokens = c.k_pos.size();
+  CheckCase(c, 22);
+}
+
+}  // namespace
+}  // namespace cpfill::attention::cuda
+
+int main(int argc, char** argv) {
+  if (cpfill::attention::cuda::DeviceCount() == 0) {
+    std::printf("SKIPPED: no CUDA device on this machine; the GPU tests run on a GPU host\n");
+    return 77;
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

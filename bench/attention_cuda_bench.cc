@@ -1,0 +1,233 @@
+// The CUDA attention kernel and merge: TFLOP/s and GB/s with CUDA events (median of the
+// iterations Google Benchmark chooses, after a warm-up launch).
+//
+// FLOPs count only what the mask leaves visible: 4 * head_dim * heads * visible (q, k) pairs
+// (causal: the unmasked half). Shapes: the per-GPU attention of Llama-3-405B on TP8 (16 query
+// heads, 1 KV head, head dim 128) and of Llama-3-8B (32 / 8), causal and not, 4K to 32K tokens;
+// a fused batch of mixed lengths against the same tokens as one sequence; the merge of 4
+// partials in GB/s (bytes read + written).
+//
+//   build/bench/attention_cuda_bench --benchmark_out=cuda.json --benchmark_out_format=json
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "attention/attention.h"
+#include "attention/cuda/attention_cuda.h"
+#include "benchmark/benchmark.h"
+
+namespace cpfill::attention::cuda {
+namespace {
+
+void* DeviceAlloc(size_t bytes) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, bytes) != cudaSuccess) return nullptr;
+  return p;
+}
+
+// Random bf16 in [-1, 1] on the device (never zeros: they time differently).
+void FillRandom(__nv_bfloat16* d, size_t n, uint64_t seed) {
+  std::vector<__nv_bfloat16> h(n);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (auto& x : h) x = __float2bfloat16(u(rng));
+  cudaMemcpy(d, h.data(), n * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice);
+}
+
+// A fused batch of sequences (full prefill), on the device.
+struct Batch {
+  std::vector<SequenceSlice> slices;
+  int64_t tokens = 0;
+  int heads, kv_heads, dim;
+  bool causal;
+  __nv_bfloat16 *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  int32_t* pos = nullptr;
+  float* lse = nullptr;
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  double flops = 0;
+
+  Batch(const std::vector<int64_t>& lengths, int h, int kvh, int d, bool c)
+      : heads(h), kv_heads(kvh), dim(d), causal(c) {
+    std::vector<int32_t> hpos;
+    for (int64_t n : lengths) {
+      slices.push_back({tokens, n, tokens, n});
+      for (int64_t i = 0; i < n; ++i) hpos.push_back(static_cast<int32_t>(i));
+      tokens += n;
+      const double pairs = causal ? n * (n + 1) / 2.0 : double(n) * n;
+      flops += 4.0 * d * h * pairs;
+    }
+    q = static_cast<__nv_bfloat16*>(DeviceAlloc(tokens * h * d * 2));
+    k = static_cast<__nv_bfloat16*>(DeviceAlloc(tokens * kvh * d * 2));
+    v = static_cast<__nv_bfloat16*>(DeviceAlloc(tokens * kvh * d * 2));
+    o = static_cast<__nv_bfloat16*>(DeviceAlloc(tokens * h * d * 2));
+    lse = static_cast<float*>(DeviceAlloc(tokens * h * 4));
+    pos = static_cast<int32_t*>(DeviceAlloc(tokens * 4));
+    FillRandom(q, tokens * h * d, 1);
+    FillRandom(k, tokens * kvh * d, 2);
+    FillRandom(v, tokens * kvh * d, 3);
+    cudaMemcpy(pos, hpos.data(), tokens * 4, cudaMemcpyHostToDevice);
+    ws_bytes = AttentionWorkspaceBytes(Args());
+    ws = DeviceAlloc(ws_bytes + 16);
+  }
+  ~Batch() {
+    for (void* p : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)lse, (void*)pos, ws}) {
+      cudaFree(p);
+    }
+  }
+  CudaAttentionArgs Args() const {
+    return {.shape = {.num_heads = heads,
+                      .num_kv_heads = kv_heads,
+                      .head_dim = dim,
+                      .softmax_scale = 1.0f / std::sqrt(float(dim)),
+                      .causal = causal},
+            .q = q,
+            .q_pos = pos,
+            .q_tokens = tokens,
+            .k = k,
+            .v = v,
+            .k_pos = pos,
+            .kv_tokens = tokens,
+            .slices = slices.data(),
+            .num_slices = static_cast<int64_t>(slices.size()),
+            .output = OutputMode::kBfloat16,
+            .o = o,
+            .lse = lse};
+  }
+};
+
+// Times `fn` with CUDA events, one event pair per benchmark iteration.
+template <typename Fn>
+void TimeWithEvents(benchmark::State& state, Fn fn) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  if (!fn().ok()) {  // warm-up: module load, attribute set-up
+    state.SkipWithError("launch failed");
+    return;
+  }
+  cudaDeviceSynchronize();
+  for (auto _ : state) {
+    cudaEventRecord(start);
+    absl::Status s = fn();
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    if (!s.ok()) {
+      state.SkipWithError("launch failed");
+      break;
+    }
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    state.SetIterationTime(ms / 1e3);
+  }
+  if (cudaGetLastError() != cudaSuccess) state.SkipWithError("CUDA error");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
+void BM_Attention(benchmark::State& state) {
+  const int heads = state.range(0), kv_heads = state.range(1), dim = state.range(2);
+  const int64_t tokens = state.range(3);
+  const bool causal = state.range(4) != 0;
+  Batch b({tokens}, heads, kv_heads, dim, causal);
+  const CudaAttentionArgs a = b.Args();
+  TimeWithEvents(state, [&] { return PartialAttentionCuda(a, b.ws, b.ws_bytes, nullptr); });
+  state.counters["TFLOPs"] =
+      benchmark::Counter(b.flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The same 16K tokens as one sequence and as a fused batch of mixed lengths.
+void BM_AttentionMixed(benchmark::State& state) {
+  const int heads = state.range(0), kv_heads = state.range(1);
+  std::vector<int64_t> lengths;
+  if (state.range(2) == 0) {
+    lengths = {16384};
+  } else {
+    lengths = {6144, 4096, 2048, 1536, 1024, 768, 512, 256, 64, 16, 8, 8};  // 16384 in all
+  }
+  Batch b(lengths, heads, kv_heads, 128, true);
+  const CudaAttentionArgs a = b.Args();
+  TimeWithEvents(state, [&] { return PartialAttentionCuda(a, b.ws, b.ws_bytes, nullptr); });
+  state.counters["TFLOPs"] =
+      benchmark::Counter(b.flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["sequences"] = lengths.size();
+}
+
+void BM_Merge(benchmark::State& state) {
+  const int parts = state.range(0);
+  const int64_t rows = state.range(1), heads = 16, dim = 128;
+  std::vector<float*> o(parts), lse(parts);
+  std::vector<const float*> co(parts), cl(parts);
+  std::mt19937 rng(4);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> ho(rows * heads * dim), hl(rows * heads);
+  for (int s = 0; s < parts; ++s) {
+    for (auto& x : ho) x = u(rng);
+    for (auto& x : hl) x = 5.f * u(rng);
+    o[s] = static_cast<float*>(DeviceAlloc(ho.size() * 4));
+    lse[s] = static_cast<float*>(DeviceAlloc(hl.size() * 4));
+    cudaMemcpy(o[s], ho.data(), ho.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(lse[s], hl.data(), hl.size() * 4, cudaMemcpyHostToDevice);
+    co[s] = o[s];
+    cl[s] = lse[s];
+  }
+  float* out = static_cast<float*>(DeviceAlloc(ho.size() * 4));
+  float* out_lse = static_cast<float*>(DeviceAlloc(hl.size() * 4));
+  const AttentionShape shape{
+      .num_heads = static_cast<int>(heads), .num_kv_heads = 1, .head_dim = static_cast<int>(dim)};
+  TimeWithEvents(state, [&] {
+    return MergePartialsCuda(shape, rows, co, cl, out, nullptr, out_lse, nullptr);
+  });
+  const double bytes = double(parts + 1) * rows * heads * (dim + 1) * 4;
+  state.counters["GBps"] =
+      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  for (int s = 0; s < parts; ++s) {
+    cudaFree(o[s]);
+    cudaFree(lse[s]);
+  }
+  cudaFree(out);
+  cudaFree(out_lse);
+}
+
+void Shapes(benchmark::internal::Benchmark* b) {
+  for (auto [h, kvh] : {std::pair{16, 1}, std::pair{32, 8}}) {
+    for (int causal : {1, 0}) {
+      for (int64_t t : {4096, 8192, 16384, 32768}) b->Args({h, kvh, 128, t, causal});
+    }
+  }
+  b->Args({16, 1, 64, 16384, 1});
+  b->ArgNames({"heads", "kv_heads", "dim", "tokens", "causal"});
+}
+
+BENCHMARK(BM_Attention)->Apply(Shapes)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionMixed)
+    ->Args({16, 1, 0})
+    ->Args({16, 1, 1})
+    ->Args({32, 8, 0})
+    ->Args({32, 8, 1})
+    ->ArgNames({"heads", "kv_heads", "mixed"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Merge)
+    ->Args({4, 16384})
+    ->Args({8, 16384})
+    ->ArgNames({"parts", "rows"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace cpfill::attention::cuda
+
+int main(int argc, char** argv) {
+  if (cpfill::attention::cuda::DeviceCount() == 0) {
+    std::printf("no CUDA device: nothing to benchmark\n");
+    return 0;
+  }
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  return 0;
+}
