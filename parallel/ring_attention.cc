@@ -21,22 +21,6 @@ double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
 
-int64_t MaxPosition(const std::vector<sharding::PositionRun>& runs) {
-  int64_t m = -1;
-  for (const auto& r : runs) {
-    if (r.length > 0) m = std::max(m, r.end() - 1);
-  }
-  return m;
-}
-
-int64_t MinPosition(const std::vector<sharding::PositionRun>& runs, int64_t init) {
-  int64_t m = init;
-  for (const auto& r : runs) {
-    if (r.length > 0) m = std::min(m, r.begin);
-  }
-  return m;
-}
-
 }  // namespace
 
 // ---- CPU kernels -------------------------------------------------------------------------
@@ -60,21 +44,11 @@ absl::Status CpuAttentionKernels::Merge(const AttentionShape& shape, int64_t row
 RingAttention::RingAttention(Communicator& cp, const sharding::ShardPlan& plan,
                              const AttentionShape& shape, AttentionKernels* kernels)
     : cp_(cp),
-      plan_(plan),
+      ring_plan_(plan, cp.rank(), shape.causal),
       shape_(shape),
       kernels_(kernels),
-      layout_(sharding::MakeLocalLayout(plan, cp.rank())),
       cp_rank_(cp.rank()),
-      cp_size_(cp.size()) {
-  for (int s = 0; s < plan_.num_sequences(); ++s) {
-    kv_slot_offset_.push_back(kv_slots_total_);
-    kv_slots_.push_back(plan_.PaddedKvTokens(s));
-    kv_slots_total_ += kv_slots_.back();
-    q_slot_offset_.push_back(q_slots_total_);
-    q_slots_.push_back(plan_.PaddedNewTokens(s));
-    q_slots_total_ += q_slots_.back();
-  }
-}
+      cp_size_(cp.size()) {}
 
 absl::StatusOr<std::unique_ptr<RingAttention>> RingAttention::Create(
     Communicator& cp, const sharding::ShardPlan& plan, const AttentionShape& shape,
@@ -90,45 +64,31 @@ absl::StatusOr<std::unique_ptr<RingAttention>> RingAttention::Create(
   return std::unique_ptr<RingAttention>(new RingAttention(cp, plan, shape, kernels));
 }
 
-bool RingAttention::CountChunkPairs(int seq, int q_rank, int kv_rank, RingStepTiming* step) const {
-  const auto& qs = plan_.shard(q_rank, seq);
-  const auto& ks = plan_.shard(kv_rank, seq);
-  bool any_visible = false;
-  for (const auto& q_run : qs.new_runs) {
-    for (const auto* key_runs : {&ks.cached_runs, &ks.new_runs}) {
-      for (const auto& k_run : *key_runs) {
-        if (q_run.length == 0 || k_run.length == 0) continue;
-        ++step->chunk_pairs;
-        // Causal: the pair is hidden when its first key comes after its last query.
-        if (shape_.causal && k_run.begin > q_run.end() - 1) {
-          ++step->chunk_pairs_hidden;
-        } else {
-          any_visible = true;
-        }
-      }
-    }
-  }
-  return any_visible;
-}
-
 // ---- message packing ---------------------------------------------------------------------
 
-size_t RingAttention::KvMessageBytes() const {
-  const size_t row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim;
-  return static_cast<size_t>(kv_slots_total_) * (2 * row * sizeof(float) + sizeof(int32_t));
+MessageLayout RingAttention::KvMessage() const {
+  const size_t row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim * sizeof(float);
+  return MessageLayout::Make(ring_plan_.kv_slots_total(), row, row);
+}
+
+MessageLayout RingAttention::QMessage() const {
+  const size_t row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim * sizeof(float);
+  return MessageLayout::Make(ring_plan_.q_slots_total(), row, 0);
 }
 
 void RingAttention::PackKv(const float* k, const float* v, HostBuffer& msg) const {
   const size_t row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim;
-  float* mk = msg.As<float>(0);
-  float* mv = mk + kv_slots_total_ * row;
-  int32_t* mpos = reinterpret_cast<int32_t*>(mv + kv_slots_total_ * row);
-  for (int s = 0; s < plan_.num_sequences(); ++s) {
-    const int64_t n = layout_.kv_len[s], src = layout_.kv_offset[s], dst = kv_slot_offset_[s];
-    const int64_t pad = kv_slots_[s] - n;
+  const MessageLayout m = KvMessage();
+  float* mk = msg.As<float>(m.a_offset);
+  float* mv = msg.As<float>(m.b_offset);
+  int32_t* mpos = msg.As<int32_t>(m.pos_offset);
+  const sharding::LocalLayout& layout = ring_plan_.layout();
+  for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
+    const int64_t n = layout.kv_len[s], src = layout.kv_offset[s];
+    const int64_t dst = ring_plan_.kv_slot_offset(s), pad = ring_plan_.kv_slots(s) - n;
     std::memcpy(mk + dst * row, k + src * row, n * row * sizeof(float));
     std::memcpy(mv + dst * row, v + src * row, n * row * sizeof(float));
-    std::memcpy(mpos + dst, layout_.kv_positions.data() + src, n * sizeof(int32_t));
+    std::memcpy(mpos + dst, layout.kv_positions.data() + src, n * sizeof(int32_t));
     // Padding slots may still hold a peer's keys from an earlier exchange: clear them.
     std::memset(mk + (dst + n) * row, 0, pad * row * sizeof(float));
     std::memset(mv + (dst + n) * row, 0, pad * row * sizeof(float));
@@ -136,20 +96,17 @@ void RingAttention::PackKv(const float* k, const float* v, HostBuffer& msg) cons
   }
 }
 
-size_t RingAttention::QMessageBytes() const {
-  const size_t row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim;
-  return static_cast<size_t>(q_slots_total_) * (row * sizeof(float) + sizeof(int32_t));
-}
-
 void RingAttention::PackQ(const float* q, HostBuffer& msg) const {
   const size_t row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim;
-  float* mq = msg.As<float>(0);
-  int32_t* mpos = reinterpret_cast<int32_t*>(mq + q_slots_total_ * row);
-  for (int s = 0; s < plan_.num_sequences(); ++s) {
-    const int64_t n = layout_.q_len[s], src = layout_.q_offset[s], dst = q_slot_offset_[s];
-    const int64_t pad = q_slots_[s] - n;
+  const MessageLayout m = QMessage();
+  float* mq = msg.As<float>(m.a_offset);
+  int32_t* mpos = msg.As<int32_t>(m.pos_offset);
+  const sharding::LocalLayout& layout = ring_plan_.layout();
+  for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
+    const int64_t n = layout.q_len[s], src = layout.q_offset[s];
+    const int64_t dst = ring_plan_.q_slot_offset(s), pad = ring_plan_.q_slots(s) - n;
     std::memcpy(mq + dst * row, q + src * row, n * row * sizeof(float));
-    std::memcpy(mpos + dst, layout_.q_positions.data() + src, n * sizeof(int32_t));
+    std::memcpy(mpos + dst, layout.q_positions.data() + src, n * sizeof(int32_t));
     std::memset(mq + (dst + n) * row, 0, pad * row * sizeof(float));
     std::fill(mpos + dst + n, mpos + dst + n + pad, kPadPosition);
   }
@@ -185,12 +142,12 @@ absl::Status RingAttention::FinishExchange(PendingExchange* exchange, RingStepTi
 absl::Status RingAttention::RunPassKV(const float* q, const float* k, const float* v, float* o,
                                       float* lse, RingTimings* t) {
   const int n = cp_size_, me = cp_rank_;
-  const size_t bytes = KvMessageBytes();
-  const size_t kv_row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim;
+  const MessageLayout m = KvMessage();
+  const sharding::LocalLayout& layout = ring_plan_.layout();
   const size_t q_row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim;
-  const int64_t q_rows = layout_.q_rows();
-  EnsureSize(msg_[0], bytes);
-  EnsureSize(msg_[1], bytes);
+  const int64_t q_rows = layout.q_rows();
+  EnsureSize(msg_[0], m.bytes);
+  EnsureSize(msg_[1], m.bytes);
   EnsureSize(step_out_, q_rows * (q_row + shape_.num_heads) * sizeof(float));
   float* step_o = step_out_.As<float>(0);
   float* step_lse = step_o + q_rows * q_row;
@@ -208,29 +165,19 @@ absl::Status RingAttention::RunPassKV(const float* q, const float* k, const floa
     // Step j.1: pass the KV we hold to the next rank, receive the previous rank's (not after
     // the last step: every KV has then been seen).
     CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
-                            StartExchange(j, cur, bytes, &step));
-    // Step j.2: O_k^s = GQA(Q_k, KV^s), overlapping the exchange; skip sequences whose keys
-    // the causal mask hides from all of our queries.
+                            StartExchange(j, cur, m.bytes, &step));
+    // Step j.2: O_k^s = GQA(Q_k, KV^s), overlapping the exchange; sequences whose keys the
+    // causal mask hides from all of our queries are left out.
     auto c0 = Clock::now();
-    slices.clear();
-    for (int s = 0; s < plan_.num_sequences(); ++s) {
-      if (!CountChunkPairs(s, me, step.source_cp_rank, &step)) continue;
-      slices.push_back({.q_begin = layout_.q_offset[s],
-                        .q_len = layout_.q_len[s],
-                        .kv_begin = kv_slot_offset_[s],
-                        // real keys come first in each sequence's slots; skip the padding
-                        .kv_len = plan_.shard(step.source_cp_rank, s).kv_tokens()});
-    }
-    const float* mk = msg_[cur].As<float>(0);
-    const float* mv = mk + kv_slots_total_ * kv_row;
+    ring_plan_.PassKvSlices(step.source_cp_rank, &slices, &step);
     AttentionParams p{.shape = shape_,
                       .q = q,
-                      .q_pos = layout_.q_positions.data(),
+                      .q_pos = layout.q_positions.data(),
                       .q_tokens = q_rows,
-                      .k = mk,
-                      .v = mv,
-                      .k_pos = reinterpret_cast<const int32_t*>(mv + kv_slots_total_ * kv_row),
-                      .kv_tokens = kv_slots_total_,
+                      .k = msg_[cur].As<float>(m.a_offset),
+                      .v = msg_[cur].As<float>(m.b_offset),
+                      .k_pos = msg_[cur].As<int32_t>(m.pos_offset),
+                      .kv_tokens = ring_plan_.kv_slots_total(),
                       .slices = slices.data(),
                       .num_slices = static_cast<int64_t>(slices.size()),
                       .o = j == 0 ? o : step_o,
@@ -256,13 +203,15 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
                                      float* lse, RingTimings* t) {
   const int n = cp_size_, me = cp_rank_;
   const int heads = shape_.num_heads;
-  const size_t bytes = QMessageBytes();
+  const MessageLayout m = QMessage();
+  const sharding::LocalLayout& layout = ring_plan_.layout();
   const size_t q_row = static_cast<size_t>(heads) * shape_.head_dim;
+  const int64_t slots = ring_plan_.q_slots_total();
   // A partial block: [O: q slots x H x D][LSE: q slots x H], all fp32.
-  const size_t block_floats = q_slots_total_ * (q_row + heads);
+  const size_t block_floats = slots * (q_row + heads);
   const size_t block_bytes = block_floats * sizeof(float);
-  EnsureSize(msg_[0], bytes);
-  EnsureSize(msg_[1], bytes);
+  EnsureSize(msg_[0], m.bytes);
+  EnsureSize(msg_[1], m.bytes);
   EnsureSize(partials_, n * block_bytes);
   EnsureSize(received_, n * block_bytes);
   EnsureSize(merged_, block_bytes);
@@ -282,31 +231,23 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
     const int src = step.source_cp_rank;
     // Step j.1: pass the queries we hold on; receive the previous rank's.
     CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
-                            StartExchange(j, cur, bytes, &step));
+                            StartExchange(j, cur, m.bytes, &step));
     // Step j.2: O_s^k = GQA(Q^s, KV_k) into the partial block destined for rank s.
     auto c0 = Clock::now();
-    slices.clear();
-    for (int s = 0; s < plan_.num_sequences(); ++s) {
-      if (!CountChunkPairs(s, src, me, &step)) continue;
-      slices.push_back({.q_begin = q_slot_offset_[s],
-                        .q_len = plan_.shard(src, s).new_tokens(),
-                        .kv_begin = layout_.kv_offset[s],
-                        .kv_len = layout_.kv_len[s]});
-    }
-    const float* mq = msg_[cur].As<float>(0);
+    ring_plan_.PassQSlices(src, &slices, &step);
     float* block = partials + src * block_floats;
     AttentionParams p{.shape = shape_,
-                      .q = mq,
-                      .q_pos = reinterpret_cast<const int32_t*>(mq + q_slots_total_ * q_row),
-                      .q_tokens = q_slots_total_,
+                      .q = msg_[cur].As<float>(m.a_offset),
+                      .q_pos = msg_[cur].As<int32_t>(m.pos_offset),
+                      .q_tokens = slots,
                       .k = k,
                       .v = v,
-                      .k_pos = layout_.kv_positions.data(),
-                      .kv_tokens = layout_.kv_rows(),
+                      .k_pos = layout.kv_positions.data(),
+                      .kv_tokens = layout.kv_rows(),
                       .slices = slices.data(),
                       .num_slices = static_cast<int64_t>(slices.size()),
                       .o = block,
-                      .lse = block + q_slots_total_ * q_row};
+                      .lse = block + slots * q_row};
     step.visible_pairs = attention::CountVisiblePairs(p);
     CPFILL_RETURN_IF_ERROR(kernels_->Attend(p));
     step.compute_s = Seconds(c0);
@@ -332,20 +273,20 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
   std::vector<PartialView> parts;
   for (int p = 0; p < n; ++p) {
     const float* b = (p == me ? partials : received) + p * block_floats;
-    parts.push_back({.o = b, .lse = b + q_slots_total_ * q_row});
+    parts.push_back({.o = b, .lse = b + slots * q_row});
   }
   float* merged_o = merged_.As<float>(0);
-  float* merged_lse = merged_o + q_slots_total_ * q_row;
-  CPFILL_RETURN_IF_ERROR(kernels_->Merge(shape_, q_slots_total_, parts, merged_o, merged_lse));
+  float* merged_lse = merged_o + slots * q_row;
+  CPFILL_RETURN_IF_ERROR(kernels_->Merge(shape_, slots, parts, merged_o, merged_lse));
   t->merge_s = Seconds(m0);
 
   auto u0 = Clock::now();
-  for (int s = 0; s < plan_.num_sequences(); ++s) {
-    const int64_t rows = layout_.q_len[s];
-    std::memcpy(o + layout_.q_offset[s] * q_row, merged_o + q_slot_offset_[s] * q_row,
+  for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
+    const int64_t rows = layout.q_len[s];
+    std::memcpy(o + layout.q_offset[s] * q_row, merged_o + ring_plan_.q_slot_offset(s) * q_row,
                 rows * q_row * sizeof(float));
-    std::memcpy(lse + layout_.q_offset[s] * heads, merged_lse + q_slot_offset_[s] * heads,
-                rows * heads * sizeof(float));
+    std::memcpy(lse + layout.q_offset[s] * heads,
+                merged_lse + ring_plan_.q_slot_offset(s) * heads, rows * heads * sizeof(float));
   }
   t->pack_s += Seconds(u0);
   return absl::OkStatus();
@@ -353,36 +294,38 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
 
 // ---- all-gather KV (baseline) ------------------------------------------------------------
 
-absl::Status RingAttention::RunAllGather(const float* q, const float* k, const float* v, float* o,
-                                         float* lse, RingTimings* t) {
+absl::Status RingAttention::RunAllGather(const float* q, const float* k, const float* v,
+                                         float* o, float* lse, RingTimings* t) {
   const int n = cp_size_;
-  const size_t bytes = KvMessageBytes();
+  const MessageLayout m = KvMessage();
+  const sharding::LocalLayout& layout = ring_plan_.layout();
   const size_t kv_row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim;
-  EnsureSize(msg_[0], bytes);
-  EnsureSize(gathered_, n * bytes);
-  EnsureSize(gathered_kv_, n * bytes);
+  EnsureSize(msg_[0], m.bytes);
+  EnsureSize(gathered_, n * m.bytes);
+  EnsureSize(gathered_kv_, n * m.bytes);
 
   auto t0 = Clock::now();
   PackKv(k, v, msg_[0]);
   t->pack_s += Seconds(t0);
   auto g0 = Clock::now();
-  CPFILL_RETURN_IF_ERROR(cp_.AllGather(msg_[0].data(), bytes, gathered_.data()));
+  CPFILL_RETURN_IF_ERROR(cp_.AllGather(msg_[0].data(), m.bytes, gathered_.data()));
   t->all_gather_s = Seconds(g0);
 
   // Repack so each sequence's keys from all ranks sit side by side: sequence i occupies
-  // N * L^i slots starting at N * kv_slot_offset_[i]; padding keeps position -1.
+  // N * L^i slots starting at N * kv_slot_offset(i); padding keeps position -1.
   auto r0 = Clock::now();
-  const int64_t total = n * kv_slots_total_;
-  float* gk = gathered_kv_.As<float>(0);
-  float* gv = gk + total * kv_row;
-  int32_t* gpos = reinterpret_cast<int32_t*>(gv + total * kv_row);
+  const MessageLayout g = MessageLayout::Make(n * ring_plan_.kv_slots_total(),
+                                              kv_row * sizeof(float), kv_row * sizeof(float));
+  float* gk = gathered_kv_.As<float>(g.a_offset);
+  float* gv = gathered_kv_.As<float>(g.b_offset);
+  int32_t* gpos = gathered_kv_.As<int32_t>(g.pos_offset);
   for (int p = 0; p < n; ++p) {
-    const float* bk = gathered_.As<float>(p * bytes);
-    const float* bv = bk + kv_slots_total_ * kv_row;
-    const int32_t* bpos = reinterpret_cast<const int32_t*>(bv + kv_slots_total_ * kv_row);
-    for (int s = 0; s < plan_.num_sequences(); ++s) {
-      const int64_t src = kv_slot_offset_[s], len = kv_slots_[s];
-      const int64_t dst = n * kv_slot_offset_[s] + p * len;
+    const float* bk = gathered_.As<float>(p * m.bytes + m.a_offset);
+    const float* bv = gathered_.As<float>(p * m.bytes + m.b_offset);
+    const int32_t* bpos = gathered_.As<int32_t>(p * m.bytes + m.pos_offset);
+    for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
+      const int64_t src = ring_plan_.kv_slot_offset(s), len = ring_plan_.kv_slots(s);
+      const int64_t dst = n * ring_plan_.kv_slot_offset(s) + p * len;
       std::memcpy(gk + dst * kv_row, bk + src * kv_row, len * kv_row * sizeof(float));
       std::memcpy(gv + dst * kv_row, bv + src * kv_row, len * kv_row * sizeof(float));
       std::memcpy(gpos + dst, bpos + src, len * sizeof(int32_t));
@@ -393,21 +336,15 @@ absl::Status RingAttention::RunAllGather(const float* q, const float* k, const f
   RingStepTiming step;
   auto c0 = Clock::now();
   std::vector<SequenceSlice> slices;
-  for (int s = 0; s < plan_.num_sequences(); ++s) {
-    if (layout_.q_len[s] == 0) continue;
-    slices.push_back({.q_begin = layout_.q_offset[s],
-                      .q_len = layout_.q_len[s],
-                      .kv_begin = n * kv_slot_offset_[s],
-                      .kv_len = n * kv_slots_[s]});
-  }
+  ring_plan_.AllGatherSlices(&slices);
   AttentionParams p{.shape = shape_,
                     .q = q,
-                    .q_pos = layout_.q_positions.data(),
-                    .q_tokens = layout_.q_rows(),
+                    .q_pos = layout.q_positions.data(),
+                    .q_tokens = layout.q_rows(),
                     .k = gk,
                     .v = gv,
                     .k_pos = gpos,
-                    .kv_tokens = total,
+                    .kv_tokens = n * ring_plan_.kv_slots_total(),
                     .slices = slices.data(),
                     .num_slices = static_cast<int64_t>(slices.size()),
                     .o = o,

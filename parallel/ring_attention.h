@@ -30,6 +30,7 @@
 #include "base/host_buffer.h"
 #include "base/thread_pool.h"
 #include "parallel/communicator.h"
+#include "parallel/ring_plan.h"
 #include "parallel/selector.h"
 #include "sharding/plan.h"
 
@@ -60,34 +61,6 @@ class CpuAttentionKernels : public AttentionKernels {
   ThreadPool* pool_;
 };
 
-// One iteration of the ring loop (the paper's Table 5 rows).
-struct RingStepTiming {
-  int step = 0;
-  int source_cp_rank = 0;      // whose KV (pass-KV) or queries (pass-Q) were computed on
-  double compute_s = 0;        // partial attention (+ running merge for pass-KV)
-  double transfer_s = 0;       // the exchange's own duration, posted to completed
-  double wait_s = 0;           // exposed: how long compute waited for the exchange
-  int64_t exchange_bytes = 0;  // sent (= received) this step; 0 on the last step
-  int64_t visible_pairs = 0;   // (query, key) pairs computed, one head
-  // (query chunk, key chunk) pairs this step, and those the causal mask hides entirely: they
-  // are not computed (a sequence whose pairs are all hidden is left out of the launch; the
-  // kernel skips hidden tiles of the others).
-  int64_t chunk_pairs = 0;
-  int64_t chunk_pairs_hidden = 0;
-};
-
-struct RingTimings {
-  RingAlgorithm algorithm = RingAlgorithm::kPassKV;
-  std::vector<RingStepTiming> steps;
-  double pack_s = 0;        // copies into message layout and back
-  double all_gather_s = 0;  // all-gather baseline only
-  double all_to_all_s = 0;  // pass-Q only
-  int64_t all_to_all_bytes = 0;
-  double merge_s = 0;  // final merge (pass-Q); running merges count as compute
-  double total_s = 0;
-  int64_t visible_pairs = 0;  // sum over steps; FLOPs = 4 * head_dim * heads * visible_pairs
-};
-
 class RingAttention {
  public:
   // `cp` must be the CP ring the plan is for (size and rank). Queries/keys follow
@@ -102,7 +75,7 @@ class RingAttention {
   absl::Status Run(RingAlgorithm algorithm, const float* q, const float* k, const float* v,
                    float* o, float* lse, RingTimings* timings, StepCallback on_step = nullptr);
 
-  const sharding::LocalLayout& layout() const { return layout_; }
+  const sharding::LocalLayout& layout() const { return ring_plan_.layout(); }
 
  private:
   // Step j.1 of both rings: send msg_[cur] to the next rank, receive into msg_[1 - cur]
@@ -123,32 +96,18 @@ class RingAttention {
   absl::Status RunAllGather(const float* q, const float* k, const float* v, float* o, float* lse,
                             RingTimings* t);
 
-  // pass-KV message: [K: slots x H_kv x D][V: same][positions: slots int32], sequence i at
-  // slot kv_slot_offset_[i], L^i slots; padding slots hold zeros and position -1.
-  size_t KvMessageBytes() const;
+  // Message layouts (ring_plan.h): pass-KV [K][V][positions], pass-Q [Q][positions], fp32.
+  MessageLayout KvMessage() const;
+  MessageLayout QMessage() const;
   void PackKv(const float* k, const float* v, HostBuffer& msg) const;
-  // pass-Q message: [Q: slots x H x D][positions: slots int32], sequence i at q_slot_offset_[i].
-  size_t QMessageBytes() const;
   void PackQ(const float* q, HostBuffer& msg) const;
 
-  // Counts the (query run, key run) pairs between `q_rank`'s new tokens of `seq` and
-  // `kv_rank`'s keys of `seq`, and those the causal mask hides entirely. A run is a chunk of the
-  // load-balanced cut (or a cached run). Returns true when some pair is visible.
-  bool CountChunkPairs(int seq, int q_rank, int kv_rank, RingStepTiming* step) const;
-
   Communicator& cp_;
-  sharding::ShardPlan plan_;
+  RingPlan ring_plan_;
   attention::AttentionShape shape_;
   AttentionKernels* kernels_;
-  sharding::LocalLayout layout_;
   int cp_rank_;
   int cp_size_;
-
-  // Message geometry (slots are token rows of a padded message).
-  std::vector<int64_t> kv_slot_offset_, kv_slots_;  // per sequence: L^i
-  int64_t kv_slots_total_ = 0;
-  std::vector<int64_t> q_slot_offset_, q_slots_;  // per sequence: max_j T_j^i
-  int64_t q_slots_total_ = 0;
 
   // Buffers, sized on first use and reused.
   HostBuffer msg_[2];       // ring messages: the one computed on, the one arriving

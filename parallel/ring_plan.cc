@@ -1,0 +1,78 @@
+#include "parallel/ring_plan.h"
+
+namespace cpfill::parallel {
+
+RingPlan::RingPlan(const sharding::ShardPlan& plan, int cp_rank, bool causal)
+    : plan_(plan),
+      layout_(sharding::MakeLocalLayout(plan, cp_rank)),
+      cp_rank_(cp_rank),
+      causal_(causal) {
+  for (int s = 0; s < plan_.num_sequences(); ++s) {
+    kv_slot_offset_.push_back(kv_slots_total_);
+    kv_slots_.push_back(plan_.PaddedKvTokens(s));
+    kv_slots_total_ += kv_slots_.back();
+    q_slot_offset_.push_back(q_slots_total_);
+    q_slots_.push_back(plan_.PaddedNewTokens(s));
+    q_slots_total_ += q_slots_.back();
+  }
+}
+
+bool RingPlan::CountChunkPairs(int seq, int q_rank, int kv_rank, RingStepTiming* step) const {
+  const auto& qs = plan_.shard(q_rank, seq);
+  const auto& ks = plan_.shard(kv_rank, seq);
+  bool any_visible = false;
+  for (const auto& q_run : qs.new_runs) {
+    for (const auto* key_runs : {&ks.cached_runs, &ks.new_runs}) {
+      for (const auto& k_run : *key_runs) {
+        if (q_run.length == 0 || k_run.length == 0) continue;
+        ++step->chunk_pairs;
+        // Causal: the pair is hidden when its first key comes after its last query.
+        if (causal_ && k_run.begin > q_run.end() - 1) {
+          ++step->chunk_pairs_hidden;
+        } else {
+          any_visible = true;
+        }
+      }
+    }
+  }
+  return any_visible;
+}
+
+void RingPlan::PassKvSlices(int source, std::vector<attention::SequenceSlice>* slices,
+                            RingStepTiming* step) const {
+  slices->clear();
+  for (int s = 0; s < plan_.num_sequences(); ++s) {
+    if (!CountChunkPairs(s, cp_rank_, source, step)) continue;
+    // The source's real keys come first in the sequence's slots; the padding is left out.
+    slices->push_back({.q_begin = layout_.q_offset[s],
+                       .q_len = layout_.q_len[s],
+                       .kv_begin = kv_slot_offset_[s],
+                       .kv_len = plan_.shard(source, s).kv_tokens()});
+  }
+}
+
+void RingPlan::PassQSlices(int source, std::vector<attention::SequenceSlice>* slices,
+                           RingStepTiming* step) const {
+  slices->clear();
+  for (int s = 0; s < plan_.num_sequences(); ++s) {
+    if (!CountChunkPairs(s, source, cp_rank_, step)) continue;
+    slices->push_back({.q_begin = q_slot_offset_[s],
+                       .q_len = plan_.shard(source, s).new_tokens(),
+                       .kv_begin = layout_.kv_offset[s],
+                       .kv_len = layout_.kv_len[s]});
+  }
+}
+
+void RingPlan::AllGatherSlices(std::vector<attention::SequenceSlice>* slices) const {
+  slices->clear();
+  const int n = plan_.cp_size;
+  for (int s = 0; s < plan_.num_sequences(); ++s) {
+    if (layout_.q_len[s] == 0) continue;
+    slices->push_back({.q_begin = layout_.q_offset[s],
+                       .q_len = layout_.q_len[s],
+                       .kv_begin = n * kv_slot_offset_[s],
+                       .kv_len = n * kv_slots_[s]});
+  }
+}
+
+}  // namespace cpfill::parallel

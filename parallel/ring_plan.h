@@ -1,0 +1,108 @@
+// cpfill/parallel/ring_plan.h — one rank's view of the ring algorithms for a ShardPlan: message
+// layouts, the slices each step computes, and which chunk pairs the causal mask hides. Shared by
+// the host ring (ring_attention.h) and the device ring (cuda/device_ring_attention.h), so both
+// run exactly the same algorithm and differ only in memory, kernels and transport.
+//
+//   RingPlan rp(plan, cp_rank, /*causal=*/true);
+//   RingStepTiming step;
+//   rp.PassKvSlices(/*source=*/3, &slices, &step);   // this rank's queries vs rank 3's KV
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "attention/attention.h"
+#include "parallel/selector.h"
+#include "sharding/plan.h"
+
+namespace cpfill::parallel {
+
+// One iteration of the ring loop (the paper's Table 5 rows).
+struct RingStepTiming {
+  int step = 0;
+  int source_cp_rank = 0;     // whose KV (pass-KV) or queries (pass-Q) were computed on
+  double compute_s = 0;       // partial attention (+ running merge for pass-KV)
+  double transfer_s = 0;      // the exchange's own duration, posted to completed
+  double wait_s = 0;          // exposed: how long compute waited for the exchange
+  int64_t exchange_bytes = 0; // sent (= received) this step; 0 on the last step
+  int64_t visible_pairs = 0;  // (query, key) pairs computed, one head
+  // (query chunk, key chunk) pairs this step, and those the causal mask hides entirely: they
+  // are not computed (a sequence whose pairs are all hidden is left out of the launch; the
+  // kernel skips hidden tiles of the others).
+  int64_t chunk_pairs = 0;
+  int64_t chunk_pairs_hidden = 0;
+};
+
+struct RingTimings {
+  RingAlgorithm algorithm = RingAlgorithm::kPassKV;
+  std::vector<RingStepTiming> steps;
+  double pack_s = 0;          // copies into message layout and back
+  double all_gather_s = 0;    // all-gather baseline only
+  double all_to_all_s = 0;    // pass-Q only
+  int64_t all_to_all_bytes = 0;
+  double merge_s = 0;         // final merge (pass-Q); running merges count as compute
+  double total_s = 0;
+  int64_t visible_pairs = 0;  // sum over steps; FLOPs = 4 * head_dim * heads * visible_pairs
+};
+
+// Byte layout of a message of `slots` token rows: [A: slots x row_bytes][B: ...][positions].
+// pass-KV and all-gather: A = K, B = V (kv row bytes); pass-Q: A = Q, no B (b_row_bytes = 0).
+struct MessageLayout {
+  size_t a_offset = 0, b_offset = 0, pos_offset = 0, bytes = 0;
+  static MessageLayout Make(int64_t slots, size_t a_row_bytes, size_t b_row_bytes) {
+    MessageLayout m;
+    m.b_offset = slots * a_row_bytes;
+    m.pos_offset = m.b_offset + slots * b_row_bytes;
+    m.bytes = m.pos_offset + slots * sizeof(int32_t);
+    return m;
+  }
+};
+
+class RingPlan {
+ public:
+  RingPlan(const sharding::ShardPlan& plan, int cp_rank, bool causal);
+
+  const sharding::ShardPlan& shard_plan() const { return plan_; }
+  const sharding::LocalLayout& layout() const { return layout_; }
+  int cp_rank() const { return cp_rank_; }
+  int cp_size() const { return plan_.cp_size; }
+  int num_sequences() const { return plan_.num_sequences(); }
+
+  // pass-KV / all-gather messages: sequence i at slot kv_slot_offset(i), L^i slots, this rank's
+  // cached-then-new keys first, padding (position -1) after.
+  int64_t kv_slot_offset(int seq) const { return kv_slot_offset_[seq]; }
+  int64_t kv_slots(int seq) const { return kv_slots_[seq]; }
+  int64_t kv_slots_total() const { return kv_slots_total_; }
+  // pass-Q messages: sequence i at q_slot_offset(i), max_j T_j^i slots, queries then padding.
+  int64_t q_slot_offset(int seq) const { return q_slot_offset_[seq]; }
+  int64_t q_slots(int seq) const { return q_slots_[seq]; }
+  int64_t q_slots_total() const { return q_slots_total_; }
+
+  // Step slices. pass-KV: this rank's query rows against `source`'s keys in a KV message.
+  // pass-Q: `source`'s queries in a Q message against this rank's key rows. All-gather: this
+  // rank's query rows against the gathered keys (sequence i at N * kv_slot_offset(i), N * L^i
+  // slots). Sequences whose pairs are all hidden are left out; `step` gets the pair counts.
+  void PassKvSlices(int source, std::vector<attention::SequenceSlice>* slices,
+                    RingStepTiming* step) const;
+  void PassQSlices(int source, std::vector<attention::SequenceSlice>* slices,
+                   RingStepTiming* step) const;
+  void AllGatherSlices(std::vector<attention::SequenceSlice>* slices) const;
+
+ private:
+  // Counts the (query run, key run) pairs between `q_rank`'s new tokens of `seq` and
+  // `kv_rank`'s keys of `seq`, and those the causal mask hides entirely. A run is a chunk of the
+  // load-balanced cut (or a cached run). Returns true when some pair is visible.
+  bool CountChunkPairs(int seq, int q_rank, int kv_rank, RingStepTiming* step) const;
+
+  sharding::ShardPlan plan_;
+  sharding::LocalLayout layout_;
+  int cp_rank_;
+  bool causal_;
+  std::vector<int64_t> kv_slot_offset_, kv_slots_;
+  int64_t kv_slots_total_ = 0;
+  std::vector<int64_t> q_slot_offset_, q_slots_;
+  int64_t q_slots_total_ = 0;
+};
+
+}  // namespace cpfill::parallel
