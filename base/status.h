@@ -70,9 +70,9 @@ absl::Status CudaCallError(int code, const char* call, const char* file, int lin
 
 // Wraps a CUDA runtime call: an error becomes an Internal status naming the call, the CUDA error
 // and the device. Use only where the CUDA runtime header is included (attention/cuda/, ...).
-#define CPFILL_CUDA_CHECK(call)                                                            \
-  do {                                                                                     \
-    const int cpfill_cuda_rc_ = static_cast<int>(call);                                    \
-    if (cpfill_cuda_rc_ != 0)                                                              \
+#define CPFILL_CUDA_CHECK(call)                                                             \
+  do {                                                                                      \
+    const int cpfill_cuda_rc_ = static_cast<int>(call);                                     \
+    if (cpfill_cuda_rc_ != 0)                                                               \
       return ::cpfill::internal::CudaCallError(cpfill_cuda_rc_, #call, __FILE__, __LINE__); \
   } while (0)

@@ -182,7 +182,6 @@ absl::Status RingAttention::RunPassKV(const float* q, const float* k, const floa
                       .num_slices = static_cast<int64_t>(slices.size()),
                       .o = j == 0 ? o : step_o,
                       .lse = j == 0 ? lse : step_lse};
-    step.visible_pairs = attention::CountVisiblePairs(p);
     CPFILL_RETURN_IF_ERROR(kernels_->Attend(p));
     // Step j.3: fold O_k^s into the running output (the merge of App. B, one part at a time).
     if (j > 0) {
@@ -248,7 +247,6 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
                       .num_slices = static_cast<int64_t>(slices.size()),
                       .o = block,
                       .lse = block + slots * q_row};
-    step.visible_pairs = attention::CountVisiblePairs(p);
     CPFILL_RETURN_IF_ERROR(kernels_->Attend(p));
     step.compute_s = Seconds(c0);
     CPFILL_RETURN_IF_ERROR(FinishExchange(exchange.get(), &step));
@@ -285,8 +283,8 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
     const int64_t rows = layout.q_len[s];
     std::memcpy(o + layout.q_offset[s] * q_row, merged_o + ring_plan_.q_slot_offset(s) * q_row,
                 rows * q_row * sizeof(float));
-    std::memcpy(lse + layout.q_offset[s] * heads,
-                merged_lse + ring_plan_.q_slot_offset(s) * heads, rows * heads * sizeof(float));
+    std::memcpy(lse + layout.q_offset[s] * heads, merged_lse + ring_plan_.q_slot_offset(s) * heads,
+                rows * heads * sizeof(float));
   }
   t->pack_s += Seconds(u0);
   return absl::OkStatus();
@@ -294,8 +292,8 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
 
 // ---- all-gather KV (baseline) ------------------------------------------------------------
 
-absl::Status RingAttention::RunAllGather(const float* q, const float* k, const float* v,
-                                         float* o, float* lse, RingTimings* t) {
+absl::Status RingAttention::RunAllGather(const float* q, const float* k, const float* v, float* o,
+                                         float* lse, RingTimings* t) {
   const int n = cp_size_;
   const MessageLayout m = KvMessage();
   const sharding::LocalLayout& layout = ring_plan_.layout();
@@ -349,7 +347,7 @@ absl::Status RingAttention::RunAllGather(const float* q, const float* k, const f
                     .num_slices = static_cast<int64_t>(slices.size()),
                     .o = o,
                     .lse = lse};
-  step.visible_pairs = attention::CountVisiblePairs(p);
+  step.visible_pairs = ring_plan_.AllGatherVisiblePairs();
   CPFILL_RETURN_IF_ERROR(kernels_->Attend(p));
   step.compute_s = Seconds(c0);
   StepDone(t, step, 1);

@@ -1,6 +1,27 @@
 #include "parallel/ring_plan.h"
 
+#include <algorithm>
+
 namespace cpfill::parallel {
+namespace {
+
+// Visible (query, key) pairs between the query positions [a, a + lq) and the key positions
+// [b, b + lk): causal, each query p sees the keys at or before it, min(max(p - b + 1, 0), lk).
+int64_t RunPairs(int64_t a, int64_t lq, int64_t b, int64_t lk, bool causal) {
+  if (lq <= 0 || lk <= 0) return 0;
+  if (!causal) return lq * lk;
+  const int64_t q_end = a + lq - 1;
+  int64_t pairs = 0;
+  // Ramp: queries b .. b + lk - 2 see 1 .. lk - 1 keys.
+  const int64_t r0 = std::max(a, b), r1 = std::min(q_end, b + lk - 2);
+  if (r1 >= r0) pairs += (r0 - b + 1 + r1 - b + 1) * (r1 - r0 + 1) / 2;
+  // Plateau: queries from b + lk - 1 on see every key.
+  const int64_t p0 = std::max(a, b + lk - 1);
+  if (q_end >= p0) pairs += (q_end - p0 + 1) * lk;
+  return pairs;
+}
+
+}  // namespace
 
 RingPlan::RingPlan(const sharding::ShardPlan& plan, int cp_rank, bool causal)
     : plan_(plan),
@@ -26,6 +47,8 @@ bool RingPlan::CountChunkPairs(int seq, int q_rank, int kv_rank, RingStepTiming*
       for (const auto& k_run : *key_runs) {
         if (q_run.length == 0 || k_run.length == 0) continue;
         ++step->chunk_pairs;
+        step->visible_pairs +=
+            RunPairs(q_run.begin, q_run.length, k_run.begin, k_run.length, causal_);
         // Causal: the pair is hidden when its first key comes after its last query.
         if (causal_ && k_run.begin > q_run.end() - 1) {
           ++step->chunk_pairs_hidden;
@@ -61,6 +84,22 @@ void RingPlan::PassQSlices(int source, std::vector<attention::SequenceSlice>* sl
                        .kv_begin = layout_.kv_offset[s],
                        .kv_len = layout_.kv_len[s]});
   }
+}
+
+int64_t RingPlan::AllGatherVisiblePairs() const {
+  int64_t pairs = 0;
+  for (int s = 0; s < plan_.num_sequences(); ++s) {
+    for (const auto& q_run : plan_.shard(cp_rank_, s).new_runs) {
+      for (int r = 0; r < plan_.cp_size; ++r) {
+        for (const auto* runs : {&plan_.shard(r, s).cached_runs, &plan_.shard(r, s).new_runs}) {
+          for (const auto& k_run : *runs) {
+            pairs += RunPairs(q_run.begin, q_run.length, k_run.begin, k_run.length, causal_);
+          }
+        }
+      }
+    }
+  }
+  return pairs;
 }
 
 void RingPlan::AllGatherSlices(std::vector<attention::SequenceSlice>* slices) const {

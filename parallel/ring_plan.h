@@ -21,12 +21,12 @@ namespace cpfill::parallel {
 // One iteration of the ring loop (the paper's Table 5 rows).
 struct RingStepTiming {
   int step = 0;
-  int source_cp_rank = 0;     // whose KV (pass-KV) or queries (pass-Q) were computed on
-  double compute_s = 0;       // partial attention (+ running merge for pass-KV)
-  double transfer_s = 0;      // the exchange's own duration, posted to completed
-  double wait_s = 0;          // exposed: how long compute waited for the exchange
-  int64_t exchange_bytes = 0; // sent (= received) this step; 0 on the last step
-  int64_t visible_pairs = 0;  // (query, key) pairs computed, one head
+  int source_cp_rank = 0;      // whose KV (pass-KV) or queries (pass-Q) were computed on
+  double compute_s = 0;        // partial attention (+ running merge for pass-KV)
+  double transfer_s = 0;       // the exchange's own duration, posted to completed
+  double wait_s = 0;           // exposed: how long compute waited for the exchange
+  int64_t exchange_bytes = 0;  // sent (= received) this step; 0 on the last step
+  int64_t visible_pairs = 0;   // (query, key) pairs computed, one head
   // (query chunk, key chunk) pairs this step, and those the causal mask hides entirely: they
   // are not computed (a sequence whose pairs are all hidden is left out of the launch; the
   // kernel skips hidden tiles of the others).
@@ -37,11 +37,11 @@ struct RingStepTiming {
 struct RingTimings {
   RingAlgorithm algorithm = RingAlgorithm::kPassKV;
   std::vector<RingStepTiming> steps;
-  double pack_s = 0;          // copies into message layout and back
-  double all_gather_s = 0;    // all-gather baseline only
-  double all_to_all_s = 0;    // pass-Q only
+  double pack_s = 0;        // copies into message layout and back
+  double all_gather_s = 0;  // all-gather baseline only
+  double all_to_all_s = 0;  // pass-Q only
   int64_t all_to_all_bytes = 0;
-  double merge_s = 0;         // final merge (pass-Q); running merges count as compute
+  double merge_s = 0;  // final merge (pass-Q); running merges count as compute
   double total_s = 0;
   int64_t visible_pairs = 0;  // sum over steps; FLOPs = 4 * head_dim * heads * visible_pairs
 };
@@ -88,11 +88,14 @@ class RingPlan {
   void PassQSlices(int source, std::vector<attention::SequenceSlice>* slices,
                    RingStepTiming* step) const;
   void AllGatherSlices(std::vector<attention::SequenceSlice>* slices) const;
+  // (query, key) pairs the mask leaves visible for this rank's queries against every key.
+  int64_t AllGatherVisiblePairs() const;
 
  private:
   // Counts the (query run, key run) pairs between `q_rank`'s new tokens of `seq` and
   // `kv_rank`'s keys of `seq`, and those the causal mask hides entirely. A run is a chunk of the
   // load-balanced cut (or a cached run). Returns true when some pair is visible.
+  // Also adds the visible (query, key) pairs, counted in closed form from the runs.
   bool CountChunkPairs(int seq, int q_rank, int kv_rank, RingStepTiming* step) const;
 
   sharding::ShardPlan plan_;

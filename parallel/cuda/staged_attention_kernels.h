@@ -1,4 +1,4 @@
-// cpfill/parallel/cuda_attention_kernels.h — the ring's AttentionKernels on a CUDA device.
+// cpfill/parallel/cuda/staged_attention_kernels.h — the ring's AttentionKernels on a CUDA device.
 //
 // The ring code of ring_attention.h keeps its messages in host memory; this backend lets it run
 // the CUDA kernel (attention/cuda/) for every partial attention: inputs are rounded to bf16 and
@@ -22,10 +22,6 @@ namespace cpfill::parallel {
 
 // True when this build has the CUDA backend and a CUDA device is visible.
 bool CudaBackendAvailable();
-
-// Rounds every value to the nearest bf16 (ties to even), in place: what the CUDA backend's
-// inputs become, so a single-rank reference can see the same numbers.
-void RoundToBfloat16(std::vector<float>& values);
 
 class CudaStagedAttentionKernels : public AttentionKernels {
  public:

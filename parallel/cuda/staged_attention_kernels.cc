@@ -1,7 +1,8 @@
-#include "parallel/cuda_attention_kernels.h"
+#include "parallel/cuda/staged_attention_kernels.h"
 
 #include <cstring>
 
+#include "base/bfloat16.h"
 #include "base/status.h"
 
 #if CPFILL_HAVE_CUDA
@@ -12,25 +13,6 @@
 #endif
 
 namespace cpfill::parallel {
-namespace {
-
-uint16_t ToBf16Bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>(u >> 16);
-}
-
-}  // namespace
-
-void RoundToBfloat16(std::vector<float>& values) {
-  for (float& x : values) {
-    const uint32_t u = static_cast<uint32_t>(ToBf16Bits(x)) << 16;
-    std::memcpy(&x, &u, 4);
-  }
-}
-
 #if !CPFILL_HAVE_CUDA
 
 bool CudaBackendAvailable() { return false; }
@@ -99,7 +81,7 @@ absl::Status CudaStagedAttentionKernels::Attend(const attention::AttentionParams
   auto stage = [&](Slot slot, const float* src, size_t n) -> absl::Status {
     CPFILL_RETURN_IF_ERROR(Reserve(slot, n * 2));
     staging_.resize(n);
-    for (size_t i = 0; i < n; ++i) staging_[i] = ToBf16Bits(src[i]);
+    for (size_t i = 0; i < n; ++i) staging_[i] = FloatToBfloat16Bits(src[i]);
     CPFILL_CUDA_CHECK(
         cudaMemcpyAsync(buffers_[slot], staging_.data(), n * 2, cudaMemcpyHostToDevice, stream));
     // The staging vector is reused for the next tensor: wait for this copy.

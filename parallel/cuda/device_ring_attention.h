@@ -1,0 +1,98 @@
+// cpfill/parallel/cuda/device_ring_attention.h — the ring algorithms on GPUs: device memory,
+// the CUDA attention kernel, NCCL.
+//
+// The same algorithms as ring_attention.h, over the same RingPlan (message layouts, step slices,
+// skipped chunk pairs), with bf16 messages:
+//   pass-KV     the exchange of step j+1 is enqueued on the communication stream before step j's
+//               kernel, which folds its result straight into the running fp32 (O, LSE) (the
+//               kernel's merge mode: no separate merge pass);
+//   pass-Q      partial outputs in fp32 go home by an NCCL all-to-all; the merge kernel combines
+//               them;
+//   all-gather  NCCL all-gather, then one kernel call per batch.
+// Inside the loop nothing allocates and nothing waits on the host; Run() ends with the
+// communicator's Synchronize(), which has a deadline.
+//
+//   CPFILL_ASSIGN_OR_RETURN(auto ring, DeviceRingAttention::Create(*nccl.cp, plan, shape));
+//   CPFILL_RETURN_IF_ERROR(ring->Run(RingAlgorithm::kPassKV, d_q, d_k, d_v, d_o, d_lse, &t));
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attention/attention.h"
+#include "attention/cuda/attention_cuda.h"
+#include "parallel/cuda/nccl_communicator.h"
+#include "parallel/ring_plan.h"
+
+namespace cpfill::parallel {
+
+// An owned device allocation that grows on demand and never shrinks.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer();
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  absl::Status Reserve(size_t bytes);
+  template <typename T>
+  T* As(size_t offset_bytes = 0) const {
+    return reinterpret_cast<T*>(static_cast<char*>(data_) + offset_bytes);
+  }
+  size_t capacity() const { return capacity_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+class DeviceRingAttention {
+ public:
+  // `cp` is the CP ring of the plan; work runs on cp's compute stream.
+  static absl::StatusOr<std::unique_ptr<DeviceRingAttention>> Create(
+      NcclCommunicator& cp, const sharding::ShardPlan& plan, const attention::AttentionShape& shape,
+      cudaStream_t stream);
+  ~DeviceRingAttention();
+
+  // Device tensors in the rank's local layout: q [q_rows, H, D] bf16, k/v [kv_rows, H_kv, D]
+  // bf16 -> o [q_rows, H, D] fp32, lse [q_rows, H] fp32. Returns after the host synchronized.
+  absl::Status Run(RingAlgorithm algorithm, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                   const __nv_bfloat16* v, float* o, float* lse, RingTimings* timings);
+
+  const sharding::LocalLayout& layout() const { return ring_plan_.layout(); }
+
+ private:
+  DeviceRingAttention(NcclCommunicator& cp, const sharding::ShardPlan& plan,
+                      const attention::AttentionShape& shape, cudaStream_t stream);
+  absl::Status Init();
+
+  absl::Status RunPassKV(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                         float* o, float* lse, RingTimings* t);
+  absl::Status RunPassQ(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                        float* o, float* lse, RingTimings* t);
+  absl::Status RunAllGather(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                            float* o, float* lse, RingTimings* t);
+
+  MessageLayout KvMessage() const;
+  MessageLayout QMessage() const;
+  absl::Status PackKv(const __nv_bfloat16* k, const __nv_bfloat16* v, const DeviceBuffer& msg);
+  absl::Status PackQ(const __nv_bfloat16* q, const DeviceBuffer& msg);
+  // Enqueues the attention kernel, growing the workspace first if it is too small.
+  absl::Status Attend(const attention::cuda::CudaAttentionArgs& args);
+  cudaEvent_t Mark();  // records the next event on the stream
+  double Seconds(cudaEvent_t a, cudaEvent_t b) const;
+
+  NcclCommunicator& cp_;
+  RingPlan ring_plan_;
+  attention::AttentionShape shape_;
+  cudaStream_t stream_;
+  DeviceBuffer q_pos_, kv_pos_;  // this rank's positions, uploaded once
+  DeviceBuffer msg_[2], partials_, received_, merged_, gathered_, gathered_kv_, workspace_;
+  std::vector<cudaEvent_t> events_;
+  size_t next_event_ = 0;
+};
+
+}  // namespace cpfill::parallel

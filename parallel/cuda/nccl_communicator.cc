@@ -1,0 +1,351 @@
+#include "parallel/cuda/nccl_communicator.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <functional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "attention/cuda/attention_cuda.h"
+#include "base/status.h"
+
+namespace cpfill::parallel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Enough for every event a ring run records between two Synchronize() calls (2 per operation).
+constexpr size_t kEventRing = 256;
+
+#define CPFILL_NCCL_CHECK(call)                                                                 \
+  do {                                                                                          \
+    const ncclResult_t cpfill_nccl_rc_ = (call);                                                \
+    if (cpfill_nccl_rc_ != ncclSuccess && cpfill_nccl_rc_ != ncclInProgress)                    \
+      return absl::InternalError(absl::StrCat("NCCL call ", #call,                              \
+                                              " failed: ", ncclGetErrorString(cpfill_nccl_rc_), \
+                                              " (", __FILE__, ":", __LINE__, ")"));             \
+  } while (0)
+
+// Polls a non-blocking communicator until it is ready; aborts it on an error or the deadline.
+absl::Status WaitReady(ncclComm_t comm, std::chrono::milliseconds timeout,
+                       const std::string& what) {
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    CPFILL_NCCL_CHECK(ncclCommGetAsyncError(comm, &state));
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) {
+      ncclCommAbort(comm);
+      return absl::InternalError(absl::StrCat(what, " failed: ", ncclGetErrorString(state)));
+    }
+    if (Clock::now() > deadline) {
+      ncclCommAbort(comm);
+      return absl::DeadlineExceededError(absl::StrCat(
+          what, " did not complete within ", std::chrono::duration<double>(timeout).count(),
+          " s (a peer is dead or stuck); the communicator was aborted"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+ncclDataType_t ToNccl(DataType t) {
+  switch (t) {
+    case DataType::kFloat32:
+      return ncclFloat32;
+    case DataType::kFloat64:
+      return ncclFloat64;
+    case DataType::kInt32:
+      return ncclInt32;
+    case DataType::kInt64:
+      return ncclInt64;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t ToNccl(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kMin:
+      return ncclMin;
+  }
+  return ncclSum;
+}
+
+class NcclExchange : public PendingExchange {
+ public:
+  NcclExchange(cudaEvent_t start, cudaEvent_t end, cudaStream_t compute)
+      : start_(start), end_(end), compute_(compute) {}
+  // Orders the compute stream after the exchange; the host does not wait.
+  absl::Status Wait() override {
+    CPFILL_CUDA_CHECK(cudaStreamWaitEvent(compute_, end_, 0));
+    return absl::OkStatus();
+  }
+  // Valid once the exchange has completed (after the communicator's Synchronize()).
+  double transfer_s() const override {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, start_, end_) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return ms / 1e3;
+  }
+
+ private:
+  cudaEvent_t start_, end_;
+  cudaStream_t compute_;
+};
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, std::string name, cudaStream_t compute,
+                                   CommOptions options)
+    : comm_(comm), name_(std::move(name)), compute_(compute), options_(options) {}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Make(ncclComm_t comm,
+                                                                         std::string name,
+                                                                         cudaStream_t compute,
+                                                                         CommOptions options) {
+  std::unique_ptr<NcclCommunicator> c(
+      new NcclCommunicator(comm, std::move(name), compute, options));
+  CPFILL_NCCL_CHECK(ncclCommUserRank(comm, &c->rank_));
+  CPFILL_NCCL_CHECK(ncclCommCount(comm, &c->size_));
+  CPFILL_CUDA_CHECK(cudaStreamCreateWithFlags(&c->comm_stream_, cudaStreamNonBlocking));
+  CPFILL_CUDA_CHECK(cudaMalloc(&c->scratch_, 16));
+  c->events_.resize(kEventRing);
+  for (auto& e : c->events_) CPFILL_CUDA_CHECK(cudaEventCreate(&e));
+  return c;
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_ != nullptr) {
+    if (aborted_) {
+      // already aborted
+    } else if (Synchronize().ok()) {
+      ncclCommDestroy(comm_);
+    } else {
+      ncclCommAbort(comm_);
+    }
+  }
+  for (auto e : events_) cudaEventDestroy(e);
+  cudaFree(scratch_);
+  if (comm_stream_) cudaStreamDestroy(comm_stream_);
+}
+
+cudaEvent_t NcclCommunicator::NextEvent() {
+  cudaEvent_t e = events_[next_event_];
+  next_event_ = (next_event_ + 1) % events_.size();
+  return e;
+}
+
+absl::Status NcclCommunicator::BeginOp(const std::string& what) {
+  if (aborted_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("NCCL communicator ", name_, " was aborted after an earlier failure"));
+  }
+  last_op_ = what;
+  cudaEvent_t ready = NextEvent();
+  CPFILL_CUDA_CHECK(cudaEventRecord(ready, compute_));
+  CPFILL_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ready, 0));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::EndOp() {
+  cudaEvent_t done = NextEvent();
+  CPFILL_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
+  CPFILL_CUDA_CHECK(cudaStreamWaitEvent(compute_, done, 0));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PendingExchange>> NcclCommunicator::StartRingExchange(
+    const void* send, void* recv, size_t bytes) {
+  const int next = next_rank(), prev = prev_rank();
+  CPFILL_RETURN_IF_ERROR(BeginOp(absl::StrCat("ring exchange on ", name_, " (rank ", rank_, " of ",
+                                              size_, "): send ", bytes, " bytes to rank ", next,
+                                              ", receive ", bytes, " bytes from rank ", prev)));
+  cudaEvent_t start = NextEvent(), end = NextEvent();
+  CPFILL_CUDA_CHECK(cudaEventRecord(start, comm_stream_));
+  // Step 1: one group, so the send and the receive progress together.
+  CPFILL_NCCL_CHECK(ncclGroupStart());
+  CPFILL_NCCL_CHECK(ncclSend(send, bytes, ncclUint8, next, comm_, comm_stream_));
+  CPFILL_NCCL_CHECK(ncclRecv(recv, bytes, ncclUint8, prev, comm_, comm_stream_));
+  CPFILL_NCCL_CHECK(ncclGroupEnd());
+  CPFILL_CUDA_CHECK(cudaEventRecord(end, comm_stream_));
+  return std::unique_ptr<PendingExchange>(std::make_unique<NcclExchange>(start, end, compute_));
+}
+
+absl::Status NcclCommunicator::AllToAll(const void* send, std::span<const size_t> send_bytes,
+                                        std::span<const size_t> send_offsets, void* recv,
+                                        std::span<const size_t> recv_bytes,
+                                        std::span<const size_t> recv_offsets) {
+  const size_t n = static_cast<size_t>(size_);
+  CPFILL_CHECK_ARG(send_bytes.size() == n && send_offsets.size() == n && recv_bytes.size() == n &&
+                       recv_offsets.size() == n,
+                   "all-to-all on ", name_, ": size arrays must have ", n, " entries");
+  size_t total = 0;
+  for (size_t p = 0; p < n; ++p) total += send_bytes[p];
+  CPFILL_RETURN_IF_ERROR(BeginOp(absl::StrCat("all-to-all on ", name_, " (rank ", rank_, " of ",
+                                              size_, "): send ", total, " bytes")));
+  if (send_bytes[rank_] > 0) {
+    CPFILL_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + recv_offsets[rank_],
+                                      static_cast<const char*>(send) + send_offsets[rank_],
+                                      send_bytes[rank_], cudaMemcpyDeviceToDevice, comm_stream_));
+  }
+  CPFILL_NCCL_CHECK(ncclGroupStart());
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    if (send_bytes[p] > 0) {
+      CPFILL_NCCL_CHECK(ncclSend(static_cast<const char*>(send) + send_offsets[p], send_bytes[p],
+                                 ncclUint8, p, comm_, comm_stream_));
+    }
+    if (recv_bytes[p] > 0) {
+      CPFILL_NCCL_CHECK(ncclRecv(static_cast<char*>(recv) + recv_offsets[p], recv_bytes[p],
+                                 ncclUint8, p, comm_, comm_stream_));
+    }
+  }
+  CPFILL_NCCL_CHECK(ncclGroupEnd());
+  return EndOp();
+}
+
+absl::Status NcclCommunicator::AllGather(const void* send, size_t bytes, void* recv) {
+  CPFILL_RETURN_IF_ERROR(BeginOp(absl::StrCat("all-gather on ", name_, " (rank ", rank_, " of ",
+                                              size_, "): ", bytes, " bytes each")));
+  CPFILL_NCCL_CHECK(ncclAllGather(send, recv, bytes, ncclUint8, comm_, comm_stream_));
+  return EndOp();
+}
+
+absl::Status NcclCommunicator::AllReduce(void* data, size_t count, DataType type, ReduceOp op) {
+  CPFILL_RETURN_IF_ERROR(BeginOp(absl::StrCat("all-reduce on ", name_, " (rank ", rank_, " of ",
+                                              size_, "): ", count, " elements")));
+  CPFILL_NCCL_CHECK(
+      ncclAllReduce(data, data, count, ToNccl(type), ToNccl(op), comm_, comm_stream_));
+  return EndOp();
+}
+
+absl::Status NcclCommunicator::Broadcast(void* data, size_t bytes, int root) {
+  CPFILL_CHECK_ARG(root >= 0 && root < size_, "broadcast root ", root, " outside ", name_);
+  CPFILL_RETURN_IF_ERROR(
+      BeginOp(absl::StrCat("broadcast on ", name_, " of ", bytes, " bytes from rank ", root)));
+  CPFILL_NCCL_CHECK(ncclBroadcast(data, data, bytes, ncclUint8, root, comm_, comm_stream_));
+  return EndOp();
+}
+
+absl::Status NcclCommunicator::Barrier() {
+  // NCCL has no barrier: an all-reduce of one value waits for every rank, then the host waits.
+  CPFILL_RETURN_IF_ERROR(AllReduce(scratch_, 1, DataType::kInt32, ReduceOp::kSum));
+  return Synchronize();
+}
+
+absl::Status NcclCommunicator::Synchronize() {
+  if (aborted_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("NCCL communicator ", name_, " was aborted after an earlier failure"));
+  }
+  cudaEvent_t done = NextEvent();
+  CPFILL_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
+  const auto deadline = Clock::now() + options_.timeout;
+  while (true) {
+    const cudaError_t e = cudaEventQuery(done);
+    if (e == cudaSuccess) return absl::OkStatus();
+    if (e != cudaErrorNotReady) {
+      CPFILL_CUDA_CHECK(e);
+    }
+    ncclResult_t state = ncclSuccess;
+    CPFILL_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+    if (state != ncclSuccess && state != ncclInProgress) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+      return absl::InternalError(absl::StrCat("NCCL error on ", name_, " rank ", rank_, ": ",
+                                              ncclGetErrorString(state),
+                                              " (last operation: ", last_op_, ")"));
+    }
+    if (Clock::now() > deadline) {
+      // Abort so the kernels waiting for a dead peer end and this rank can report and exit.
+      ncclCommAbort(comm_);
+      aborted_ = true;
+      return absl::DeadlineExceededError(
+          absl::StrCat(last_op_, " did not complete within ",
+                       std::chrono::duration<double>(options_.timeout).count(),
+                       " s (a peer is dead, stuck or much slower); NCCL communicator aborted"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+absl::Status CudaStream::Create() {
+  CPFILL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<NcclGrid> CreateNcclGrid(const ProcessGrid& grid, CommOptions options) {
+  NcclGrid out;
+  // Step 0: a GPU for every rank, picked by the rank's place on its host.
+  const int devices = attention::cuda::DeviceCount();
+  int32_t have = devices > 0 ? 1 : 0;
+  CPFILL_RETURN_IF_ERROR(grid.world->AllReduce(&have, 1, DataType::kInt32, ReduceOp::kMin));
+  if (!have) {
+    return absl::FailedPreconditionError("NCCL: a rank sees no CUDA device");
+  }
+  out.device = grid.host_rank % devices;
+  CPFILL_CUDA_CHECK(cudaSetDevice(out.device));
+  CPFILL_RETURN_IF_ERROR(out.compute.Create());
+  const cudaStream_t compute_stream = out.compute.get();
+
+  // Step 1: every TP group sits on one host (TP all-reduces are meant for NVLink). The verdict
+  // is made global, so every rank fails alike instead of some waiting in NCCL's init.
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  int64_t hash[2] = {static_cast<int64_t>(std::hash<std::string>{}(host) >> 1), 0};
+  hash[1] = -hash[0];
+  CPFILL_RETURN_IF_ERROR(grid.tp->AllReduce(hash, 2, DataType::kInt64, ReduceOp::kMax));
+  int32_t tp_on_one_host = hash[0] == -hash[1] ? 1 : 0;
+  CPFILL_RETURN_IF_ERROR(
+      grid.world->AllReduce(&tp_on_one_host, 1, DataType::kInt32, ReduceOp::kMin));
+  if (!tp_on_one_host) {
+    return absl::FailedPreconditionError(
+        "a TP group spans several hosts; launch the ranks of a node contiguously (--map-by "
+        "slot) with --tp dividing the ranks per host");
+  }
+
+  // Step 2: the world communicator from rank 0's id, non-blocking, polled with a deadline.
+  ncclUniqueId id;
+  if (grid.world_rank == 0) CPFILL_NCCL_CHECK(ncclGetUniqueId(&id));
+  CPFILL_RETURN_IF_ERROR(grid.world->Broadcast(&id, sizeof(id), 0));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t world = nullptr;
+  CPFILL_NCCL_CHECK(ncclCommInitRankConfig(&world, grid.world_size, id, grid.world_rank, &config));
+  CPFILL_RETURN_IF_ERROR(
+      WaitReady(world, options.timeout, absl::StrCat("NCCL init of world rank ", grid.world_rank)));
+
+  // Step 3: TP and CP by splitting the world with the MPI groups' colors and keys.
+  auto split = [&](int color, const std::string& name) -> absl::StatusOr<ncclComm_t> {
+    ncclConfig_t c = NCCL_CONFIG_INITIALIZER;
+    c.blocking = 0;
+    ncclComm_t comm = nullptr;
+    CPFILL_NCCL_CHECK(ncclCommSplit(world, color, grid.world_rank, &comm, &c));
+    CPFILL_RETURN_IF_ERROR(WaitReady(world, options.timeout, "NCCL split of world"));
+    CPFILL_RETURN_IF_ERROR(WaitReady(
+        comm, options.timeout, absl::StrCat("NCCL ", name, " of world rank ", grid.world_rank)));
+    return comm;
+  };
+  // A TP group's color is its lowest world rank: unique, and known to every member through MPI.
+  int64_t tp_leader = grid.world_rank;
+  CPFILL_RETURN_IF_ERROR(grid.tp->AllReduce(&tp_leader, 1, DataType::kInt64, ReduceOp::kMin));
+  CPFILL_ASSIGN_OR_RETURN(ncclComm_t tp, split(static_cast<int>(tp_leader), "tp"));
+  CPFILL_ASSIGN_OR_RETURN(ncclComm_t cp, split(grid.tp_rank, "cp"));
+  CPFILL_ASSIGN_OR_RETURN(out.world,
+                          NcclCommunicator::Make(world, "world", compute_stream, options));
+  CPFILL_ASSIGN_OR_RETURN(out.tp, NcclCommunicator::Make(tp, "tp", compute_stream, options));
+  CPFILL_ASSIGN_OR_RETURN(out.cp, NcclCommunicator::Make(cp, "cp", compute_stream, options));
+  CPFILL_CHECK_INTERNAL(out.cp->rank() == grid.cp_rank && out.cp->size() == grid.cp_size &&
+                            out.tp->rank() == grid.tp_rank && out.tp->size() == grid.tp_size,
+                        "NCCL groups differ from MPI's: cp ", out.cp->rank(), "/", out.cp->size(),
+                        " vs ", grid.cp_rank, "/", grid.cp_size);
+  return out;
+}
+
+}  // namespace cpfill::parallel

@@ -1,0 +1,72 @@
+#include "parallel/ring_plan.h"
+
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace cpfill::parallel {
+namespace {
+
+// Positions of the keys `source` holds of every sequence, laid out as a pass-KV message.
+std::vector<int32_t> KvMessagePositions(const RingPlan& rp, const sharding::ShardPlan& plan,
+                                        int source) {
+  const sharding::LocalLayout src = sharding::MakeLocalLayout(plan, source);
+  std::vector<int32_t> pos(rp.kv_slots_total(), attention::kPadPosition);
+  for (int s = 0; s < plan.num_sequences(); ++s) {
+    for (int64_t i = 0; i < src.kv_len[s]; ++i) {
+      pos[rp.kv_slot_offset(s) + i] = src.kv_positions[src.kv_offset[s] + i];
+    }
+  }
+  return pos;
+}
+
+TEST(RingPlan, ClosedFormPairsEqualCountingOnPositions) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int n = 1 + trial % 5;
+    std::vector<sharding::SequenceRequest> seqs;
+    for (int s = 0; s < 1 + trial % 4; ++s) {
+      seqs.push_back({.new_tokens = static_cast<int64_t>(rng() % 300),
+                      .cached_tokens = static_cast<int64_t>(trial % 3 == 0 ? rng() % 500 : 0)});
+    }
+    auto plan = sharding::PlanPrefill(seqs, n);
+    ASSERT_TRUE(plan.ok());
+    for (bool causal : {true, false}) {
+      attention::AttentionShape shape{
+          .num_heads = 1, .num_kv_heads = 1, .head_dim = 1, .softmax_scale = 1, .causal = causal};
+      for (int me = 0; me < n; ++me) {
+        RingPlan rp(*plan, me, causal);
+        for (int source = 0; source < n; ++source) {
+          RingStepTiming step;
+          std::vector<attention::SequenceSlice> slices;
+          rp.PassKvSlices(source, &slices, &step);
+          const std::vector<int32_t> kpos = KvMessagePositions(rp, *plan, source);
+          const std::vector<float> dummy(1);
+          attention::AttentionParams p{.shape = shape,
+                                       .q = dummy.data(),
+                                       .q_pos = rp.layout().q_positions.data(),
+                                       .q_tokens = rp.layout().q_rows(),
+                                       .k = dummy.data(),
+                                       .v = dummy.data(),
+                                       .k_pos = kpos.data(),
+                                       .kv_tokens = rp.kv_slots_total(),
+                                       .slices = slices.data(),
+                                       .num_slices = static_cast<int64_t>(slices.size()),
+                                       .o = nullptr,
+                                       .lse = nullptr};
+          // Rows are not written by CountVisiblePairs; o/lse may be null only without rows.
+          std::vector<float> o(rp.layout().q_rows() + 1), lse(rp.layout().q_rows() + 1);
+          p.o = o.data();
+          p.lse = lse.data();
+          EXPECT_EQ(step.visible_pairs, attention::CountVisiblePairs(p))
+              << "trial " << trial << " rank " << me << " source " << source;
+          EXPECT_LE(step.chunk_pairs_hidden, step.chunk_pairs);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cpfill::parallel
