@@ -18,14 +18,10 @@
 #include "base/json.h"
 #include "base/status.h"
 #include "base/thread_pool.h"
+#include "launch/backend.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
 #include "launch/session.h"
-#include "parallel/cuda/staged_attention_kernels.h"
-#if CPFILL_HAVE_CUDA
-#include "parallel/cuda/device_ring_attention.h"
-#include "parallel/cuda/nccl_communicator.h"
-#endif
 #include "parallel/gather_outputs.h"
 #include "parallel/ring_attention.h"
 #include "parallel/selector.h"
@@ -169,143 +165,6 @@ json::Value TimingsJson(const parallel::RingTimings& t, double flops_per_pair) {
       .Set("gflop", t.visible_pairs * flops_per_pair / 1e9);
 }
 
-std::string BackendDescription(const std::string& backend) {
-  if (backend == "cuda") return "CUDA (device ring on NCCL, bf16)";
-  if (backend == "cuda-staged") return "CUDA kernels in the host ring (staged, bf16)";
-  return "CPU (fp32)";
-}
-
-// One backend's way to run the batch. The inputs are made at construction; Run() may repeat.
-class Runner {
- public:
-  virtual ~Runner() = default;
-  virtual absl::Status Run(RingAlgorithm algo, parallel::RingTimings* t,
-                           parallel::RingAttention::StepCallback progress) = 0;
-  // This rank's O [q_rows, heads, head_dim] and LSE [q_rows, heads] in fp32, on the host.
-  virtual absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) = 0;
-};
-
-// The host ring, with CPU kernels or with the CUDA kernel staged from host memory.
-class HostRunner : public Runner {
- public:
-  static absl::StatusOr<std::unique_ptr<Runner>> Make(
-      const std::string& backend, const parallel::ProcessGrid& grid,
-      const sharding::ShardPlan& plan, const attention::AttentionShape& shape,
-      const runtime::SyntheticAttention& batch, const runtime::HeadSlice& slice, int threads) {
-    std::unique_ptr<HostRunner> r(new HostRunner(threads));
-    if (backend == "cuda-staged") {
-      CPFILL_ASSIGN_OR_RETURN(
-          r->kernels_, parallel::CudaStagedAttentionKernels::Create(grid.host_rank, &r->pool_));
-    } else {
-      r->kernels_ = std::make_unique<parallel::CpuAttentionKernels>(&r->pool_);
-    }
-    CPFILL_ASSIGN_OR_RETURN(
-        r->ring_, parallel::RingAttention::Create(*grid.cp, plan, shape, r->kernels_.get()));
-    const sharding::LocalLayout& layout = r->ring_->layout();
-    r->q_.resize(layout.q_rows() * shape.num_heads * shape.head_dim);
-    r->k_.resize(layout.kv_rows() * shape.num_kv_heads * shape.head_dim);
-    r->v_.resize(r->k_.size());
-    batch.FillLocal(layout, slice, r->q_.data(), r->k_.data(), r->v_.data());
-    r->o_.assign(r->q_.size(), std::nanf(""));  // poisoned: a row the ring misses stays NaN
-    r->lse_.assign(layout.q_rows() * shape.num_heads, std::nanf(""));
-    return std::unique_ptr<Runner>(std::move(r));
-  }
-  absl::Status Run(RingAlgorithm algo, parallel::RingTimings* t,
-                   parallel::RingAttention::StepCallback progress) override {
-    return ring_->Run(algo, q_.data(), k_.data(), v_.data(), o_.data(), lse_.data(), t,
-                      std::move(progress));
-  }
-  absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) override {
-    *o = o_;
-    *lse = lse_;
-    return absl::OkStatus();
-  }
-
- private:
-  explicit HostRunner(int threads) : pool_(threads) {}
-  ThreadPool pool_;
-  std::unique_ptr<parallel::AttentionKernels> kernels_;
-  std::unique_ptr<parallel::RingAttention> ring_;
-  std::vector<float> q_, k_, v_, o_, lse_;
-};
-
-#if CPFILL_HAVE_CUDA
-// The device ring: inputs in bf16 on this rank's GPU, NCCL between GPUs.
-class DeviceRunner : public Runner {
- public:
-  static absl::StatusOr<std::unique_ptr<Runner>> Make(const parallel::ProcessGrid& grid,
-                                                      parallel::CommOptions options,
-                                                      const sharding::ShardPlan& plan,
-                                                      const attention::AttentionShape& shape,
-                                                      const runtime::SyntheticAttention& batch,
-                                                      const runtime::HeadSlice& slice) {
-    std::unique_ptr<DeviceRunner> r(new DeviceRunner());
-    CPFILL_ASSIGN_OR_RETURN(r->nccl_, parallel::CreateNcclGrid(grid, options));
-    CPFILL_ASSIGN_OR_RETURN(r->ring_, parallel::DeviceRingAttention::Create(
-                                          *r->nccl_.cp, plan, shape, r->nccl_.compute.get()));
-    const sharding::LocalLayout& layout = r->ring_->layout();
-    std::vector<float> q(layout.q_rows() * shape.num_heads * shape.head_dim);
-    std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * shape.head_dim), v(k.size());
-    batch.FillLocal(layout, slice, q.data(), k.data(), v.data());
-    CPFILL_RETURN_IF_ERROR(r->Upload(r->q_, ToBfloat16(q)));
-    CPFILL_RETURN_IF_ERROR(r->Upload(r->k_, ToBfloat16(k)));
-    CPFILL_RETURN_IF_ERROR(r->Upload(r->v_, ToBfloat16(v)));
-    r->o_elems_ = q.size();
-    r->lse_elems_ = layout.q_rows() * shape.num_heads;
-    CPFILL_RETURN_IF_ERROR(r->o_.Reserve(std::max<size_t>(16, r->o_elems_ * 4)));
-    CPFILL_RETURN_IF_ERROR(r->lse_.Reserve(std::max<size_t>(16, r->lse_elems_ * 4)));
-    // Poisoned (NaN bytes) so a row the ring misses shows.
-    CPFILL_CUDA_CHECK(cudaMemset(r->o_.As<void>(), 0xFF, r->o_elems_ * 4));
-    CPFILL_CUDA_CHECK(cudaMemset(r->lse_.As<void>(), 0xFF, r->lse_elems_ * 4));
-    return std::unique_ptr<Runner>(std::move(r));
-  }
-  absl::Status Run(RingAlgorithm algo, parallel::RingTimings* t,
-                   parallel::RingAttention::StepCallback progress) override {
-    CPFILL_RETURN_IF_ERROR(ring_->Run(algo, q_.As<__nv_bfloat16>(), k_.As<__nv_bfloat16>(),
-                                      v_.As<__nv_bfloat16>(), o_.As<float>(), lse_.As<float>(), t));
-    for (const auto& step : t->steps) {
-      if (progress) progress(step, static_cast<int>(t->steps.size()));
-    }
-    return absl::OkStatus();
-  }
-  absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) override {
-    o->resize(o_elems_);
-    lse->resize(lse_elems_);
-    CPFILL_CUDA_CHECK(cudaMemcpy(o->data(), o_.As<void>(), o_elems_ * 4, cudaMemcpyDeviceToHost));
-    CPFILL_CUDA_CHECK(
-        cudaMemcpy(lse->data(), lse_.As<void>(), lse_elems_ * 4, cudaMemcpyDeviceToHost));
-    return absl::OkStatus();
-  }
-
- private:
-  DeviceRunner() = default;
-  absl::Status Upload(parallel::DeviceBuffer& dst, const std::vector<uint16_t>& bits) {
-    CPFILL_RETURN_IF_ERROR(dst.Reserve(std::max<size_t>(16, bits.size() * 2)));
-    CPFILL_CUDA_CHECK(
-        cudaMemcpy(dst.As<void>(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-    return absl::OkStatus();
-  }
-  parallel::NcclGrid nccl_;  // first: outlives the ring and buffers below
-  std::unique_ptr<parallel::DeviceRingAttention> ring_;
-  parallel::DeviceBuffer q_, k_, v_, o_, lse_;
-  size_t o_elems_ = 0, lse_elems_ = 0;
-};
-#endif
-
-absl::StatusOr<std::unique_ptr<Runner>> MakeRunner(
-    const std::string& backend, const parallel::ProcessGrid& grid, parallel::CommOptions options,
-    const sharding::ShardPlan& plan, const attention::AttentionShape& shape,
-    const runtime::SyntheticAttention& batch, const runtime::HeadSlice& slice, int threads) {
-#if CPFILL_HAVE_CUDA
-  if (backend == "cuda") return DeviceRunner::Make(grid, options, plan, shape, batch, slice);
-#else
-  if (backend == "cuda") {
-    return absl::FailedPreconditionError("this cpfill was built without the CUDA backend");
-  }
-#endif
-  return HostRunner::Make(backend, grid, plan, shape, batch, slice, threads);
-}
-
 int Run(int argc, char** argv) {
   AttentionFlags f;
   FlagSet flags("attention",
@@ -345,30 +204,18 @@ int Run(int argc, char** argv) {
   parallel::ProcessGrid& grid = *started.grid;
   // ---- configuration: every rank reaches the same verdict ----------------------------------
   if (absl::Status s = ValidateFlags(f, grid); !s.ok()) return session->ConfigError(s);
-  if (f.backend != "auto" && f.backend != "cpu" && f.backend != "cuda" &&
-      f.backend != "cuda-staged") {
-    return session->ConfigError(absl::InvalidArgumentError(absl::StrCat(
-        "--backend: unknown backend '", f.backend, "' (valid: auto, cpu, cuda, cuda-staged)")));
-  }
-  if (f.backend == "auto") f.backend = parallel::CudaBackendAvailable() ? "cuda" : "cpu";
-  const bool use_cuda = f.backend != "cpu";
-  if (use_cuda) {
-    // Every rank must have a device; agree on it before anything runs, so a missing GPU is one
-    // clean message rather than one rank's abort.
-    int32_t have = parallel::CudaBackendAvailable() ? 1 : 0;
-    if (absl::Status s =
-            grid.world->AllReduce(&have, 1, parallel::DataType::kInt32, parallel::ReduceOp::kMin);
-        !s.ok()) {
-      session->Fail(s);
+  const int threads = session->ThreadsPerRank(grid);
+  auto backend_or = Backend::Create(f.backend, grid, session->mpi().options(), threads);
+  if (!backend_or.ok()) {
+    // Unknown names and missing devices are verdicts every rank shares.
+    if (absl::IsInvalidArgument(backend_or.status()) ||
+        absl::IsFailedPrecondition(backend_or.status())) {
+      return session->ConfigError(backend_or.status());
     }
-    if (!have) {
-      return session->ConfigError(absl::FailedPreconditionError(
-          absl::StrCat("--backend ", f.backend,
-                       ": a rank sees no CUDA device (or this cpfill was built "
-                       "without the CUDA backend); use --backend cpu")));
-    }
-    if (!flags.IsSet("tolerance")) f.tolerance = 2e-2;  // bf16 inputs and P
+    session->Fail(backend_or.status());
   }
+  Backend& backend = **backend_or;
+  if (backend.bf16() && !flags.IsSet("tolerance")) f.tolerance = 2e-2;  // bf16 inputs and P
   auto algo_or = f.algo == "auto" ? absl::StatusOr<RingAlgorithm>(RingAlgorithm::kPassKV)
                                   : parallel::ParseRingAlgorithm(f.algo);
   if (!algo_or.ok()) return session->ConfigError(algo_or.status());
@@ -411,7 +258,6 @@ int Run(int argc, char** argv) {
   const RingAlgorithm algo = f.algo == "auto" ? selection.choice : *algo_or;
 
   // ---- report the set-up ----------------------------------------------------------------
-  const int threads = session->ThreadsPerRank(grid);
   session->Print(
       "cpfill attention: %d sequence(s), new tokens %s, cached %s; %d query / %d KV heads x %d "
       "(per rank %d / %d), %s\n",
@@ -419,7 +265,7 @@ int Run(int argc, char** argv) {
       f.cached_lens.empty() ? "0" : absl::StrJoin(f.cached_lens, "+"), f.heads, f.kv_heads,
       f.head_dim, model.num_heads, model.num_kv_heads, f.non_causal ? "non-causal" : "causal");
   session->Print("grid: %s; %s backend, %d kernel thread(s) per rank\n", grid.Describe(),
-                 BackendDescription(f.backend), threads);
+                 backend.Description(), threads);
   session->Print("plan: 2N = %d chunks per sequence; padding %d new-token and %d KV slots\n",
                  2 * grid.cp_size, plan.NewTokenPadding(), plan.KvPadding());
   session->Print("selector (%s%s): %s\n", parallel::SelectorRuleName(*rule_or),
@@ -460,15 +306,8 @@ int Run(int argc, char** argv) {
                                         .head_dim = f.head_dim,
                                         .softmax_scale = 1.0f / std::sqrt(float(f.head_dim)),
                                         .causal = !f.non_causal};
-  auto runner_or =
-      MakeRunner(f.backend, grid, session->mpi().options(), plan, shape, batch, slice, threads);
-  if (!runner_or.ok()) {
-    // Placement and device checks are made collectively: every rank sees the same verdict.
-    if (absl::IsFailedPrecondition(runner_or.status())) {
-      return session->ConfigError(runner_or.status());
-    }
-    session->Fail(runner_or.status());
-  }
+  auto runner_or = backend.MakeRunner(plan, shape, batch, slice);
+  if (!runner_or.ok()) session->Fail(runner_or.status());
   Runner& runner = **runner_or;
   std::vector<float> o, lse;
   const double flops_per_pair = 4.0 * shape.head_dim * shape.num_heads;
@@ -542,7 +381,7 @@ int Run(int argc, char** argv) {
     k_all.resize(batch.total_kv_tokens() * f.kv_heads * f.head_dim);
     v_all.resize(k_all.size());
     batch.FillGlobal(q_all.data(), k_all.data(), v_all.data());
-    if (use_cuda) {  // the numbers the GPU saw
+    if (backend.bf16()) {  // the numbers the GPU saw
       RoundToBfloat16(q_all);
       RoundToBfloat16(k_all);
       RoundToBfloat16(v_all);
@@ -626,7 +465,7 @@ int Run(int argc, char** argv) {
         .Set("cp", grid.cp_size)
         .Set("nodes", grid.num_nodes)
         .Set("threads_per_rank", threads)
-        .Set("backend", f.backend)
+        .Set("backend", backend.name())
         .Set("algorithm", std::string(parallel::RingAlgorithmName(algo)))
         .Set("algorithm_source", f.algo == "auto" ? "selector" : "--algo")
         .Set("selection", sel_json.ok() ? *sel_json : json::Value())

@@ -6,12 +6,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/json.h"
 #include "base/status.h"
 #include "base/thread_pool.h"
+#include "launch/backend.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
 #include "launch/session.h"
@@ -38,8 +42,21 @@ struct CalibrateFlags {
   int64_t bandwidth_bytes = 64 << 20;
   double elem_bytes = 2;
   std::string out = "cpfill-fit.json";
+  std::string backend = "auto";
+  std::string json_file;
   SessionFlags session;
 };
+
+// GPU-sized grid defaults: the paper's Table 4 miss rates, at two context totals.
+void UseGpuDefaults(CalibrateFlags& f, const FlagSet& flags) {
+  if (!flags.IsSet("context-lens")) f.context_lens = {32768, 131072};
+  if (!flags.IsSet("miss-rates")) {
+    f.miss_rates = {0.01, 0.025, 0.0325, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0};
+  }
+  if (!flags.IsSet("heads")) f.heads = 16;
+  if (!flags.IsSet("compute-tokens")) f.compute_tokens = 16384;
+  if (!flags.IsSet("bandwidth-bytes")) f.bandwidth_bytes = int64_t{256} << 20;
+}
 
 template <typename T>
 T Median(std::vector<T> v) {
@@ -48,15 +65,13 @@ T Median(std::vector<T> v) {
 }
 
 // Median over `repeat` runs (after one warm-up) of the slowest rank's time for one algorithm.
-absl::StatusOr<double> TimeAlgorithm(parallel::ProcessGrid& grid, parallel::RingAttention& ring,
-                                     RingAlgorithm algo, int repeat, const std::vector<float>& q,
-                                     const std::vector<float>& k, const std::vector<float>& v,
-                                     std::vector<float>& o, std::vector<float>& lse) {
+absl::StatusOr<double> TimeAlgorithm(parallel::ProcessGrid& grid, Runner& runner,
+                                     RingAlgorithm algo, int repeat) {
   std::vector<double> times;
   for (int r = 0; r <= repeat; ++r) {
     CPFILL_RETURN_IF_ERROR(grid.world->Barrier());
     parallel::RingTimings t;
-    CPFILL_RETURN_IF_ERROR(ring.Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(), &t));
+    CPFILL_RETURN_IF_ERROR(runner.Run(algo, &t, nullptr));
     double worst = t.total_s;
     CPFILL_RETURN_IF_ERROR(
         grid.world->AllReduce(&worst, 1, parallel::DataType::kFloat64, parallel::ReduceOp::kMax));
@@ -80,12 +95,28 @@ int Run(int argc, char** argv) {
   flags.Int("bandwidth-bytes", &f.bandwidth_bytes, "ring message that measures BW");
   flags.Double("elem-bytes", &f.elem_bytes, "bytes per element e the rules assume");
   flags.String("out", &f.out, "calibration JSON to write (read by --fit)");
+  flags.String("json", &f.json_file,
+               "write the grid's times, every rule's choices and regrets as JSON");
+  flags.String("backend", &f.backend,
+               "auto | cpu | cuda | cuda-staged (auto: cuda when a GPU is visible; CUDA backends "
+               "default to GPU-sized grids)");
   AddSessionFlags(flags, &f.session);
   const absl::Status parsed = flags.Parse(argc, argv, 2);
   Started started = Session::Begin(&argc, &argv, flags, parsed, f.session);
   if (started.exit_code) return *started.exit_code;
   Session* session = started.session.get();
   parallel::ProcessGrid& grid = *started.grid;
+  const int threads = session->ThreadsPerRank(grid);
+  auto backend_or = Backend::Create(f.backend, grid, session->mpi().options(), threads);
+  if (!backend_or.ok()) {
+    if (absl::IsInvalidArgument(backend_or.status()) ||
+        absl::IsFailedPrecondition(backend_or.status())) {
+      return session->ConfigError(backend_or.status());
+    }
+    session->Fail(backend_or.status());
+  }
+  Backend& backend = **backend_or;
+  if (backend.name() == "cuda") UseGpuDefaults(f, flags);
   auto validate = [&]() -> absl::Status {
     CPFILL_CHECK_ARG(f.heads > 0 && f.kv_heads > 0 && f.head_dim > 0 && f.heads % f.kv_heads == 0,
                      "--heads ", f.heads, " must be a positive multiple of --kv-heads ", f.kv_heads,
@@ -104,70 +135,33 @@ int Run(int argc, char** argv) {
   };
   if (absl::Status s = validate(); !s.ok()) return session->ConfigError(s);
 
-  const int threads = session->ThreadsPerRank(grid);
-  ThreadPool pool(threads);
-  parallel::CpuAttentionKernels kernels(&pool);
   const int hq = f.heads / grid.tp_size, hkv = f.kv_heads / grid.tp_size;
   const attention::AttentionShape shape{.num_heads = hq,
                                         .num_kv_heads = hkv,
                                         .head_dim = f.head_dim,
                                         .softmax_scale = 1.0f / std::sqrt(float(f.head_dim)),
                                         .causal = true};
-  session->Print(
-      "cpfill calibrate: %s; %d / %d heads per rank x %d; CPU backend, %d thread(s) "
-      "per rank\n",
-      grid.Describe(), hq, hkv, f.head_dim, threads);
+  session->Print("cpfill calibrate: %s; %d / %d heads per rank x %d; %s backend\n", grid.Describe(),
+                 hq, hkv, f.head_dim, backend.Description());
 
   // Step 1: C, the attention compute rate of one rank (all ranks at once, as in a real run).
-  double tflops = 0;
-  {
-    const std::vector<sharding::SequenceRequest> one = {{.new_tokens = f.compute_tokens}};
-    const runtime::SyntheticAttention batch{
-        .sequences = one, .num_heads = hq, .num_kv_heads = hkv, .head_dim = f.head_dim};
-    std::vector<float> q(f.compute_tokens * hq * f.head_dim),
-        k(f.compute_tokens * hkv * f.head_dim), v(k.size()), o(q.size()),
-        lse(f.compute_tokens * hq);
-    batch.FillGlobal(q.data(), k.data(), v.data());
-    std::vector<double> rates;
-    for (int r = 0; r <= f.repeat; ++r) {
-      auto t0 = Clock::now();
-      if (absl::Status s = parallel::SingleRankAttention(one, shape, q.data(), k.data(), v.data(),
-                                                         o.data(), lse.data(), &kernels);
-          !s.ok()) {
-        session->Fail(s);
-      }
-      const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
-      const double pairs = double(f.compute_tokens) * (f.compute_tokens + 1) / 2;
-      if (r > 0) rates.push_back(4.0 * f.head_dim * hq * pairs / sec / 1e12);
-    }
-    tflops = Median(rates);
-    if (absl::Status s = grid.world->AllReduce(&tflops, 1, parallel::DataType::kFloat64,
-                                               parallel::ReduceOp::kSum);
-        !s.ok()) {
-      session->Fail(s);
-    }
-    tflops /= grid.world_size;
+  auto tflops_or = backend.MeasureTflops(shape, f.compute_tokens, f.repeat);
+  if (!tflops_or.ok()) session->Fail(tflops_or.status());
+  double tflops = *tflops_or;
+  if (absl::Status s =
+          grid.world->AllReduce(&tflops, 1, parallel::DataType::kFloat64, parallel::ReduceOp::kSum);
+      !s.ok()) {
+    session->Fail(s);
   }
+  tflops /= grid.world_size;
   // Step 2: BW, the ring bandwidth per rank (the slowest rank's).
-  double gbps = 0;
-  {
-    std::vector<char> send(f.bandwidth_bytes, 1), recv(f.bandwidth_bytes);
-    std::vector<double> rates;
-    for (int r = 0; r <= f.repeat; ++r) {
-      if (absl::Status s = grid.cp->Barrier(); !s.ok()) session->Fail(s);
-      auto t0 = Clock::now();
-      auto ex = grid.cp->StartRingExchange(send.data(), recv.data(), send.size());
-      if (!ex.ok()) session->Fail(ex.status());
-      if (absl::Status s = (*ex)->Wait(); !s.ok()) session->Fail(s);
-      const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
-      if (r > 0) rates.push_back(f.bandwidth_bytes / sec / 1e9);
-    }
-    gbps = grid.cp_size > 1 ? Median(rates) : 0;
-    if (absl::Status s =
-            grid.world->AllReduce(&gbps, 1, parallel::DataType::kFloat64, parallel::ReduceOp::kMin);
-        !s.ok()) {
-      session->Fail(s);
-    }
+  auto gbps_or = backend.MeasureRingGbps(f.bandwidth_bytes, f.repeat);
+  if (!gbps_or.ok()) session->Fail(gbps_or.status());
+  double gbps = *gbps_or;
+  if (absl::Status s =
+          grid.world->AllReduce(&gbps, 1, parallel::DataType::kFloat64, parallel::ReduceOp::kMin);
+      !s.ok()) {
+    session->Fail(s);
   }
   session->Print(
       "measured: C = %.4g TFLOP/s per rank (causal %d tokens), BW = %.4g GB/s per "
@@ -185,23 +179,18 @@ int Run(int argc, char** argv) {
           {.new_tokens = t_new, .cached_tokens = ctx - t_new}};
       auto plan = sharding::PlanPrefill(req, grid.cp_size);
       if (!plan.ok()) session->Fail(plan.status());
-      auto ring = parallel::RingAttention::Create(*grid.cp, *plan, shape, &kernels);
-      if (!ring.ok()) session->Fail(ring.status());
-      const auto& layout = (*ring)->layout();
       const runtime::SyntheticAttention batch{.sequences = req,
                                               .num_heads = f.heads,
                                               .num_kv_heads = f.kv_heads,
                                               .head_dim = f.head_dim};
-      std::vector<float> q(layout.q_rows() * hq * f.head_dim),
-          k(layout.kv_rows() * hkv * f.head_dim), v(k.size()), o(q.size()),
-          lse(layout.q_rows() * hq);
-      batch.FillLocal(
-          layout, runtime::HeadSlice::ForTpRank(f.heads, f.kv_heads, grid.tp_rank, grid.tp_size),
-          q.data(), k.data(), v.data());
+      auto runner = backend.MakeRunner(
+          *plan, shape, batch,
+          runtime::HeadSlice::ForTpRank(f.heads, f.kv_heads, grid.tp_rank, grid.tp_size));
+      if (!runner.ok()) session->Fail(runner.status());
       parallel::CalibrationPoint pt{.new_tokens = t_new, .cached_tokens = ctx - t_new};
-      auto kv = TimeAlgorithm(grid, **ring, RingAlgorithm::kPassKV, f.repeat, q, k, v, o, lse);
+      auto kv = TimeAlgorithm(grid, **runner, RingAlgorithm::kPassKV, f.repeat);
       if (!kv.ok()) session->Fail(kv.status());
-      auto pq = TimeAlgorithm(grid, **ring, RingAlgorithm::kPassQ, f.repeat, q, k, v, o, lse);
+      auto pq = TimeAlgorithm(grid, **runner, RingAlgorithm::kPassQ, f.repeat);
       if (!pq.ok()) session->Fail(pq.status());
       pt.pass_kv_s = *kv;
       pt.pass_q_s = *pq;
@@ -227,13 +216,13 @@ int Run(int argc, char** argv) {
   file.fitted.source = absl::StrFormat("cpfill calibrate, %s", grid.Describe());
   session->Print("\nfit: h = %.4f ln T + %.4f ln(T/(T+P)) + %.4f\n", file.fitted.a, file.fitted.b,
                  file.fitted.c);
-  double best_total = 0;
-  for (const auto& p : points) best_total += std::min(p.pass_kv_s, p.pass_q_s);
-  for (parallel::SelectorRule rule : {parallel::SelectorRule::kAlg1, parallel::SelectorRule::kAlg5,
-                                      parallel::SelectorRule::kFitted}) {
-    double chosen_total = 0;
-    int wrong = 0;
-    bool ok = true;
+  // Every rule's choice per point, and its regret: the time of the rule's choices over the time
+  // of the faster algorithm at every point, over the whole grid and per context length.
+  const std::vector<parallel::SelectorRule> rules = {parallel::SelectorRule::kAlg1,
+                                                     parallel::SelectorRule::kAlg5,
+                                                     parallel::SelectorRule::kFitted};
+  std::vector<std::vector<bool>> picks_kv(rules.size());
+  for (size_t r = 0; r < rules.size(); ++r) {
     for (const auto& p : points) {
       auto sel = parallel::Select(
           {.system = {.tflops = tflops, .gbps = gbps > 0 ? gbps : 1e-9, .elem_bytes = f.elem_bytes},
@@ -241,20 +230,62 @@ int Run(int argc, char** argv) {
            .cp_size = grid.cp_size,
            .new_tokens = p.new_tokens,
            .cached_tokens = p.cached_tokens},
-          rule, file.fitted);
-      if (!sel.ok()) {
-        ok = false;
-        break;
+          rules[r], file.fitted);
+      picks_kv[r].push_back(sel.ok() && sel->choice == RingAlgorithm::kPassKV);
+    }
+  }
+  json::Value report = json::Value::Object();
+  report.Set("grid", grid.Describe())
+      .Set("backend", backend.name())
+      .Set("tflops", tflops)
+      .Set("gbps", gbps)
+      .Set("a", file.fitted.a)
+      .Set("b", file.fitted.b)
+      .Set("c", file.fitted.c);
+  json::Value jpoints = json::Value::Array();
+  for (size_t i = 0; i < points.size(); ++i) {
+    json::Value jp = json::Value::Object();
+    jp.Set("new_tokens", points[i].new_tokens)
+        .Set("cached_tokens", points[i].cached_tokens)
+        .Set("pass_kv_ms", points[i].pass_kv_s * 1e3)
+        .Set("pass_q_ms", points[i].pass_q_s * 1e3);
+    for (size_t r = 0; r < rules.size(); ++r) {
+      jp.Set("choice_" + std::string(parallel::SelectorRuleName(rules[r])),
+             picks_kv[r][i] ? "pass-kv" : "pass-q");
+    }
+    jpoints.Push(std::move(jp));
+  }
+  report.Set("points", std::move(jpoints));
+  json::Value jregret = json::Value::Object();
+  std::vector<int64_t> totals = f.context_lens;
+  totals.push_back(0);  // 0: the whole grid
+  for (int64_t total : totals) {
+    json::Value per_rule = json::Value::Object();
+    for (size_t r = 0; r < rules.size(); ++r) {
+      double best = 0, chosen = 0;
+      int wrong = 0, count = 0;
+      for (size_t i = 0; i < points.size(); ++i) {
+        const auto& p = points[i];
+        if (total != 0 && p.new_tokens + p.cached_tokens != total) continue;
+        best += std::min(p.pass_kv_s, p.pass_q_s);
+        chosen += picks_kv[r][i] ? p.pass_kv_s : p.pass_q_s;
+        wrong += picks_kv[r][i] != (p.pass_kv_s <= p.pass_q_s);
+        ++count;
       }
-      const bool kv = sel->choice == RingAlgorithm::kPassKV;
-      chosen_total += kv ? p.pass_kv_s : p.pass_q_s;
-      wrong += (kv != (p.pass_kv_s <= p.pass_q_s));
+      if (best <= 0) continue;
+      const double regret = chosen / best - 1;
+      per_rule.Set(std::string(parallel::SelectorRuleName(rules[r])), regret);
+      session->Print("  %-6s regret %6.2f%% (%d of %d points not the faster) on %s\n",
+                     parallel::SelectorRuleName(rules[r]), 100 * regret, wrong, count,
+                     total == 0 ? std::string("the whole grid") : absl::StrCat("T + P = ", total));
     }
-    if (ok && best_total > 0) {
-      session->Print("  %-6s regret %.2f%% (%d of %d points not the faster)\n",
-                     parallel::SelectorRuleName(rule), 100 * (chosen_total / best_total - 1), wrong,
-                     points.size());
-    }
+    jregret.Set(total == 0 ? std::string("all") : absl::StrCat(total), std::move(per_rule));
+  }
+  report.Set("regret", std::move(jregret));
+  if (session->is_root() && !f.json_file.empty()) {
+    std::ofstream out(f.json_file);
+    out << report.Dump(2) << "\n";
+    if (!out) session->Fail(absl::InternalError("cannot write --json file " + f.json_file));
   }
   if (session->is_root()) {
     if (absl::Status s = parallel::WriteCalibrationFile(f.out, file); !s.ok()) session->Fail(s);

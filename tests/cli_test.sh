@@ -133,13 +133,35 @@ calibrate_writes_fit)
     --cached-tokens 1000 --fit "$tmp/fit.json"
   ;;
 cuda_backend_check)
-  # The ring with the CUDA kernel (staged backend) against one rank on bf16-rounded inputs.
+  # The CUDA kernel inside the host ring (2 ranks may share one GPU), and the device ring on one
+  # GPU, against one rank on bf16-rounded inputs.
   if ! nvidia-smi -L >/dev/null 2>&1; then echo "SKIPPED: no GPU on this machine"; exit 77; fi
   for algo in pass-kv pass-q all-gather; do
-    expect_exit 0 'CUDA \(staged.*|PASS' -- mpi 2 "$cpfill" attention --backend cuda --algo $algo \
+    expect_exit 0 'check: .*PASS' -- mpi 2 "$cpfill" attention --backend cuda-staged \
+      --algo $algo --seq-lens 1031,257,1 --cached-lens 0,300,5 --heads 16 --kv-heads 1 \
+      --head-dim 128 --check
+    expect_exit 0 'check: .*PASS' -- mpi 1 "$cpfill" attention --backend cuda --algo $algo \
       --seq-lens 1031,257,1 --cached-lens 0,300,5 --heads 16 --kv-heads 1 --head-dim 128 --check
-    grep -q 'check: .*PASS' "$tmp/out" || fail "no PASS for $algo"
   done
+  ;;
+multigpu_device_ring)
+  # The device ring over NCCL on 2 and (where there are 4) 4 GPUs: every algorithm, full and
+  # partial prefill, uneven fused batches, TP x CP; against one rank on bf16-rounded inputs.
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
+  if [ "$gpus" -lt 2 ]; then echo "SKIPPED: needs 2 GPUs, this machine has $gpus"; exit 77; fi
+  for np in 2 $([ "$gpus" -ge 4 ] && echo 4); do
+    for algo in pass-kv pass-q all-gather; do
+      expect_exit 0 'check: .*PASS' -- mpi $np "$cpfill" attention --backend cuda --algo $algo \
+        --seq-lens 4099,1031,17,1,0 --heads 16 --kv-heads 1 --head-dim 128 --check
+      expect_exit 0 'check: .*PASS' -- mpi $np "$cpfill" attention --backend cuda --algo $algo \
+        --seq-lens 301,17,5 --cached-lens 9000,33,0 --heads 32 --kv-heads 8 --head-dim 128 --check
+    done
+  done
+  if [ "$gpus" -ge 4 ]; then
+    expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" attention --backend cuda --tp 2 \
+      --ranks-per-node 2 --seq-lens 8000,300 --cached-lens 0,5000 --heads 16 --kv-heads 2 \
+      --head-dim 64 --check
+  fi
   ;;
 *)
   fail "unknown test $name"

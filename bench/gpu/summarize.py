@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Tables (Markdown) and plots (PNG) of the scaling and crossover runs of bench/gpu/scaling.sh.
+
+  summarize.py scaling RUNS_DIR OUT_DIR   # runs/cp{N}-{T}[-{net}].json from `cpfill attention`
+  summarize.py table4 REPORT.json OUT_DIR # the --json report of `cpfill calibrate`
+"""
+import glob
+import json
+import os
+import re
+import sys
+
+
+def scaling(runs_dir, out_dir):
+    rows = {}
+    for path in glob.glob(os.path.join(runs_dir, "cp*.json")):
+        m = re.match(r"cp(\d+)-(\d+)(?:-(\w+))?\.json", os.path.basename(path))
+        if not m:
+            continue
+        cp, tokens, net = int(m.group(1)), int(m.group(2)), m.group(3) or "-"
+        r = json.load(open(path))
+        last = r["runs"][-1]
+        steps = last["steps"]
+        xfer = max((s["transfer_ms"] for s in steps), default=0)
+        comp = sum(s["compute_ms"] for s in steps) / max(1, len(steps))
+        wait = sum(s["exposed_wait_ms"] for s in steps)
+        rows[(tokens, cp, net)] = dict(ms=r["median_slowest_rank_total_ms"], xfer=xfer, comp=comp,
+                                       wait=wait, bytes=max((s["exchange_bytes"] for s in steps),
+                                                            default=0))
+    lines = ["| tokens | CP | link | time ms | speedup | efficiency | exchange MiB/step | "
+             "transfer ms/step (max) | compute ms/step (mean) | exposed wait ms (sum) |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (tokens, cp, net) in sorted(rows):
+        r = rows[(tokens, cp, net)]
+        base = rows.get((tokens, 1, "-"))
+        sp = base["ms"] / r["ms"] if base else float("nan")
+        lines.append(f"| {tokens} | {cp} | {net if cp > 1 else 'none'} | {r['ms']:.2f} | "
+                     f"{sp:.2f} | {100 * sp / cp:.1f}% | {r['bytes'] / 2**20:.1f} | "
+                     f"{r['xfer']:.2f} | {r['comp']:.2f} | {r['wait']:.2f} |")
+    table = "\n".join(lines)
+    open(os.path.join(out_dir, "scaling.md"), "w").write(table + "\n")
+    print(table)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib missing: no plot)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for tokens in sorted({k[0] for k in rows}):
+        for net, style in (("nvlink", "-o"), ("shm", "--s"), ("sockets", ":^")):
+            xs, sp = [1], [1.0]
+            base = rows.get((tokens, 1, "-"))
+            for cp in (2, 4):
+                if base and (tokens, cp, net) in rows:
+                    xs.append(cp)
+                    sp.append(base["ms"] / rows[(tokens, cp, net)]["ms"])
+            if len(xs) > 1:
+                axes[0].plot(xs, sp, style, label=f"{tokens // 1024}K {net}")
+                axes[1].plot(xs, [100 * s / x for s, x in zip(sp, xs)], style,
+                             label=f"{tokens // 1024}K {net}")
+    axes[0].plot([1, 4], [1, 4], "k-", lw=0.5, label="linear")
+    axes[0].set(xlabel="CP ranks (GPUs)", ylabel="speedup over CP1",
+                title="pass-KV full prefill, 16 q : 1 kv heads, d128")
+    axes[1].set(xlabel="CP ranks (GPUs)", ylabel="parallel efficiency %", ylim=(50, 105))
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.set_xticks([1, 2, 4])
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "scaling.png"), dpi=110)
+
+
+def table4(report_path, out_dir):
+    r = json.load(open(report_path))
+    pts = r["points"]
+    lines = [f"C = {r['tflops']:.1f} TFLOP/s, BW = {r['gbps']:.2f} GB/s per rank; fit h = "
+             f"{r['a']:.3f} ln T + {r['b']:.3f} ln(T/(T+P)) + {r['c']:.3f}", "",
+             "| P | T | miss | pass-KV ms | pass-Q ms | faster | Alg. 1 | Alg. 5 | fitted |",
+             "|---:|---:|---:|---:|---:|---|---|---|---|"]
+    for p in pts:
+        t, c = p["new_tokens"], p["cached_tokens"]
+        faster = "pass-kv" if p["pass_kv_ms"] <= p["pass_q_ms"] else "pass-q"
+        lines.append(f"| {c} | {t} | {100 * t / (t + c):.2f}% | {p['pass_kv_ms']:.2f} | "
+                     f"{p['pass_q_ms']:.2f} | {faster} | {p['choice_alg1']} | "
+                     f"{p['choice_alg5']} | {p['choice_fitted']} |")
+    lines.append("")
+    for total, per_rule in r["regret"].items():
+        where = "whole grid" if total == "all" else f"T + P = {total}"
+        lines.append(f"- regret on the {where}: " + ", ".join(
+            f"{k} {100 * v:.2f}%" for k, v in per_rule.items()))
+    table = "\n".join(lines)
+    open(os.path.join(out_dir, "table4.md"), "w").write(table + "\n")
+    print(table)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for total in sorted({p["new_tokens"] + p["cached_tokens"] for p in pts}):
+        sel = [p for p in pts if p["new_tokens"] + p["cached_tokens"] == total]
+        miss = [100 * p["new_tokens"] / total for p in sel]
+        ratio = [p["pass_q_ms"] / p["pass_kv_ms"] for p in sel]
+        ax.plot(miss, ratio, "-o", label=f"T + P = {total // 1024}K")
+    ax.axhline(1, color="k", lw=0.5)
+    ax.set_xscale("log")
+    ax.set(xlabel="KV cache miss rate T/(T+P), %", ylabel="pass-Q time / pass-KV time",
+           title="pass-KV vs pass-Q (above 1: pass-KV faster)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "table4.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    {"scaling": scaling, "table4": table4}[sys.argv[1]](*sys.argv[2:])

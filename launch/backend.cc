@@ -1,0 +1,331 @@
+#include "launch/backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "base/bfloat16.h"
+#include "base/status.h"
+#include "base/thread_pool.h"
+#include "parallel/cuda/staged_attention_kernels.h"
+#if CPFILL_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "attention/cuda/attention_cuda.h"
+#include "parallel/cuda/device_ring_attention.h"
+#include "parallel/cuda/nccl_communicator.h"
+#endif
+
+namespace cpfill::launch {
+namespace {
+
+using parallel::RingAlgorithm;
+using Clock = std::chrono::steady_clock;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+double CausalFlops(const attention::AttentionShape& shape, int64_t tokens) {
+  return 4.0 * shape.head_dim * shape.num_heads * (double(tokens) * (tokens + 1) / 2);
+}
+
+// ---- the host ring: CPU kernels, or the CUDA kernel staged from host memory ----------------
+
+class HostRunner : public Runner {
+ public:
+  HostRunner(std::unique_ptr<parallel::RingAttention> ring, std::vector<float> q,
+             std::vector<float> k, std::vector<float> v, int64_t lse_elems)
+      : ring_(std::move(ring)), q_(std::move(q)), k_(std::move(k)), v_(std::move(v)) {
+    o_.assign(q_.size(), std::nanf(""));  // poisoned: a row the ring misses stays NaN
+    lse_.assign(lse_elems, std::nanf(""));
+  }
+  absl::Status Run(RingAlgorithm algo, parallel::RingTimings* t,
+                   parallel::RingAttention::StepCallback progress) override {
+    return ring_->Run(algo, q_.data(), k_.data(), v_.data(), o_.data(), lse_.data(), t,
+                      std::move(progress));
+  }
+  absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) override {
+    *o = o_;
+    *lse = lse_;
+    return absl::OkStatus();
+  }
+
+ private:
+  std::unique_ptr<parallel::RingAttention> ring_;
+  std::vector<float> q_, k_, v_, o_, lse_;
+};
+
+class HostBackend : public Backend {
+ public:
+  static absl::StatusOr<std::unique_ptr<Backend>> Make(std::string name,
+                                                       const parallel::ProcessGrid& grid,
+                                                       int threads) {
+    std::unique_ptr<HostBackend> b(new HostBackend(std::move(name), grid, threads));
+    if (b->name_ == "cuda-staged") {
+      CPFILL_ASSIGN_OR_RETURN(
+          b->kernels_, parallel::CudaStagedAttentionKernels::Create(grid.host_rank, &b->pool_));
+    } else {
+      b->kernels_ = std::make_unique<parallel::CpuAttentionKernels>(&b->pool_);
+    }
+    return std::unique_ptr<Backend>(std::move(b));
+  }
+
+  absl::StatusOr<std::unique_ptr<Runner>> MakeRunner(const sharding::ShardPlan& plan,
+                                                     const attention::AttentionShape& shape,
+                                                     const runtime::SyntheticAttention& batch,
+                                                     const runtime::HeadSlice& slice) override {
+    CPFILL_ASSIGN_OR_RETURN(
+        auto ring, parallel::RingAttention::Create(*grid_.cp, plan, shape, kernels_.get()));
+    const sharding::LocalLayout& layout = ring->layout();
+    std::vector<float> q(layout.q_rows() * shape.num_heads * shape.head_dim);
+    std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * shape.head_dim), v(k.size());
+    batch.FillLocal(layout, slice, q.data(), k.data(), v.data());
+    const int64_t lse_elems = layout.q_rows() * shape.num_heads;
+    return std::unique_ptr<Runner>(std::make_unique<HostRunner>(
+        std::move(ring), std::move(q), std::move(k), std::move(v), lse_elems));
+  }
+
+  absl::StatusOr<double> MeasureTflops(const attention::AttentionShape& shape, int64_t tokens,
+                                       int repeat) override {
+    const std::vector<sharding::SequenceRequest> one = {{.new_tokens = tokens}};
+    const runtime::SyntheticAttention batch{.sequences = one,
+                                            .num_heads = shape.num_heads,
+                                            .num_kv_heads = shape.num_kv_heads,
+                                            .head_dim = shape.head_dim};
+    std::vector<float> q(tokens * shape.num_heads * shape.head_dim),
+        k(tokens * shape.num_kv_heads * shape.head_dim), v(k.size()), o(q.size()),
+        lse(tokens * shape.num_heads);
+    batch.FillGlobal(q.data(), k.data(), v.data());
+    std::vector<double> rates;
+    for (int r = 0; r <= repeat; ++r) {
+      const auto t0 = Clock::now();
+      CPFILL_RETURN_IF_ERROR(parallel::SingleRankAttention(one, shape, q.data(), k.data(), v.data(),
+                                                           o.data(), lse.data(), kernels_.get()));
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (r > 0) rates.push_back(CausalFlops(shape, tokens) / s / 1e12);  // run 0: warm-up
+    }
+    return Median(rates);
+  }
+
+  absl::StatusOr<double> MeasureRingGbps(int64_t bytes, int repeat) override {
+    if (grid_.cp_size == 1) return 0.0;
+    std::vector<char> send(bytes, 1), recv(bytes);
+    std::vector<double> rates;
+    for (int r = 0; r <= repeat; ++r) {
+      CPFILL_RETURN_IF_ERROR(grid_.cp->Barrier());
+      const auto t0 = Clock::now();
+      CPFILL_ASSIGN_OR_RETURN(auto ex,
+                              grid_.cp->StartRingExchange(send.data(), recv.data(), send.size()));
+      CPFILL_RETURN_IF_ERROR(ex->Wait());
+      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (r > 0) rates.push_back(bytes / s / 1e9);
+    }
+    return Median(rates);
+  }
+
+ private:
+  HostBackend(std::string name, const parallel::ProcessGrid& grid, int threads)
+      : Backend(std::move(name)), grid_(grid), pool_(threads) {}
+  const parallel::ProcessGrid& grid_;
+  ThreadPool pool_;
+  std::unique_ptr<parallel::AttentionKernels> kernels_;
+};
+
+#if CPFILL_HAVE_CUDA
+// ---- the device ring on NCCL ---------------------------------------------------------------
+
+class DeviceRunner : public Runner {
+ public:
+  static absl::StatusOr<std::unique_ptr<Runner>> Make(parallel::NcclGrid& nccl,
+                                                      const sharding::ShardPlan& plan,
+                                                      const attention::AttentionShape& shape,
+                                                      const runtime::SyntheticAttention& batch,
+                                                      const runtime::HeadSlice& slice) {
+    std::unique_ptr<DeviceRunner> r(new DeviceRunner());
+    CPFILL_ASSIGN_OR_RETURN(
+        r->ring_, parallel::DeviceRingAttention::Create(*nccl.cp, plan, shape, nccl.compute.get()));
+    const sharding::LocalLayout& layout = r->ring_->layout();
+    std::vector<float> q(layout.q_rows() * shape.num_heads * shape.head_dim);
+    std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * shape.head_dim), v(k.size());
+    batch.FillLocal(layout, slice, q.data(), k.data(), v.data());
+    CPFILL_RETURN_IF_ERROR(Upload(r->q_, ToBfloat16(q)));
+    CPFILL_RETURN_IF_ERROR(Upload(r->k_, ToBfloat16(k)));
+    CPFILL_RETURN_IF_ERROR(Upload(r->v_, ToBfloat16(v)));
+    r->o_elems_ = q.size();
+    r->lse_elems_ = layout.q_rows() * shape.num_heads;
+    CPFILL_RETURN_IF_ERROR(r->o_.Reserve(std::max<size_t>(16, r->o_elems_ * 4)));
+    CPFILL_RETURN_IF_ERROR(r->lse_.Reserve(std::max<size_t>(16, r->lse_elems_ * 4)));
+    // Poisoned (NaN bytes), so a row the ring misses shows.
+    CPFILL_CUDA_CHECK(cudaMemset(r->o_.As<void>(), 0xFF, r->o_elems_ * 4));
+    CPFILL_CUDA_CHECK(cudaMemset(r->lse_.As<void>(), 0xFF, r->lse_elems_ * 4));
+    return std::unique_ptr<Runner>(std::move(r));
+  }
+  absl::Status Run(RingAlgorithm algo, parallel::RingTimings* t,
+                   parallel::RingAttention::StepCallback progress) override {
+    CPFILL_RETURN_IF_ERROR(ring_->Run(algo, q_.As<__nv_bfloat16>(), k_.As<__nv_bfloat16>(),
+                                      v_.As<__nv_bfloat16>(), o_.As<float>(), lse_.As<float>(), t));
+    // The device ring reports its steps once the run is done.
+    for (const auto& step : t->steps) {
+      if (progress) progress(step, static_cast<int>(t->steps.size()));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) override {
+    o->resize(o_elems_);
+    lse->resize(lse_elems_);
+    CPFILL_CUDA_CHECK(cudaMemcpy(o->data(), o_.As<void>(), o_elems_ * 4, cudaMemcpyDeviceToHost));
+    CPFILL_CUDA_CHECK(
+        cudaMemcpy(lse->data(), lse_.As<void>(), lse_elems_ * 4, cudaMemcpyDeviceToHost));
+    return absl::OkStatus();
+  }
+
+ private:
+  DeviceRunner() = default;
+  static absl::Status Upload(parallel::DeviceBuffer& dst, const std::vector<uint16_t>& bits) {
+    CPFILL_RETURN_IF_ERROR(dst.Reserve(std::max<size_t>(16, bits.size() * 2)));
+    CPFILL_CUDA_CHECK(
+        cudaMemcpy(dst.As<void>(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  }
+  std::unique_ptr<parallel::DeviceRingAttention> ring_;
+  parallel::DeviceBuffer q_, k_, v_, o_, lse_;
+  size_t o_elems_ = 0, lse_elems_ = 0;
+};
+
+class DeviceBackend : public Backend {
+ public:
+  static absl::StatusOr<std::unique_ptr<Backend>> Make(const parallel::ProcessGrid& grid,
+                                                       parallel::CommOptions options) {
+    std::unique_ptr<DeviceBackend> b(new DeviceBackend());
+    CPFILL_ASSIGN_OR_RETURN(b->nccl_, parallel::CreateNcclGrid(grid, options));
+    return std::unique_ptr<Backend>(std::move(b));
+  }
+
+  absl::StatusOr<std::unique_ptr<Runner>> MakeRunner(const sharding::ShardPlan& plan,
+                                                     const attention::AttentionShape& shape,
+                                                     const runtime::SyntheticAttention& batch,
+                                                     const runtime::HeadSlice& slice) override {
+    return DeviceRunner::Make(nccl_, plan, shape, batch, slice);
+  }
+
+  absl::StatusOr<double> MeasureTflops(const attention::AttentionShape& shape, int64_t tokens,
+                                       int repeat) override {
+    const cudaStream_t stream = nccl_.compute.get();
+    parallel::DeviceBuffer q, kv, pos, o, lse, ws;
+    const size_t qn = tokens * shape.num_heads * shape.head_dim;
+    const size_t kvn = tokens * shape.num_kv_heads * shape.head_dim;
+    std::vector<uint16_t> hq(qn), hkv(kvn);
+    const runtime::SyntheticAttention batch{.sequences = {{.new_tokens = tokens}},
+                                            .num_heads = shape.num_heads,
+                                            .num_kv_heads = shape.num_kv_heads,
+                                            .head_dim = shape.head_dim};
+    std::vector<float> fq(qn), fk(kvn), fv(kvn);
+    batch.FillGlobal(fq.data(), fk.data(), fv.data());
+    std::vector<int32_t> hpos(tokens);
+    for (int64_t i = 0; i < tokens; ++i) hpos[i] = static_cast<int32_t>(i);
+    CPFILL_RETURN_IF_ERROR(q.Reserve(qn * 2));
+    CPFILL_RETURN_IF_ERROR(kv.Reserve(2 * kvn * 2));
+    CPFILL_RETURN_IF_ERROR(pos.Reserve(tokens * 4));
+    CPFILL_RETURN_IF_ERROR(o.Reserve(qn * 2));
+    CPFILL_RETURN_IF_ERROR(lse.Reserve(tokens * shape.num_heads * 4));
+    const std::vector<uint16_t> bq = ToBfloat16(fq), bk = ToBfloat16(fk), bv = ToBfloat16(fv);
+    CPFILL_CUDA_CHECK(cudaMemcpy(q.As<void>(), bq.data(), qn * 2, cudaMemcpyHostToDevice));
+    CPFILL_CUDA_CHECK(cudaMemcpy(kv.As<void>(), bk.data(), kvn * 2, cudaMemcpyHostToDevice));
+    CPFILL_CUDA_CHECK(cudaMemcpy(kv.As<char>(kvn * 2), bv.data(), kvn * 2, cudaMemcpyHostToDevice));
+    CPFILL_CUDA_CHECK(cudaMemcpy(pos.As<void>(), hpos.data(), tokens * 4, cudaMemcpyHostToDevice));
+    const attention::SequenceSlice slice{0, tokens, 0, tokens};
+    const attention::cuda::CudaAttentionArgs a{.shape = shape,
+                                               .q = q.As<__nv_bfloat16>(),
+                                               .q_pos = pos.As<int32_t>(),
+                                               .q_tokens = tokens,
+                                               .k = kv.As<__nv_bfloat16>(),
+                                               .v = kv.As<__nv_bfloat16>(kvn * 2),
+                                               .k_pos = pos.As<int32_t>(),
+                                               .kv_tokens = tokens,
+                                               .slices = &slice,
+                                               .num_slices = 1,
+                                               .output = attention::cuda::OutputMode::kBfloat16,
+                                               .o = o.As<void>(),
+                                               .lse = lse.As<float>()};
+    const size_t ws_bytes = std::max<size_t>(256, attention::cuda::AttentionWorkspaceBytes(a));
+    CPFILL_RETURN_IF_ERROR(ws.Reserve(ws_bytes));
+    cudaEvent_t e0, e1;
+    CPFILL_CUDA_CHECK(cudaEventCreate(&e0));
+    CPFILL_CUDA_CHECK(cudaEventCreate(&e1));
+    std::vector<double> rates;
+    absl::Status status;
+    for (int r = 0; r <= repeat && status.ok(); ++r) {
+      cudaEventRecord(e0, stream);
+      status = attention::cuda::PartialAttentionCuda(a, ws.As<void>(), ws_bytes, stream);
+      cudaEventRecord(e1, stream);
+      if (cudaEventSynchronize(e1) != cudaSuccess) status = absl::InternalError("CUDA failure");
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      if (r > 0 && ms > 0) rates.push_back(CausalFlops(shape, tokens) / (ms / 1e3) / 1e12);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    CPFILL_RETURN_IF_ERROR(status);
+    return Median(rates);
+  }
+
+  absl::StatusOr<double> MeasureRingGbps(int64_t bytes, int repeat) override {
+    if (nccl_.cp->size() == 1) return 0.0;
+    parallel::DeviceBuffer send, recv;
+    CPFILL_RETURN_IF_ERROR(send.Reserve(bytes));
+    CPFILL_RETURN_IF_ERROR(recv.Reserve(bytes));
+    std::vector<double> rates;
+    for (int r = 0; r <= repeat; ++r) {
+      CPFILL_RETURN_IF_ERROR(nccl_.cp->Barrier());
+      CPFILL_ASSIGN_OR_RETURN(auto ex,
+                              nccl_.cp->StartRingExchange(send.As<void>(), recv.As<void>(), bytes));
+      CPFILL_RETURN_IF_ERROR(ex->Wait());
+      CPFILL_RETURN_IF_ERROR(nccl_.cp->Synchronize());
+      const double s = ex->transfer_s();
+      if (r > 0 && s > 0) rates.push_back(bytes / s / 1e9);
+    }
+    return Median(rates);
+  }
+
+ private:
+  DeviceBackend() : Backend("cuda") {}
+  parallel::NcclGrid nccl_;
+};
+#endif  // CPFILL_HAVE_CUDA
+
+}  // namespace
+
+std::string Backend::Description() const {
+  if (name_ == "cuda") return "CUDA (device ring on NCCL, bf16)";
+  if (name_ == "cuda-staged") return "CUDA kernels in the host ring (staged, bf16)";
+  return "CPU (fp32)";
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> Backend::Create(std::string name,
+                                                         const parallel::ProcessGrid& grid,
+                                                         parallel::CommOptions options,
+                                                         int threads) {
+  CPFILL_CHECK_ARG(name == "auto" || name == "cpu" || name == "cuda" || name == "cuda-staged",
+                   "--backend: unknown backend '", name, "' (valid: auto, cpu, cuda, cuda-staged)");
+  // Every rank must see a GPU for a CUDA backend: agree on it before anything starts, so a
+  // missing GPU is one clean message rather than one rank's abort.
+  int32_t have = parallel::CudaBackendAvailable() ? 1 : 0;
+  CPFILL_RETURN_IF_ERROR(
+      grid.world->AllReduce(&have, 1, parallel::DataType::kInt32, parallel::ReduceOp::kMin));
+  if (name == "auto") name = have ? "cuda" : "cpu";
+  if (name != "cpu" && !have) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--backend ", name,
+                     ": a rank sees no CUDA device (or this cpfill was built "
+                     "without the CUDA backend); use --backend cpu"));
+  }
+#if CPFILL_HAVE_CUDA
+  if (name == "cuda") return DeviceBackend::Make(grid, options);
+#endif
+  return HostBackend::Make(std::move(name), grid, threads);
+}
+
+}  // namespace cpfill::launch

@@ -1,0 +1,64 @@
+// cpfill/launch/backend.h — where attention runs, chosen once per command: the CPU, the CUDA
+// kernel inside the host ring ("cuda-staged"), or the device ring on NCCL ("cuda").
+//
+// A Backend is created once per process (NCCL comes up once), then makes a Runner per shard
+// plan and measures the two numbers the selector needs: compute rate C and ring bandwidth BW.
+//
+//   CPFILL_ASSIGN_OR_RETURN(auto backend, Backend::Create("cuda", grid, options, threads));
+//   CPFILL_ASSIGN_OR_RETURN(auto runner, backend->MakeRunner(plan, shape, batch, slice));
+//   CPFILL_RETURN_IF_ERROR(runner->Run(RingAlgorithm::kPassKV, &timings, nullptr));
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attention/attention.h"
+#include "parallel/grid.h"
+#include "parallel/ring_attention.h"
+#include "runtime/synthetic_attention.h"
+#include "sharding/plan.h"
+
+namespace cpfill::launch {
+
+// One shard plan's attention on one backend. Inputs are made at construction; Run() may repeat.
+class Runner {
+ public:
+  virtual ~Runner() = default;
+  virtual absl::Status Run(parallel::RingAlgorithm algo, parallel::RingTimings* t,
+                           parallel::RingAttention::StepCallback progress) = 0;
+  // This rank's O [q_rows, heads, head_dim] and LSE [q_rows, heads] in fp32, on the host.
+  virtual absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) = 0;
+};
+
+class Backend {
+ public:
+  // `name`: cpu | cuda | cuda-staged | auto (cuda when every rank sees a GPU). Collective over
+  // the world. FailedPrecondition, the same on every rank, when a rank has no GPU for a CUDA
+  // backend or a TP group spans hosts.
+  static absl::StatusOr<std::unique_ptr<Backend>> Create(std::string name,
+                                                         const parallel::ProcessGrid& grid,
+                                                         parallel::CommOptions options,
+                                                         int threads);
+  virtual ~Backend() = default;
+
+  const std::string& name() const { return name_; }
+  bool bf16() const { return name_ != "cpu"; }  // inputs are rounded to bf16
+  std::string Description() const;
+
+  virtual absl::StatusOr<std::unique_ptr<Runner>> MakeRunner(
+      const sharding::ShardPlan& plan, const attention::AttentionShape& shape,
+      const runtime::SyntheticAttention& batch, const runtime::HeadSlice& slice) = 0;
+  // C: one rank's attention rate on a causal square of `tokens`, TFLOP/s (median of `repeat`).
+  virtual absl::StatusOr<double> MeasureTflops(const attention::AttentionShape& shape,
+                                               int64_t tokens, int repeat) = 0;
+  // BW: one ring exchange of `bytes` on the CP ring, GB/s per rank (median of `repeat`).
+  virtual absl::StatusOr<double> MeasureRingGbps(int64_t bytes, int repeat) = 0;
+
+ protected:
+  explicit Backend(std::string name) : name_(std::move(name)) {}
+  std::string name_;
+};
+
+}  // namespace cpfill::launch
