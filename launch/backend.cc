@@ -144,23 +144,25 @@ class DeviceRunner : public Runner {
                                                       const attention::AttentionShape& shape,
                                                       const runtime::SyntheticAttention& batch,
                                                       const runtime::HeadSlice& slice) {
-    std::unique_ptr<DeviceRunner> r(new DeviceRunner());
+    std::unique_ptr<DeviceRunner> r(new DeviceRunner(nccl.compute.get()));
     CPFILL_ASSIGN_OR_RETURN(
         r->ring_, parallel::DeviceRingAttention::Create(*nccl.cp, plan, shape, nccl.compute.get()));
     const sharding::LocalLayout& layout = r->ring_->layout();
     std::vector<float> q(layout.q_rows() * shape.num_heads * shape.head_dim);
     std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * shape.head_dim), v(k.size());
     batch.FillLocal(layout, slice, q.data(), k.data(), v.data());
-    CPFILL_RETURN_IF_ERROR(Upload(r->q_, ToBfloat16(q)));
-    CPFILL_RETURN_IF_ERROR(Upload(r->k_, ToBfloat16(k)));
-    CPFILL_RETURN_IF_ERROR(Upload(r->v_, ToBfloat16(v)));
+    CPFILL_RETURN_IF_ERROR(r->Upload(r->q_, ToBfloat16(q)));
+    CPFILL_RETURN_IF_ERROR(r->Upload(r->k_, ToBfloat16(k)));
+    CPFILL_RETURN_IF_ERROR(r->Upload(r->v_, ToBfloat16(v)));
     r->o_elems_ = q.size();
     r->lse_elems_ = layout.q_rows() * shape.num_heads;
     CPFILL_RETURN_IF_ERROR(r->o_.Reserve(std::max<size_t>(16, r->o_elems_ * 4)));
     CPFILL_RETURN_IF_ERROR(r->lse_.Reserve(std::max<size_t>(16, r->lse_elems_ * 4)));
-    // Poisoned (NaN bytes), so a row the ring misses shows.
-    CPFILL_CUDA_CHECK(cudaMemset(r->o_.As<void>(), 0xFF, r->o_elems_ * 4));
-    CPFILL_CUDA_CHECK(cudaMemset(r->lse_.As<void>(), 0xFF, r->lse_elems_ * 4));
+    // Poisoned (NaN bytes), so a row the ring misses shows. Everything on the compute stream:
+    // it does not synchronize with the legacy default stream.
+    CPFILL_CUDA_CHECK(cudaMemsetAsync(r->o_.As<void>(), 0xFF, r->o_elems_ * 4, r->stream_));
+    CPFILL_CUDA_CHECK(cudaMemsetAsync(r->lse_.As<void>(), 0xFF, r->lse_elems_ * 4, r->stream_));
+    CPFILL_CUDA_CHECK(cudaStreamSynchronize(r->stream_));
     return std::unique_ptr<Runner>(std::move(r));
   }
   absl::Status Run(RingAlgorithm algo, parallel::RingTimings* t,
@@ -176,20 +178,24 @@ class DeviceRunner : public Runner {
   absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) override {
     o->resize(o_elems_);
     lse->resize(lse_elems_);
-    CPFILL_CUDA_CHECK(cudaMemcpy(o->data(), o_.As<void>(), o_elems_ * 4, cudaMemcpyDeviceToHost));
-    CPFILL_CUDA_CHECK(
-        cudaMemcpy(lse->data(), lse_.As<void>(), lse_elems_ * 4, cudaMemcpyDeviceToHost));
+    CPFILL_CUDA_CHECK(cudaMemcpyAsync(o->data(), o_.As<void>(), o_elems_ * 4,
+                                      cudaMemcpyDeviceToHost, stream_));
+    CPFILL_CUDA_CHECK(cudaMemcpyAsync(lse->data(), lse_.As<void>(), lse_elems_ * 4,
+                                      cudaMemcpyDeviceToHost, stream_));
+    CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
   }
 
  private:
-  DeviceRunner() = default;
-  static absl::Status Upload(parallel::DeviceBuffer& dst, const std::vector<uint16_t>& bits) {
+  explicit DeviceRunner(cudaStream_t stream) : stream_(stream) {}
+  absl::Status Upload(parallel::DeviceBuffer& dst, const std::vector<uint16_t>& bits) {
     CPFILL_RETURN_IF_ERROR(dst.Reserve(std::max<size_t>(16, bits.size() * 2)));
-    CPFILL_CUDA_CHECK(
-        cudaMemcpy(dst.As<void>(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+    CPFILL_CUDA_CHECK(cudaMemcpyAsync(dst.As<void>(), bits.data(), bits.size() * 2,
+                                      cudaMemcpyHostToDevice, stream_));
+    CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `bits` is a temporary
     return absl::OkStatus();
   }
+  cudaStream_t stream_;
   std::unique_ptr<parallel::DeviceRingAttention> ring_;
   parallel::DeviceBuffer q_, k_, v_, o_, lse_;
   size_t o_elems_ = 0, lse_elems_ = 0;
@@ -232,10 +238,16 @@ class DeviceBackend : public Backend {
     CPFILL_RETURN_IF_ERROR(o.Reserve(qn * 2));
     CPFILL_RETURN_IF_ERROR(lse.Reserve(tokens * shape.num_heads * 4));
     const std::vector<uint16_t> bq = ToBfloat16(fq), bk = ToBfloat16(fk), bv = ToBfloat16(fv);
-    CPFILL_CUDA_CHECK(cudaMemcpy(q.As<void>(), bq.data(), qn * 2, cudaMemcpyHostToDevice));
-    CPFILL_CUDA_CHECK(cudaMemcpy(kv.As<void>(), bk.data(), kvn * 2, cudaMemcpyHostToDevice));
-    CPFILL_CUDA_CHECK(cudaMemcpy(kv.As<char>(kvn * 2), bv.data(), kvn * 2, cudaMemcpyHostToDevice));
-    CPFILL_CUDA_CHECK(cudaMemcpy(pos.As<void>(), hpos.data(), tokens * 4, cudaMemcpyHostToDevice));
+    // On the compute stream (non-blocking: not ordered after the legacy default stream).
+    CPFILL_CUDA_CHECK(
+        cudaMemcpyAsync(q.As<void>(), bq.data(), qn * 2, cudaMemcpyHostToDevice, stream));
+    CPFILL_CUDA_CHECK(
+        cudaMemcpyAsync(kv.As<void>(), bk.data(), kvn * 2, cudaMemcpyHostToDevice, stream));
+    CPFILL_CUDA_CHECK(cudaMemcpyAsync(kv.As<char>(kvn * 2), bv.data(), kvn * 2,
+                                      cudaMemcpyHostToDevice, stream));
+    CPFILL_CUDA_CHECK(
+        cudaMemcpyAsync(pos.As<void>(), hpos.data(), tokens * 4, cudaMemcpyHostToDevice, stream));
+    CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream));
     const attention::SequenceSlice slice{0, tokens, 0, tokens};
     const attention::cuda::CudaAttentionArgs a{.shape = shape,
                                                .q = q.As<__nv_bfloat16>(),

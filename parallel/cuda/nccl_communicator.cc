@@ -153,6 +153,33 @@ absl::Status NcclCommunicator::BeginOp(const std::string& what) {
   return absl::OkStatus();
 }
 
+absl::Status NcclCommunicator::Settle() {
+  // Non-blocking communicators may return ncclInProgress from a call (typically while peers
+  // connect the first time); no other call may follow until the state is ncclSuccess again.
+  // This waits for the enqueue only, not for the transfer, and under the same deadline.
+  const auto deadline = Clock::now() + options_.timeout;
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    CPFILL_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+      return absl::InternalError(absl::StrCat("NCCL error on ", name_, " rank ", rank_, ": ",
+                                              ncclGetErrorString(state), " (", last_op_, ")"));
+    }
+    if (Clock::now() > deadline) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+      return absl::DeadlineExceededError(absl::StrCat(
+          last_op_, " could not be enqueued within ",
+          std::chrono::duration<double>(options_.timeout).count(),
+          " s (a peer is dead or stuck); NCCL communicator aborted"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
 absl::Status NcclCommunicator::EndOp() {
   cudaEvent_t done = NextEvent();
   CPFILL_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
@@ -173,6 +200,7 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> NcclCommunicator::StartRingExch
   CPFILL_NCCL_CHECK(ncclSend(send, bytes, ncclUint8, next, comm_, comm_stream_));
   CPFILL_NCCL_CHECK(ncclRecv(recv, bytes, ncclUint8, prev, comm_, comm_stream_));
   CPFILL_NCCL_CHECK(ncclGroupEnd());
+  CPFILL_RETURN_IF_ERROR(Settle());
   CPFILL_CUDA_CHECK(cudaEventRecord(end, comm_stream_));
   return std::unique_ptr<PendingExchange>(std::make_unique<NcclExchange>(start, end, compute_));
 }
@@ -207,6 +235,7 @@ absl::Status NcclCommunicator::AllToAll(const void* send, std::span<const size_t
     }
   }
   CPFILL_NCCL_CHECK(ncclGroupEnd());
+  CPFILL_RETURN_IF_ERROR(Settle());
   return EndOp();
 }
 
@@ -214,6 +243,7 @@ absl::Status NcclCommunicator::AllGather(const void* send, size_t bytes, void* r
   CPFILL_RETURN_IF_ERROR(BeginOp(absl::StrCat("all-gather on ", name_, " (rank ", rank_, " of ",
                                               size_, "): ", bytes, " bytes each")));
   CPFILL_NCCL_CHECK(ncclAllGather(send, recv, bytes, ncclUint8, comm_, comm_stream_));
+  CPFILL_RETURN_IF_ERROR(Settle());
   return EndOp();
 }
 
@@ -222,6 +252,7 @@ absl::Status NcclCommunicator::AllReduce(void* data, size_t count, DataType type
                                               size_, "): ", count, " elements")));
   CPFILL_NCCL_CHECK(
       ncclAllReduce(data, data, count, ToNccl(type), ToNccl(op), comm_, comm_stream_));
+  CPFILL_RETURN_IF_ERROR(Settle());
   return EndOp();
 }
 
@@ -230,6 +261,7 @@ absl::Status NcclCommunicator::Broadcast(void* data, size_t bytes, int root) {
   CPFILL_RETURN_IF_ERROR(
       BeginOp(absl::StrCat("broadcast on ", name_, " of ", bytes, " bytes from rank ", root)));
   CPFILL_NCCL_CHECK(ncclBroadcast(data, data, bytes, ncclUint8, root, comm_, comm_stream_));
+  CPFILL_RETURN_IF_ERROR(Settle());
   return EndOp();
 }
 
@@ -244,7 +276,11 @@ absl::Status NcclCommunicator::Synchronize() {
     return absl::FailedPreconditionError(
         absl::StrCat("NCCL communicator ", name_, " was aborted after an earlier failure"));
   }
-  cudaEvent_t done = NextEvent();
+  // Both streams: the compute stream's last kernels as well as the communication. (Waiting for
+  // the communication stream alone let a caller read O while the last merge still ran.)
+  cudaEvent_t computed = NextEvent(), done = NextEvent();
+  CPFILL_CUDA_CHECK(cudaEventRecord(computed, compute_));
+  CPFILL_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, computed, 0));
   CPFILL_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
   const auto deadline = Clock::now() + options_.timeout;
   while (true) {

@@ -10,7 +10,9 @@
 //
 // Stream semantics (NcclCommunicator): every operation is enqueued on the communicator's own
 // stream after the work already on the compute stream (an event), and the compute stream is made
-// to wait for it (another event). Nothing blocks the host: calls return once enqueued, and
+// to wait for it (another event). The communicators are non-blocking: a call that returns
+// ncclInProgress (peers still connecting) is polled to completion of its enqueue, under the
+// deadline, before the next call. The host never waits for a transfer: calls return once enqueued, and
 // PendingExchange::Wait() only orders the compute stream. Synchronize() is the one host wait: it
 // polls the last event and NCCL's asynchronous error state until done or the deadline, and on a
 // deadline aborts the communicator so no rank hangs.
@@ -56,9 +58,9 @@ class NcclCommunicator : public Communicator {
   absl::Status Broadcast(void* data, size_t bytes, int root) override;
   absl::Status Barrier() override;
 
-  // Waits on the host until everything enqueued so far is done, within the deadline; on a
-  // deadline or an NCCL error the communicator is aborted and the status names the last
-  // operation.
+  // Waits on the host until everything enqueued so far on the communication stream and on the
+  // compute stream is done, within the deadline; on a deadline or an NCCL error the
+  // communicator is aborted and the status names the last operation.
   absl::Status Synchronize();
 
   cudaStream_t comm_stream() const { return comm_stream_; }
@@ -74,6 +76,8 @@ class NcclCommunicator : public Communicator {
   absl::Status BeginOp(const std::string& what);
   // Orders the compute stream after the communication stream's work so far.
   absl::Status EndOp();
+  // Waits (deadline-bounded) until a non-blocking call has been fully enqueued.
+  absl::Status Settle();
   cudaEvent_t NextEvent();
 
   ncclComm_t comm_ = nullptr;
