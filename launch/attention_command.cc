@@ -206,14 +206,7 @@ int Run(int argc, char** argv) {
   if (absl::Status s = ValidateFlags(f, grid); !s.ok()) return session->ConfigError(s);
   const int threads = session->ThreadsPerRank(grid);
   auto backend_or = Backend::Create(f.backend, grid, session->mpi().options(), threads);
-  if (!backend_or.ok()) {
-    // Unknown names and missing devices are verdicts every rank shares.
-    if (absl::IsInvalidArgument(backend_or.status()) ||
-        absl::IsFailedPrecondition(backend_or.status())) {
-      return session->ConfigError(backend_or.status());
-    }
-    session->Fail(backend_or.status());
-  }
+  if (!backend_or.ok()) return session->Refuse(backend_or.status());
   Backend& backend = **backend_or;
   if (backend.bf16() && !flags.IsSet("tolerance")) f.tolerance = 2e-2;  // bf16 inputs and P
   auto algo_or = f.algo == "auto" ? absl::StatusOr<RingAlgorithm>(RingAlgorithm::kPassKV)

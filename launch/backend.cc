@@ -178,8 +178,8 @@ class DeviceRunner : public Runner {
   absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) override {
     o->resize(o_elems_);
     lse->resize(lse_elems_);
-    CPFILL_CUDA_CHECK(cudaMemcpyAsync(o->data(), o_.As<void>(), o_elems_ * 4,
-                                      cudaMemcpyDeviceToHost, stream_));
+    CPFILL_CUDA_CHECK(
+        cudaMemcpyAsync(o->data(), o_.As<void>(), o_elems_ * 4, cudaMemcpyDeviceToHost, stream_));
     CPFILL_CUDA_CHECK(cudaMemcpyAsync(lse->data(), lse_.As<void>(), lse_elems_ * 4,
                                       cudaMemcpyDeviceToHost, stream_));
     CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -243,8 +243,8 @@ class DeviceBackend : public Backend {
         cudaMemcpyAsync(q.As<void>(), bq.data(), qn * 2, cudaMemcpyHostToDevice, stream));
     CPFILL_CUDA_CHECK(
         cudaMemcpyAsync(kv.As<void>(), bk.data(), kvn * 2, cudaMemcpyHostToDevice, stream));
-    CPFILL_CUDA_CHECK(cudaMemcpyAsync(kv.As<char>(kvn * 2), bv.data(), kvn * 2,
-                                      cudaMemcpyHostToDevice, stream));
+    CPFILL_CUDA_CHECK(
+        cudaMemcpyAsync(kv.As<char>(kvn * 2), bv.data(), kvn * 2, cudaMemcpyHostToDevice, stream));
     CPFILL_CUDA_CHECK(
         cudaMemcpyAsync(pos.As<void>(), hpos.data(), tokens * 4, cudaMemcpyHostToDevice, stream));
     CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -108,13 +108,7 @@ int Run(int argc, char** argv) {
   parallel::ProcessGrid& grid = *started.grid;
   const int threads = session->ThreadsPerRank(grid);
   auto backend_or = Backend::Create(f.backend, grid, session->mpi().options(), threads);
-  if (!backend_or.ok()) {
-    if (absl::IsInvalidArgument(backend_or.status()) ||
-        absl::IsFailedPrecondition(backend_or.status())) {
-      return session->ConfigError(backend_or.status());
-    }
-    session->Fail(backend_or.status());
-  }
+  if (!backend_or.ok()) return session->Refuse(backend_or.status());
   Backend& backend = **backend_or;
   if (backend.name() == "cuda") UseGpuDefaults(f, flags);
   auto validate = [&]() -> absl::Status {

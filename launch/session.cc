@@ -51,10 +51,7 @@ Started Session::Begin(int* argc, char*** argv, const FlagSet& flags, const absl
   }
   auto grid = session.CreateGrid();
   if (!grid.ok()) {
-    // InvalidArgument comes from checks every rank makes alike; anything else is a failure of
-    // communication that only some ranks may see.
-    if (!absl::IsInvalidArgument(grid.status())) session.Fail(grid.status());
-    started.exit_code = session.ConfigError(grid.status());
+    started.exit_code = session.Refuse(grid.status());
     return started;
   }
   started.grid = std::move(*grid);
@@ -84,6 +81,13 @@ int Session::ConfigError(const absl::Status& status) {
     std::fflush(stderr);
   }
   return kExitBadInput;
+}
+
+int Session::Refuse(const absl::Status& status) {
+  if (absl::IsInvalidArgument(status) || absl::IsFailedPrecondition(status)) {
+    return ConfigError(status);
+  }
+  Fail(status);
 }
 
 void Session::Fail(const absl::Status& status) {

@@ -69,6 +69,10 @@ class Session {
   int ConfigError(const absl::Status& status);
   // A runtime failure: this rank prints it and the job ends on every rank.
   [[noreturn]] void Fail(const absl::Status& status);
+  // Sorts a failed step by who can have seen it: InvalidArgument and FailedPrecondition come
+  // from checks every rank makes alike (ConfigError, returns kExitBadInput); anything else is
+  // Fail (does not return).
+  int Refuse(const absl::Status& status);
 
   // printf on world rank 0 only, flushed (progress must show while work runs).
   template <typename... Args>

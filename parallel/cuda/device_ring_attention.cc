@@ -153,6 +153,20 @@ absl::Status DeviceRingAttention::Attend(const CudaAttentionArgs& args) {
                                                stream_);
 }
 
+// After the final synchronization: each step's kernel time from its events, its exchange's
+// transfer time, and the exposed wait, i.e. the compute stream's idle gap before the next step.
+void DeviceRingAttention::FillStepTimes(
+    const std::vector<std::unique_ptr<PendingExchange>>& exchanges,
+    const std::vector<cudaEvent_t>& c0, const std::vector<cudaEvent_t>& c1, RingTimings* t) const {
+  const size_t n = t->steps.size();
+  for (size_t j = 0; j < n; ++j) {
+    RingStepTiming& step = t->steps[j];
+    step.compute_s = Seconds(c0[j], c1[j]);
+    if (exchanges[j]) step.transfer_s = exchanges[j]->transfer_s();
+    if (j + 1 < n) step.wait_s = std::max(0.0, Seconds(c1[j], c0[j + 1]));
+  }
+}
+
 // ---- pass-KV (Alg. 2) --------------------------------------------------------------------
 
 absl::Status DeviceRingAttention::RunPassKV(const Bf16* q, const Bf16* k, const Bf16* v, float* o,
@@ -210,13 +224,7 @@ absl::Status DeviceRingAttention::RunPassKV(const Bf16* q, const Bf16* k, const 
   }
   CPFILL_RETURN_IF_ERROR(cp_.Synchronize());
   t->pack_s += Seconds(pack0, pack1);
-  for (int j = 0; j < n; ++j) {
-    RingStepTiming& step = t->steps[j];
-    step.compute_s = Seconds(c0[j], c1[j]);
-    if (exchanges[j]) step.transfer_s = exchanges[j]->transfer_s();
-    // Exposed: the compute stream's idle gap before the next step's kernel.
-    if (j + 1 < n) step.wait_s = std::max(0.0, Seconds(c1[j], c0[j + 1]));
-  }
+  FillStepTimes(exchanges, c0, c1, t);
   return absl::OkStatus();
 }
 
@@ -320,12 +328,7 @@ absl::Status DeviceRingAttention::RunPassQ(const Bf16* q, const Bf16* k, const B
   t->pack_s += Seconds(pack0, pack1) + Seconds(m1, u1);
   t->all_to_all_s = Seconds(a0, a1);
   t->merge_s = Seconds(a1, m1);
-  for (int j = 0; j < n; ++j) {
-    RingStepTiming& step = t->steps[j];
-    step.compute_s = Seconds(c0[j], c1[j]);
-    if (exchanges[j]) step.transfer_s = exchanges[j]->transfer_s();
-    if (j + 1 < n) step.wait_s = std::max(0.0, Seconds(c1[j], c0[j + 1]));
-  }
+  FillStepTimes(exchanges, c0, c1, t);
   return absl::OkStatus();
 }
 

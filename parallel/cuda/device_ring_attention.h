@@ -82,6 +82,9 @@ class DeviceRingAttention {
   absl::Status PackQ(const __nv_bfloat16* q, const DeviceBuffer& msg);
   // Enqueues the attention kernel, growing the workspace first if it is too small.
   absl::Status Attend(const attention::cuda::CudaAttentionArgs& args);
+  void FillStepTimes(const std::vector<std::unique_ptr<PendingExchange>>& exchanges,
+                     const std::vector<cudaEvent_t>& c0, const std::vector<cudaEvent_t>& c1,
+                     RingTimings* t) const;
   cudaEvent_t Mark();  // records the next event on the stream
   double Seconds(cudaEvent_t a, cudaEvent_t b) const;
 

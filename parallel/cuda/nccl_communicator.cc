@@ -171,10 +171,10 @@ absl::Status NcclCommunicator::Settle() {
     if (Clock::now() > deadline) {
       ncclCommAbort(comm_);
       aborted_ = true;
-      return absl::DeadlineExceededError(absl::StrCat(
-          last_op_, " could not be enqueued within ",
-          std::chrono::duration<double>(options_.timeout).count(),
-          " s (a peer is dead or stuck); NCCL communicator aborted"));
+      return absl::DeadlineExceededError(
+          absl::StrCat(last_op_, " could not be enqueued within ",
+                       std::chrono::duration<double>(options_.timeout).count(),
+                       " s (a peer is dead or stuck); NCCL communicator aborted"));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }

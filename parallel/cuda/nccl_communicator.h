@@ -12,9 +12,9 @@
 // stream after the work already on the compute stream (an event), and the compute stream is made
 // to wait for it (another event). The communicators are non-blocking: a call that returns
 // ncclInProgress (peers still connecting) is polled to completion of its enqueue, under the
-// deadline, before the next call. The host never waits for a transfer: calls return once enqueued, and
-// PendingExchange::Wait() only orders the compute stream. Synchronize() is the one host wait: it
-// polls the last event and NCCL's asynchronous error state until done or the deadline, and on a
+// deadline, before the next call. The host never waits for a transfer: calls return once enqueued,
+// and PendingExchange::Wait() only orders the compute stream. Synchronize() is the one host wait:
+// it polls the last event and NCCL's asynchronous error state until done or the deadline, and on a
 // deadline aborts the communicator so no rank hangs.
 //
 //   CPFILL_ASSIGN_OR_RETURN(NcclGrid nccl, CreateNcclGrid(grid, options, compute_stream));
