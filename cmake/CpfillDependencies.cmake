@@ -67,3 +67,16 @@ if(NOT CPFILL_CUDA STREQUAL "OFF")
                         "(nvidia-cuda-toolkit) or configure with -DCPFILL_CUDA=OFF")
   endif()
 endif()
+
+# OpenBLAS for the CPU Linear layers (runtime/cpu/layers.cc). cblas.h sits under a
+# multiarch/alternatives directory on Debian, hence the suffixes. Its thread count comes from
+# OPENBLAS_NUM_THREADS, set per rank by the launcher.
+find_path(CBLAS_INCLUDE_DIR cblas.h
+          PATH_SUFFIXES openblas x86_64-linux-gnu x86_64-linux-gnu/openblas-pthread)
+find_library(OPENBLAS_LIBRARY NAMES openblas)
+if(CBLAS_INCLUDE_DIR AND OPENBLAS_LIBRARY)
+  set(CPFILL_OPENBLAS_FOUND ON)
+else()
+  set(CPFILL_OPENBLAS_FOUND OFF)
+endif()
+cpfill_require(CPFILL_OPENBLAS_FOUND "OpenBLAS (cblas)" "libopenblas-dev")

@@ -10,6 +10,7 @@ namespace cpfill::launch {
 int RunAttentionCommand(int argc, char** argv);
 int RunSelectCommand(int argc, char** argv);
 int RunCalibrateCommand(int argc, char** argv);
+int RunPrefillCommand(int argc, char** argv);
 
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitCheckFailed = 1;

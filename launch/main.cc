@@ -4,6 +4,7 @@
 //   cpfill select --heads 128 --kv-heads 8 --cp 4 --tflops 800 --gbps 3 --new-tokens 6400 \
 //                 --cached-tokens 121600
 //   mpirun -np 4 cpfill calibrate --out fit.json
+//   mpirun -np 4 cpfill prefill --model tiny --tp 2 --prompt-lens 4096,1000 --check
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -20,7 +21,9 @@ constexpr char kUsage[] =
     "              compares with a single-rank computation\n"
     "  select      choose ring pass-KV or pass-Q for a request (Alg. 1, Alg. 5, fitted); JSON\n"
     "  calibrate   time pass-KV and pass-Q on a (T, P) grid (under mpirun), measure compute\n"
-    "              rate and link bandwidth, fit the selector; writes the JSON --fit reads\n";
+    "              rate and link bandwidth, fit the selector; writes the JSON --fit reads\n"
+    "  prefill     prefill a Llama-3 family model, TP inside nodes and CP across (under\n"
+    "              mpirun); first tokens and time to first token; --check against one rank\n";
 
 }  // namespace
 
@@ -35,6 +38,7 @@ int main(int argc, char** argv) {
   if (command == "attention") return RunAttentionCommand(argc, argv);
   if (command == "select") return RunSelectCommand(argc, argv);
   if (command == "calibrate") return RunCalibrateCommand(argc, argv);
+  if (command == "prefill") return RunPrefillCommand(argc, argv);
   std::fprintf(stderr, "cpfill: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return kExitBadInput;
 }

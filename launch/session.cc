@@ -84,7 +84,8 @@ int Session::ConfigError(const absl::Status& status) {
 }
 
 int Session::Refuse(const absl::Status& status) {
-  if (absl::IsInvalidArgument(status) || absl::IsFailedPrecondition(status)) {
+  if (absl::IsInvalidArgument(status) || absl::IsFailedPrecondition(status) ||
+      absl::IsResourceExhausted(status)) {
     return ConfigError(status);
   }
   Fail(status);

@@ -10,7 +10,7 @@ build=${BUILD_DIR:-build}
 
 packages=(cmake ninja-build g++ make pkg-config python3
           libopenmpi-dev openmpi-bin libabsl-dev libucx-dev
-          libgtest-dev libgmock-dev libbenchmark-dev)
+          libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

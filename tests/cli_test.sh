@@ -163,6 +163,28 @@ multigpu_device_ring)
       --head-dim 64 --check
   fi
   ;;
+prefill_check)
+  # The README-level job of the model issue: TP2 x CP2 on the tiny preset equals one rank.
+  expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" prefill --model tiny --tp 2 \
+    --ranks-per-node 2 --prompt-lens 700,33,1 --check
+  expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" prefill --model tiny --prompt-lens 1000 \
+    --algo pass-q --check --json "$tmp/p.json"
+  python3 -c "import json,sys; r=json.load(open('$tmp/p.json')); assert r['check']['pass']" ||
+    fail "prefill JSON"
+  ;;
+prefill_bad_input)
+  expect_exit 2 "neither a preset" -- mpi 2 "$cpfill" prefill --model nosuchmodel --prompt-lens 5
+  expect_exit 2 'num_attention_heads|heads' -- mpi 3 "$cpfill" prefill --model tiny --tp 3 \
+    --prompt-lens 5 --layers 1
+  printf '[[1, 2, 999999]]' > "$tmp/t.json"
+  expect_exit 2 'outside the vocabulary' -- mpi 2 "$cpfill" prefill --model tiny --tokens "$tmp/t.json"
+  printf '[[1, 2,' > "$tmp/bad.json"
+  expect_exit 2 'json' -- mpi 2 "$cpfill" prefill --model tiny --tokens "$tmp/bad.json"
+  expect_exit 2 'KV cache' -- mpi 2 "$cpfill" prefill --model tiny --prompt-lens 5000 \
+    --kv-capacity-tokens 100
+  mkdir -p "$tmp/ckpt" && printf '{"model_type": "llama", "hidden_size": 64}' > "$tmp/ckpt/config.json"
+  expect_exit 2 'num_attention_heads' -- mpi 2 "$cpfill" prefill --model "$tmp/ckpt" --prompt-lens 5
+  ;;
 *)
   fail "unknown test $name"
   ;;

@@ -1,0 +1,307 @@
+// `cpfill prefill`: whole-model prefill of a Llama-3 family model (TP inside nodes, CP across),
+// reporting the first token of every sequence and the time to first token with its breakdown;
+// --check compares with a one-rank run of the same model.
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/json.h"
+#include "base/random.h"
+#include "base/status.h"
+#include "launch/commands.h"
+#include "launch/flags.h"
+#include "launch/session.h"
+#include "parallel/self_communicator.h"
+#include "runtime/llama_model.h"
+#include "runtime/model_config.h"
+#include "runtime/weights.h"
+
+namespace cpfill::launch {
+namespace {
+
+struct PrefillFlags {
+  std::string model;
+  std::vector<int64_t> prompt_lens;
+  std::string tokens_file;
+  int layers = 0;
+  std::string algo = "auto";
+  std::string rule = "alg5";
+  double tflops = 800, gbps = 50;
+  bool check = false;
+  double tolerance = 1e-3;
+  std::string json_file;
+  int64_t seed = 1;
+  int64_t kv_capacity_tokens = int64_t{1} << 24;
+  double peak_tflops = 0;
+  SessionFlags session;
+};
+
+// Synthetic prompts: token ids from the seed, the same on every rank.
+std::vector<runtime::PrefillRequest> SyntheticPrompts(const std::vector<int64_t>& lens, int vocab,
+                                                      uint64_t seed) {
+  std::vector<runtime::PrefillRequest> out;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    runtime::PrefillRequest r;
+    for (int64_t i = 0; i < lens[s]; ++i) {
+      r.tokens.push_back(static_cast<int32_t>(Mix64(Mix64(seed ^ 0x70ull) ^ (s << 40) ^ i) %
+                                              static_cast<uint64_t>(vocab)));
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<runtime::PrefillRequest>> ReadTokensFile(const std::string& path) {
+  CPFILL_ASSIGN_OR_RETURN(json::Value v, json::ParseFile(path));
+  CPFILL_CHECK_ARG(v.is_array() && !v.items().empty(), path,
+                   ": --tokens wants a JSON list of lists of token ids");
+  std::vector<runtime::PrefillRequest> out;
+  for (size_t s = 0; s < v.items().size(); ++s) {
+    const json::Value& seq = v.items()[s];
+    CPFILL_CHECK_ARG(seq.is_array(), path, ": sequence ", s, " is not a list");
+    runtime::PrefillRequest r;
+    for (const json::Value& id : seq.items()) {
+      CPFILL_CHECK_ARG(id.is_number() && id.as_number() == std::floor(id.as_number()), path,
+                       ": sequence ", s, " holds something that is not an integer token id");
+      r.tokens.push_back(static_cast<int32_t>(id.as_number()));
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+absl::StatusOr<runtime::ModelWeights> MakeWeights(const runtime::ModelConfig& config,
+                                                  const PrefillFlags& f, int tp_rank, int tp) {
+  if (runtime::IsPreset(f.model)) {
+    return runtime::SyntheticWeights(config, static_cast<uint64_t>(f.seed), tp_rank, tp);
+  }
+  return runtime::LoadWeights(config, f.model, tp_rank, tp);
+}
+
+std::string Ms(double s) { return absl::StrFormat("%.1f", s * 1e3); }
+
+int Run(int argc, char** argv) {
+  PrefillFlags f;
+  FlagSet flags("prefill",
+                "prefill a Llama-3 family model with TP inside nodes and CP across them; prints "
+                "the first token per sequence and the time to first token (under mpirun)");
+  flags.String("model", &f.model,
+               "a preset (tiny, llama3-8b, llama3-70b, llama3-405b; synthetic weights) or a "
+               "Hugging Face checkpoint directory (config.json + safetensors)",
+               true);
+  flags.IntList("prompt-lens", &f.prompt_lens, "synthetic prompts of these lengths");
+  flags.String("tokens", &f.tokens_file,
+               "a JSON list of lists of token ids (instead of "
+               "--prompt-lens)");
+  flags.Int("layers", &f.layers, "run only the first K layers (0: all)");
+  flags.String("algo", &f.algo, "auto | pass-kv | pass-q | all-gather");
+  flags.String("rule", &f.rule, "selector rule for --algo auto: alg1 | alg5 | fitted");
+  flags.Double("tflops", &f.tflops, "selector: attention compute per rank C, TFLOP/s");
+  flags.Double("gbps", &f.gbps, "selector: ring bandwidth per rank BW, GB/s");
+  flags.Bool("check", &f.check,
+             "compare last-position logits and first tokens with a one-rank run");
+  flags.Double("tolerance", &f.tolerance, "max abs logit difference --check accepts");
+  flags.String("json", &f.json_file, "write the report as JSON to this file");
+  flags.Int("seed", &f.seed, "seed of synthetic weights and prompts");
+  flags.Int("kv-capacity-tokens", &f.kv_capacity_tokens,
+            "KV cache capacity per rank, in tokens (every layer's K and V)");
+  flags.Double("peak-tflops", &f.peak_tflops,
+               "peak dense TFLOP/s of one rank, for model FLOPs utilisation (0: not shown)");
+  AddSessionFlags(flags, &f.session);
+  const absl::Status parsed = flags.Parse(argc, argv, 2);
+  Started started = Session::Begin(&argc, &argv, flags, parsed, f.session);
+  if (started.exit_code) return *started.exit_code;
+  Session* session = started.session.get();
+  parallel::ProcessGrid& grid = *started.grid;
+
+  // ---- configuration, the same verdict on every rank --------------------------------------
+  auto config_or = runtime::LoadModelConfig(f.model);
+  if (!config_or.ok()) return session->ConfigError(config_or.status());
+  runtime::ModelConfig config = *config_or;
+  if (f.layers < 0) {
+    return session->ConfigError(absl::InvalidArgumentError("--layers must be >= 0"));
+  }
+  if (f.layers > 0) config.num_layers = std::min(config.num_layers, f.layers);
+  if (absl::Status s = config.ValidateForTp(grid.tp_size); !s.ok()) {
+    return session->ConfigError(s);
+  }
+  if (f.prompt_lens.empty() == f.tokens_file.empty()) {
+    return session->ConfigError(
+        absl::InvalidArgumentError("give exactly one of --prompt-lens and --tokens"));
+  }
+  std::vector<runtime::PrefillRequest> batch;
+  if (!f.tokens_file.empty()) {
+    auto read = ReadTokensFile(f.tokens_file);
+    if (!read.ok()) return session->ConfigError(read.status());
+    batch = std::move(*read);
+  } else {
+    for (int64_t n : f.prompt_lens) {
+      if (n <= 0) {
+        return session->ConfigError(absl::InvalidArgumentError(
+            absl::StrCat("--prompt-lens: every prompt needs at least one token, got ", n)));
+      }
+    }
+    batch = SyntheticPrompts(f.prompt_lens, config.vocab_size, static_cast<uint64_t>(f.seed));
+  }
+  runtime::PrefillOptions options;
+  options.auto_algorithm = f.algo == "auto";
+  if (!options.auto_algorithm) {
+    auto algo = parallel::ParseRingAlgorithm(f.algo);
+    if (!algo.ok()) return session->ConfigError(algo.status());
+    options.algorithm = *algo;
+  }
+  auto rule = parallel::ParseSelectorRule(f.rule);
+  if (!rule.ok()) return session->ConfigError(rule.status());
+  options.rule = *rule;
+  options.system = {.tflops = f.tflops, .gbps = f.gbps, .elem_bytes = 2};
+  options.kv_capacity_tokens = f.kv_capacity_tokens;
+  options.threads = session->ThreadsPerRank(grid);
+
+  // Weights: each rank reads its own slice, so a bad file may show on some ranks only; they
+  // agree on the verdict, and each failing rank names what it found.
+  auto weights = MakeWeights(config, f, grid.tp_rank, grid.tp_size);
+  if (auto ok = parallel::AllRanksOk(*grid.world, weights.ok()); !ok.ok() || !*ok) {
+    if (!ok.ok()) session->Fail(ok.status());
+    if (!weights.ok()) {
+      std::fprintf(stderr, "cpfill: error on world rank %d: %s\n", grid.world_rank,
+                   std::string(weights.status().message()).c_str());
+    }
+    return kExitBadInput;
+  }
+  auto model = runtime::LlamaModel::Create(config, std::move(*weights), *grid.tp, *grid.cp,
+                                           *grid.world, options);
+  if (!model.ok()) return session->Refuse(model.status());
+
+  int64_t total_tokens = 0;
+  for (const auto& r : batch) total_tokens += r.tokens.size();
+  session->Print(
+      "cpfill prefill: %s (%d layers, hidden %d, %d/%d heads, %.3g B parameters), "
+      "%d sequence(s), %d tokens\n",
+      config.name, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+      config.ParameterCount() / 1e9, batch.size(), total_tokens);
+  session->Print("grid: %s; CPU backend, %d thread(s) per rank\n", grid.Describe(),
+                 options.threads);
+
+  // ---- the prefill ----------------------------------------------------------------------
+  runtime::PrefillTimings t;
+  auto progress = [&](int layer) {
+    if (config.num_layers >= 8 && (layer + 1) % std::max(1, config.num_layers / 8) == 0) {
+      session->Print("  layer %d/%d done\n", layer + 1, config.num_layers);
+    }
+  };
+  auto out = (*model)->Prefill(batch, &t, progress);
+  if (!out.ok()) return session->Refuse(out.status());
+  double slowest = t.total_s;
+  if (absl::Status s = grid.world->AllReduce(&slowest, 1, parallel::DataType::kFloat64,
+                                             parallel::ReduceOp::kMax);
+      !s.ok()) {
+    session->Fail(s);
+  }
+  session->Print("selector (%s): %s\n", parallel::SelectorRuleName(options.rule),
+                 t.selection.reason);
+  session->Print("algorithm: %s\n", parallel::RingAlgorithmName(t.algorithm));
+  for (size_t s = 0; s < out->size(); ++s) {
+    session->Print("sequence %d: %d tokens, first token %d\n", s, batch[s].tokens.size(),
+                   (*out)[s].first_token);
+  }
+  session->Print(
+      "TTFT %s ms (slowest rank); world rank 0: GEMMs %s, attention ring %s, "
+      "all-reduce %s, LM head %s, embedding %s, other %s ms\n",
+      Ms(slowest), Ms(t.gemm_s), Ms(t.attention_s), Ms(t.allreduce_s), Ms(t.lm_head_s),
+      Ms(t.embed_s), Ms(t.other_s));
+  session->Print("%.0f tokens/s; %.3g model TFLOP, %.3g TFLOP/s per rank", total_tokens / slowest,
+                 t.model_flops / 1e12, t.model_flops / slowest / grid.world_size / 1e12);
+  if (f.peak_tflops > 0) {
+    session->Print(", MFU %.1f%%",
+                   100 * t.model_flops / slowest / grid.world_size / (f.peak_tflops * 1e12));
+  }
+  session->Print("\n");
+
+  // ---- check against one rank -----------------------------------------------------------
+  double max_diff = 0;
+  int token_mismatches = 0;
+  bool pass = true;
+  if (f.check) {
+    int32_t verdict = 1;
+    if (session->is_root()) {
+      session->Print("check: prefilling the same batch on one rank...\n");
+      parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
+      auto ref_weights = MakeWeights(config, f, 0, 1);
+      if (!ref_weights.ok()) session->Fail(ref_weights.status());
+      runtime::PrefillOptions ref_options = options;
+      ref_options.threads = 0;  // every core: the other ranks wait
+      auto ref =
+          runtime::LlamaModel::Create(config, std::move(*ref_weights), tp, cp, world, ref_options);
+      if (!ref.ok()) session->Fail(ref.status());
+      runtime::PrefillTimings rt;
+      auto ref_out = (*ref)->Prefill(batch, &rt, nullptr);
+      if (!ref_out.ok()) session->Fail(ref_out.status());
+      for (size_t s = 0; s < out->size(); ++s) {
+        const auto& a = (*out)[s].logits;
+        const auto& b = (*ref_out)[s].logits;
+        for (size_t i = 0; i < a.size(); ++i) {
+          const double d = std::fabs(double(a[i]) - b[i]);
+          max_diff = std::isnan(d) ? INFINITY : std::max(max_diff, d);
+        }
+        token_mismatches += (*out)[s].first_token != (*ref_out)[s].first_token;
+      }
+      pass = max_diff <= f.tolerance && token_mismatches == 0;
+      verdict = pass ? 1 : 0;
+      session->Print(
+          "check: max |logits - logits_1rank| = %.3g, first-token mismatches %d "
+          "(tolerance %g): %s\n",
+          max_diff, token_mismatches, f.tolerance, pass ? "PASS" : "FAIL");
+    }
+    if (absl::Status s = grid.world->Broadcast(&verdict, sizeof(verdict), 0); !s.ok()) {
+      session->Fail(s);
+    }
+    pass = verdict == 1;
+  }
+  if (session->is_root() && !f.json_file.empty()) {
+    json::Value seqs = json::Value::Array();
+    for (size_t s = 0; s < out->size(); ++s) {
+      seqs.Push(json::Value::Object()
+                    .Set("tokens", static_cast<int64_t>(batch[s].tokens.size()))
+                    .Set("first_token", (*out)[s].first_token));
+    }
+    json::Value report = json::Value::Object();
+    report.Set("command", "prefill")
+        .Set("model", config.name)
+        .Set("layers", config.num_layers)
+        .Set("world_size", grid.world_size)
+        .Set("tp", grid.tp_size)
+        .Set("cp", grid.cp_size)
+        .Set("backend", "cpu")
+        .Set("algorithm", std::string(parallel::RingAlgorithmName(t.algorithm)))
+        .Set("sequences", std::move(seqs))
+        .Set("ttft_ms", slowest * 1e3)
+        .Set("gemm_ms", t.gemm_s * 1e3)
+        .Set("attention_ms", t.attention_s * 1e3)
+        .Set("allreduce_ms", t.allreduce_s * 1e3)
+        .Set("lm_head_ms", t.lm_head_s * 1e3)
+        .Set("other_ms", (t.other_s + t.embed_s) * 1e3)
+        .Set("tokens_per_s", total_tokens / slowest)
+        .Set("model_tflop", t.model_flops / 1e12);
+    if (f.check) {
+      report.Set("check", json::Value::Object()
+                              .Set("max_abs_logit_diff", max_diff)
+                              .Set("first_token_mismatches", token_mismatches)
+                              .Set("pass", pass));
+    }
+    std::ofstream jf(f.json_file);
+    jf << report.Dump(2) << "\n";
+    if (!jf) session->Fail(absl::InternalError("cannot write --json file " + f.json_file));
+  }
+  return f.check && !pass ? kExitCheckFailed : kExitOk;
+}
+
+}  // namespace
+
+int RunPrefillCommand(int argc, char** argv) { return Run(argc, argv); }
+
+}  // namespace cpfill::launch

@@ -1,0 +1,117 @@
+// cpfill/runtime/llama_model.h — whole-model prefill of a Llama-3 family model with tensor
+// parallelism inside a node and context parallelism across nodes (CPU backend, fp32).
+//
+// Every rank holds its TP slice of the weights and its CP share of the tokens (the shard plan's
+// local layout). Per layer: RMSNorm; q/k/v column-parallel; RoPE at the tokens' global
+// positions; ring attention over the CP group (pass-KV or pass-Q, chosen by the selector per
+// batch); o projection row-parallel and an all-reduce over the TP group; the SwiGLU MLP
+// column/row-parallel and an all-reduce. The LM head runs only at each sequence's last position.
+// A request may name a session: its KV cache (every layer's K and V, on the ranks the plans put
+// them) persists, and the session's next turn is a partial prefill on top of it.
+//
+//   CPFILL_ASSIGN_OR_RETURN(auto model, LlamaModel::Create(config, std::move(weights), *grid.tp,
+//                                                          *grid.cp, *grid.world, options));
+//   CPFILL_ASSIGN_OR_RETURN(auto out, model->Prefill({{.tokens = ids, .session = "chat-1"}},
+//                                                    &timings, nullptr));
+//   out[0].first_token   // on world rank 0
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "base/thread_pool.h"
+#include "parallel/communicator.h"
+#include "parallel/ring_attention.h"
+#include "parallel/selector.h"
+#include "runtime/cpu/layers.h"
+#include "runtime/model_config.h"
+#include "runtime/weights.h"
+#include "sharding/plan.h"
+
+namespace cpfill::runtime {
+
+struct PrefillRequest {
+  std::vector<int32_t> tokens;  // this turn's new tokens
+  std::string session;          // "": nothing kept; else continue and keep this session's cache
+};
+
+struct PrefillOptions {
+  bool auto_algorithm = true;  // the selector picks per batch; else `algorithm`
+  parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
+  parallel::SelectorRule rule = parallel::SelectorRule::kAlg5;
+  parallel::SystemSpec system{.tflops = 800, .gbps = 50, .elem_bytes = 2};
+  parallel::FittedCoefficients fitted;
+  int64_t kv_capacity_tokens = int64_t{1} << 24;  // per rank, token slots of every layer's K/V
+  int threads = 1;                                // kernel threads per rank
+};
+
+struct SequenceOutput {
+  std::vector<float> logits;  // [vocab] of the last position (world rank 0 only)
+  int32_t first_token = -1;   // argmax of the logits
+};
+
+struct PrefillTimings {
+  double total_s = 0, embed_s = 0, gemm_s = 0, attention_s = 0, allreduce_s = 0, lm_head_s = 0;
+  double other_s = 0;             // norms, RoPE, SwiGLU, KV cache copies
+  parallel::Selection selection;  // the selector's decision for the batch
+  parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
+  int64_t new_tokens = 0, cached_tokens = 0;
+  double model_flops = 0;  // 2 * params * tokens + causal attention FLOPs (whole batch)
+};
+
+class LlamaModel {
+ public:
+  // `tp`, `cp` and `world` are this rank's groups (SelfCommunicators for a single rank).
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> Create(
+      const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
+      parallel::Communicator& cp, parallel::Communicator& world, PrefillOptions options);
+
+  // Collective over the world. InvalidArgument for token ids outside the vocabulary or
+  // malformed requests; ResourceExhausted (on every rank, before any work) when the batch does
+  // not fit the KV capacity of some rank. `progress(layer)` runs after each layer.
+  absl::StatusOr<std::vector<SequenceOutput>> Prefill(const std::vector<PrefillRequest>& batch,
+                                                      PrefillTimings* timings,
+                                                      const std::function<void(int)>& progress);
+
+  // Token slots this rank's KV cache holds (all sessions), and its capacity.
+  int64_t kv_tokens_held() const;
+  int64_t kv_capacity_tokens() const { return options_.kv_capacity_tokens; }
+  const ModelConfig& config() const { return config_; }
+
+ private:
+  // One session's cache on this rank: where every rank holds its tokens, and this rank's rows
+  // of every layer in that order (post-RoPE K, V: [rows, local KV heads, head_dim]).
+  struct Session {
+    int64_t tokens = 0;                    // cached tokens of the sequence (all ranks)
+    sharding::KvLayout layout;             // one sequence
+    std::vector<std::vector<float>> k, v;  // [layer]
+  };
+
+  LlamaModel(const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
+             parallel::Communicator& cp, parallel::Communicator& world, PrefillOptions options);
+
+  absl::Status CheckCapacity(const sharding::ShardPlan& plan,
+                             const std::vector<PrefillRequest>& batch);
+  absl::StatusOr<std::vector<SequenceOutput>> GatherLogits(const sharding::ShardPlan& plan,
+                                                           const sharding::LocalLayout& layout,
+                                                           const std::vector<float>& x,
+                                                           PrefillTimings* t);
+
+  ModelConfig config_;
+  ModelWeights weights_;
+  parallel::Communicator& tp_;
+  parallel::Communicator& cp_;
+  parallel::Communicator& world_;
+  PrefillOptions options_;
+  ThreadPool pool_;
+  parallel::CpuAttentionKernels kernels_;
+  cpu::RopeTable rope_;
+  std::map<std::string, Session> sessions_;
+};
+
+}  // namespace cpfill::runtime

@@ -1,0 +1,174 @@
+// Multi-rank tests of whole-model prefill on the `tiny` preset: every TP x CP grid that 4 ranks
+// make equals one rank; a two-turn session (partial prefill on the persistent KV cache) equals
+// one full prefill of the whole prompt; a batch that does not fit the KV capacity is refused on
+// every rank and changes nothing. Run by CTest under mpirun with 4 ranks (and 2, 3 where the grid
+// allows).
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "parallel/grid.h"
+#include "parallel/self_communicator.h"
+#include "runtime/llama_model.h"
+#include "runtime/model_config.h"
+#include "runtime/weights.h"
+#include "tests/mpi_test_main.h"
+
+namespace cpfill {
+namespace {
+
+using runtime::PrefillRequest;
+
+runtime::ModelConfig Tiny() {
+  auto c = runtime::LoadModelConfig("tiny");
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+std::vector<int32_t> Prompt(int64_t n, int vocab, uint64_t salt) {
+  std::vector<int32_t> ids;
+  for (int64_t i = 0; i < n; ++i)
+    ids.push_back(static_cast<int32_t>((i * 7919 + salt * 31) % vocab));
+  return ids;
+}
+
+// One-rank reference on world rank 0 (SelfCommunicators), for the same batch.
+std::vector<runtime::SequenceOutput> OneRank(
+    const runtime::ModelConfig& c, const std::vector<std::vector<PrefillRequest>>& turns) {
+  parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
+  auto w = runtime::SyntheticWeights(c, 7, 0, 1);
+  EXPECT_TRUE(w.ok()) << w.status();
+  auto model = runtime::LlamaModel::Create(c, std::move(*w), tp, cp, world, {});
+  EXPECT_TRUE(model.ok()) << model.status();
+  std::vector<runtime::SequenceOutput> out;
+  for (const auto& batch : turns) {
+    auto o = (*model)->Prefill(batch, nullptr, nullptr);
+    EXPECT_TRUE(o.ok()) << o.status();
+    if (o.ok()) out = *o;
+  }
+  return out;
+}
+
+// Compares on world rank 0; returns "" when equal within fp32 tolerance.
+std::string Compare(const std::vector<runtime::SequenceOutput>& a,
+                    const std::vector<runtime::SequenceOutput>& b) {
+  if (a.size() != b.size()) return "different sequence counts";
+  for (size_t s = 0; s < a.size(); ++s) {
+    if (a[s].first_token != b[s].first_token) {
+      return "sequence " + std::to_string(s) + ": first token " + std::to_string(a[s].first_token) +
+             " vs " + std::to_string(b[s].first_token);
+    }
+    for (size_t i = 0; i < a[s].logits.size(); ++i) {
+      const double d = std::fabs(double(a[s].logits[i]) - b[s].logits[i]);
+      if (!(d <= 1e-3)) {
+        return "sequence " + std::to_string(s) + ": logit " + std::to_string(i) + " differs by " +
+               std::to_string(d);
+      }
+    }
+  }
+  return "";
+}
+
+void CheckGrid(int tp, int ranks_per_node, runtime::PrefillOptions options) {
+  auto& mpi = testing::Mpi();
+  const runtime::ModelConfig c = Tiny();
+  if (mpi.world_size() % tp != 0 || c.num_kv_heads % tp != 0) GTEST_SKIP() << "TP" << tp;
+  auto grid = parallel::CreateProcessGrid(mpi, {.tp = tp, .ranks_per_node = ranks_per_node});
+  ASSERT_TRUE(grid.ok()) << grid.status();
+  auto w = runtime::SyntheticWeights(c, 7, grid->tp_rank, tp);
+  ASSERT_TRUE(w.ok()) << w.status();
+  auto model =
+      runtime::LlamaModel::Create(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  // Uneven prompts: one that does not divide by 2N, one of a single token.
+  const std::vector<PrefillRequest> batch = {{.tokens = Prompt(301, c.vocab_size, 1)},
+                                             {.tokens = Prompt(1, c.vocab_size, 2)},
+                                             {.tokens = Prompt(64, c.vocab_size, 3)}};
+  auto out = (*model)->Prefill(batch, nullptr, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::string error;
+  if (grid->world_rank == 0) error = Compare(*out, OneRank(c, {batch}));
+  auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << grid->Describe() << ": " << error;
+}
+
+TEST(LlamaPrefill, Tp1CpAllEqualsOneRank) { CheckGrid(1, 0, {}); }
+TEST(LlamaPrefill, Tp2TimesCpEqualsOneRank) { CheckGrid(2, 2, {}); }
+TEST(LlamaPrefill, TpAllCp1EqualsOneRank) {
+  auto& mpi = testing::Mpi();
+  if (mpi.world_size() > 4) GTEST_SKIP();
+  CheckGrid(mpi.world_size(), 0, {});
+}
+TEST(LlamaPrefill, PassQEqualsOneRank) {
+  runtime::PrefillOptions o;
+  o.auto_algorithm = false;
+  o.algorithm = parallel::RingAlgorithm::kPassQ;
+  CheckGrid(1, 0, o);
+}
+
+TEST(LlamaPrefill, TwoTurnSessionEqualsOneFullPrefill) {
+  auto& mpi = testing::Mpi();
+  const runtime::ModelConfig c = Tiny();
+  auto grid = parallel::CreateProcessGrid(mpi, {.tp = 1});
+  ASSERT_TRUE(grid.ok());
+  auto w = runtime::SyntheticWeights(c, 7, 0, 1);
+  ASSERT_TRUE(w.ok());
+  runtime::PrefillOptions options;
+  auto model =
+      runtime::LlamaModel::Create(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
+  ASSERT_TRUE(model.ok());
+  const std::vector<int32_t> whole = Prompt(377, c.vocab_size, 9);
+  const std::vector<int32_t> first(whole.begin(), whole.begin() + 300),
+      second(whole.begin() + 300, whole.end());
+  // Turn 1 (full prefill) and turn 2 (partial prefill of 77 tokens after 300 cached), beside a
+  // sequence without a session.
+  ASSERT_TRUE((*model)->Prefill({{.tokens = first, .session = "a"}}, nullptr, nullptr).ok());
+  auto turn2 = (*model)->Prefill(
+      {{.tokens = second, .session = "a"}, {.tokens = Prompt(40, c.vocab_size, 4)}}, nullptr,
+      nullptr);
+  ASSERT_TRUE(turn2.ok()) << turn2.status();
+  std::string error;
+  if (grid->world_rank == 0) {
+    error =
+        Compare(*turn2, OneRank(c, {{{.tokens = whole}, {.tokens = Prompt(40, c.vocab_size, 4)}}}));
+  }
+  auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << error;
+}
+
+TEST(LlamaPrefill, OverCapacityIsRefusedEverywhereAndChangesNothing) {
+  auto& mpi = testing::Mpi();
+  const runtime::ModelConfig c = Tiny();
+  auto grid = parallel::CreateProcessGrid(mpi, {.tp = 1});
+  ASSERT_TRUE(grid.ok());
+  auto w = runtime::SyntheticWeights(c, 7, 0, 1);
+  ASSERT_TRUE(w.ok());
+  runtime::PrefillOptions options;
+  options.kv_capacity_tokens = 100;  // token slots per rank
+  auto model =
+      runtime::LlamaModel::Create(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
+  ASSERT_TRUE(model.ok());
+  ASSERT_TRUE(
+      (*model)
+          ->Prefill({{.tokens = Prompt(40, c.vocab_size, 1), .session = "s"}}, nullptr, nullptr)
+          .ok());
+  const int64_t held = (*model)->kv_tokens_held();
+  auto refused = (*model)->Prefill({{.tokens = Prompt(1000, c.vocab_size, 2), .session = "s"}},
+                                   nullptr, nullptr);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("capacity"), std::string::npos);
+  EXPECT_EQ((*model)->kv_tokens_held(), held);  // nothing changed
+  auto bad = (*model)->Prefill({{.tokens = {c.vocab_size + 5}}}, nullptr, nullptr);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  // The session still continues.
+  EXPECT_TRUE(
+      (*model)
+          ->Prefill({{.tokens = Prompt(10, c.vocab_size, 3), .session = "s"}}, nullptr, nullptr)
+          .ok());
+}
+
+}  // namespace
+}  // namespace cpfill
