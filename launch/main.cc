@@ -23,7 +23,8 @@ constexpr char kUsage[] =
     "  calibrate   time pass-KV and pass-Q on a (T, P) grid (under mpirun), measure compute\n"
     "              rate and link bandwidth, fit the selector; writes the JSON --fit reads\n"
     "  prefill     prefill a Llama-3 family model, TP inside nodes and CP across (under\n"
-    "              mpirun); first tokens and time to first token; --check against one rank\n";
+    "              mpirun); first tokens and time to first token; --check against one rank\n"
+    "  export      write a preset's synthetic weights as a Hugging Face checkpoint directory\n";
 
 }  // namespace
 
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
   if (command == "select") return RunSelectCommand(argc, argv);
   if (command == "calibrate") return RunCalibrateCommand(argc, argv);
   if (command == "prefill") return RunPrefillCommand(argc, argv);
+  if (command == "export") return RunExportCommand(argc, argv);
   std::fprintf(stderr, "cpfill: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return kExitBadInput;
 }

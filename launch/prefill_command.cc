@@ -19,6 +19,7 @@
 #include "parallel/self_communicator.h"
 #include "runtime/llama_model.h"
 #include "runtime/model_config.h"
+#include "runtime/safetensors.h"
 #include "runtime/weights.h"
 
 namespace cpfill::launch {
@@ -35,6 +36,7 @@ struct PrefillFlags {
   bool check = false;
   double tolerance = 1e-3;
   std::string json_file;
+  std::string logits_file;
   int64_t seed = 1;
   int64_t kv_capacity_tokens = int64_t{1} << 24;
   double peak_tflops = 0;
@@ -107,6 +109,9 @@ int Run(int argc, char** argv) {
              "compare last-position logits and first tokens with a one-rank run");
   flags.Double("tolerance", &f.tolerance, "max abs logit difference --check accepts");
   flags.String("json", &f.json_file, "write the report as JSON to this file");
+  flags.String("save-logits", &f.logits_file,
+               "write the last-position logits [sequences, vocab] and first tokens as "
+               "safetensors");
   flags.Int("seed", &f.seed, "seed of synthetic weights and prompts");
   flags.Int("kv-capacity-tokens", &f.kv_capacity_tokens,
             "KV cache capacity per rank, in tokens (every layer's K and V)");
@@ -261,6 +266,21 @@ int Run(int argc, char** argv) {
       session->Fail(s);
     }
     pass = verdict == 1;
+  }
+  if (session->is_root() && !f.logits_file.empty()) {
+    std::vector<float> logits;
+    std::vector<int32_t> first;
+    for (const auto& o : *out) {
+      logits.insert(logits.end(), o.logits.begin(), o.logits.end());
+      first.push_back(o.first_token);
+    }
+    runtime::SafetensorsWriter w;
+    const int64_t n = static_cast<int64_t>(out->size());
+    absl::Status s = w.Add("logits", runtime::DType::kF32, {n, config.vocab_size}, logits.data());
+    if (s.ok()) s = w.Add("first_tokens", runtime::DType::kI32, {n}, first.data());
+    if (s.ok()) s = w.Write(f.logits_file);
+    if (!s.ok()) session->Fail(s);
+    session->Print("saved logits to %s\n", f.logits_file);
   }
   if (session->is_root() && !f.json_file.empty()) {
     json::Value seqs = json::Value::Array();

@@ -26,6 +26,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# numpy for the tests' independent model reference (tests/hf_llama_reference.py), from PyPI.
+if ! python3 -c "import numpy" 2>/dev/null; then
+  echo "setup: installing numpy for the tests"
+  python3 -m pip install --quiet numpy
+fi
+
 if [ ! -f "$build/build.ninja" ]; then
   cmake -S . -B "$build" -G Ninja -DCPFILL_CUDA="${CPFILL_CUDA:-AUTO}"
 fi

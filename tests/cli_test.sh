@@ -172,6 +172,22 @@ prefill_check)
   python3 -c "import json,sys; r=json.load(open('$tmp/p.json')); assert r['check']['pass']" ||
     fail "prefill JSON"
   ;;
+prefill_matches_hf_reference)
+  # A Hugging Face checkpoint directory (written by `cpfill export`), prefilled with TP2 x CP2
+  # and with pass-Q on CP4, against an independent numpy Llama (HF's computation, float64).
+  python3 -c "import numpy" 2>/dev/null || { echo "SKIPPED: numpy missing (launch/setup.sh installs it)"; exit 77; }
+  expect_exit 0 'saved tiny' -- "$cpfill" export --model tiny --out "$tmp/ck"
+  python3 -c "import json; json.dump([[(i*37+5)%1024 for i in range(61)], [(i*11)%1024 for i in range(9)], [7]], open('$tmp/tok.json','w'))"
+  expect_exit 0 'saved logits' -- mpi 4 "$cpfill" prefill --model "$tmp/ck" --tp 2 \
+    --ranks-per-node 2 --tokens "$tmp/tok.json" --save-logits "$tmp/lg.safetensors"
+  expect_exit 0 'OK' -- python3 "$here/hf_llama_reference.py" "$tmp/ck" "$tmp/tok.json" \
+    "$tmp/lg.safetensors"
+  expect_exit 0 'saved tiny' -- "$cpfill" export --model tiny --out "$tmp/ck16" --bf16 --seed 3
+  expect_exit 0 'saved logits' -- mpi 4 "$cpfill" prefill --model "$tmp/ck16" --algo pass-q \
+    --tokens "$tmp/tok.json" --save-logits "$tmp/lg16.safetensors"
+  expect_exit 0 'OK' -- python3 "$here/hf_llama_reference.py" "$tmp/ck16" "$tmp/tok.json" \
+    "$tmp/lg16.safetensors"
+  ;;
 prefill_bad_input)
   expect_exit 2 "neither a preset" -- mpi 2 "$cpfill" prefill --model nosuchmodel --prompt-lens 5
   expect_exit 2 'num_attention_heads|heads' -- mpi 3 "$cpfill" prefill --model tiny --tp 3 \

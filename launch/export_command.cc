@@ -1,0 +1,53 @@
+// `cpfill export`: writes a preset's synthetic model as a Hugging Face checkpoint directory
+// (config.json + model.safetensors), for other tools and for checking cpfill against them.
+#include <cstdio>
+#include <string>
+
+#include "launch/commands.h"
+#include "launch/flags.h"
+#include "runtime/model_config.h"
+#include "runtime/weights.h"
+
+namespace cpfill::launch {
+
+int RunExportCommand(int argc, char** argv) {
+  std::string model, out;
+  int64_t seed = 1;
+  int layers = 0;
+  bool bf16 = false;
+  FlagSet flags("export",
+                "write a preset's synthetic weights as a Hugging Face checkpoint "
+                "directory (no MPI)");
+  flags.String("model", &model, "preset: tiny, llama3-8b, llama3-70b, llama3-405b", true);
+  flags.String("out", &out, "directory to write config.json and model.safetensors to", true);
+  flags.Int("seed", &seed, "seed of the synthetic weights (as cpfill prefill --seed)");
+  flags.Int("layers", &layers, "keep only the first K layers (0: all)");
+  flags.Bool("bf16", &bf16, "store bf16 (default fp32)");
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
+    return kExitBadInput;
+  };
+  if (absl::Status s = flags.Parse(argc, argv, 2); !s.ok()) return fail(s);
+  if (flags.help()) {
+    std::fputs(flags.Usage().c_str(), stdout);
+    return kExitOk;
+  }
+  if (!runtime::IsPreset(model)) {
+    return fail(
+        absl::InvalidArgumentError("--model: export writes presets only, got '" + model + "'"));
+  }
+  auto config = runtime::LoadModelConfig(model);
+  if (!config.ok()) return fail(config.status());
+  if (layers < 0) return fail(absl::InvalidArgumentError("--layers must be >= 0"));
+  if (layers > 0 && layers < config->num_layers) config->num_layers = layers;
+  auto weights = runtime::SyntheticWeights(*config, static_cast<uint64_t>(seed), 0, 1);
+  if (!weights.ok()) return fail(weights.status());
+  if (absl::Status s = runtime::SaveHfCheckpoint(*config, *weights, out, bf16); !s.ok()) {
+    return fail(s);
+  }
+  std::printf("saved %s (%d layers, %s) to %s\n", model.c_str(), config->num_layers,
+              bf16 ? "bf16" : "fp32", out.c_str());
+  return kExitOk;
+}
+
+}  // namespace cpfill::launch
