@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -64,28 +63,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
 
 int64_t LlamaModel::kv_tokens_held() const {
   int64_t held = 0;
-  for (const auto& [name, s] : sessions_) held += s.layout.tokens(cp_.rank(), 0);
+  for (const auto& [name, s] : sessions_) held += s.where.layout.tokens(cp_.rank(), 0);
   return held;
-}
-
-absl::Status LlamaModel::CheckCapacity(const sharding::ShardPlan& plan,
-                                       const std::vector<PrefillRequest>& batch) {
-  // Token slots this rank needs once the batch is in: what it holds plus its new tokens (a
-  // sequence without a session needs its slots during the prefill too).
-  int64_t need = kv_tokens_held();
-  for (int s = 0; s < plan.num_sequences(); ++s) need += plan.shard(cp_.rank(), s).new_tokens();
-  int64_t worst[2] = {need, -need};
-  CPFILL_RETURN_IF_ERROR(world_.AllReduce(worst, 2, DataType::kInt64, ReduceOp::kMax));
-  // Every rank refuses together, before any work, with the same numbers.
-  if (worst[0] > options_.kv_capacity_tokens) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache: the batch needs ", worst[0],
-        " token slots on its fullest CP rank (what the "
-        "rank holds plus its share of the batch's new tokens), but a rank holds at most ",
-        options_.kv_capacity_tokens, " (--kv-capacity-tokens); ", batch.size(),
-        " request(s) refused, nothing was changed"));
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
@@ -102,35 +81,18 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
   const int64_t D = c.hidden_size, I = c.intermediate_size / tp;
   const int64_t qw = static_cast<int64_t>(hq) * hd, kvw = static_cast<int64_t>(hkv) * hd;
 
-  // Step 0: the requests, their sessions and the plan. Checks that every rank makes alike.
-  std::vector<sharding::SequenceRequest> seqs;
-  sharding::KvLayout cache;
-  cache.cp_size = n_cp;
-  cache.runs.assign(n_cp, {});
-  std::set<std::string> seen;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const PrefillRequest& r = batch[i];
-    CPFILL_CHECK_ARG(!r.tokens.empty(), "request ", i, " has no tokens");
-    for (int32_t id : r.tokens) {
-      CPFILL_CHECK_ARG(id >= 0 && id < c.vocab_size, "request ", i, ": token id ", id,
-                       " is outside the vocabulary [0, ", c.vocab_size, ")");
-    }
-    CPFILL_CHECK_ARG(r.session.empty() || seen.insert(r.session).second, "session '", r.session,
-                     "' appears twice in one batch");
-    auto it = r.session.empty() ? sessions_.end() : sessions_.find(r.session);
-    const int64_t cached = it == sessions_.end() ? 0 : it->second.tokens;
-    CPFILL_CHECK_ARG(cached + static_cast<int64_t>(r.tokens.size()) <= c.max_position_embeddings,
-                     "request ", i, ": ", cached + r.tokens.size(), " tokens exceed the model's ",
-                     c.max_position_embeddings, " positions");
-    seqs.push_back({.new_tokens = static_cast<int64_t>(r.tokens.size()), .cached_tokens = cached});
-    for (int rank = 0; rank < n_cp; ++rank) {
-      cache.runs[rank].push_back(it == sessions_.end() ? std::vector<sharding::PositionRun>{}
-                                                       : it->second.layout.runs[rank][0]);
-    }
-  }
-  CPFILL_ASSIGN_OR_RETURN(sharding::ShardPlan plan, sharding::PlanPrefill(seqs, n_cp, &cache));
-  CPFILL_RETURN_IF_ERROR(CheckCapacity(plan, batch));
-  const sharding::LocalLayout layout = sharding::MakeLocalLayout(plan, me);
+  // Step 0: the requests, their sessions and the plan; the capacity, agreed by every rank.
+  CPFILL_ASSIGN_OR_RETURN(
+      BatchPlan b,
+      PlanBatch(c, batch, n_cp, me, [&](const std::string& name) -> const SessionLayout* {
+        auto it = sessions_.find(name);
+        return it == sessions_.end() ? nullptr : &it->second.where;
+      }));
+  CPFILL_RETURN_IF_ERROR(
+      CheckKvCapacity(b, kv_tokens_held(), options_.kv_capacity_tokens, batch.size(), world_));
+  const sharding::ShardPlan& plan = b.plan;
+  const sharding::LocalLayout& layout = b.layout;
+  const std::vector<sharding::SequenceRequest>& seqs = b.sequences;
   const int64_t T = layout.q_rows(), R = layout.kv_rows();
 
   // The selector's choice for the whole batch (every rank computes the same).
@@ -144,12 +106,7 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
                         .cached_tokens = t.cached_tokens},
                        options_.rule, options_.fitted));
   t.algorithm = options_.auto_algorithm ? t.selection.choice : options_.algorithm;
-  double pairs = 0;
-  for (const auto& s : seqs) {
-    pairs += double(s.new_tokens) * s.cached_tokens + double(s.new_tokens) * (s.new_tokens + 1) / 2;
-  }
-  t.model_flops =
-      2.0 * c.ParameterCount() * t.new_tokens + 4.0 * hd * c.num_heads * pairs * c.num_layers;
+  t.model_flops = ModelFlops(c, seqs);
 
   const attention::AttentionShape shape{.num_heads = hq,
                                         .num_kv_heads = hkv,
@@ -159,13 +116,7 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
   CPFILL_ASSIGN_OR_RETURN(auto ring, parallel::RingAttention::Create(cp_, plan, shape, &kernels_));
 
   // Step 1: the embedding of this rank's tokens.
-  std::vector<int32_t> ids(T);
-  for (int s = 0; s < plan.num_sequences(); ++s) {
-    for (int64_t i = 0; i < layout.q_len[s]; ++i) {
-      const int64_t row = layout.q_offset[s] + i;
-      ids[row] = batch[s].tokens[layout.q_positions[row] - seqs[s].cached_tokens];
-    }
-  }
+  const std::vector<int32_t>& ids = b.local_ids;
   std::vector<float> x(T * D), h(T * D), q(T * qw), kn(T * kvw), vn(T * kvw), k_all(R * kvw),
       v_all(R * kvw), attn(T * qw), lse(T * hq), proj(T * D), gate(T * I), up(T * I);
   cpu::Embed(ids.data(), T, weights_.embedding.data(), D, x.data());
@@ -240,85 +191,27 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
     if (progress) progress(l);
   }
 
-  // Step 3: logits at the last positions, gathered on world rank 0.
-  CPFILL_ASSIGN_OR_RETURN(std::vector<SequenceOutput> out, GatherLogits(plan, layout, x, &t));
+  // Step 3: logits at the last positions (this TP rank's vocabulary slice), on world rank 0.
+  const int64_t V = c.vocab_size / tp;
+  const auto rows = LastPositionRows(b);
+  std::vector<float> logits(rows.size() * V), normed(D);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    cpu::RmsNorm(&x[rows[i].second * D], weights_.final_norm.data(), 1, D, c.rms_norm_eps,
+                 normed.data(), nullptr);
+    cpu::Linear(normed.data(), 1, D, weights_.lm_head.data(), V, &logits[i * V]);
+  }
+  CPFILL_ASSIGN_OR_RETURN(
+      std::vector<SequenceOutput> out,
+      GatherLastLogits(c, plan.num_sequences(), rows, logits, tp_.rank(), tp, world_));
+  Lap(t0, t.lm_head_s);
 
   // Step 4: the sessions' caches now hold this turn too.
-  const sharding::KvLayout after = plan.KvLayoutAfter();
   for (int s = 0; s < plan.num_sequences(); ++s) {
     if (batch[s].session.empty()) continue;
-    Session& session = pending[s];
-    session.tokens = seqs[s].cached_tokens + seqs[s].new_tokens;
-    session.layout.cp_size = n_cp;
-    session.layout.runs.assign(n_cp, {});
-    for (int rank = 0; rank < n_cp; ++rank) session.layout.runs[rank] = {after.runs[rank][s]};
-    sessions_[batch[s].session] = std::move(session);
+    pending[s].where = SessionAfter(b, s);
+    sessions_[batch[s].session] = std::move(pending[s]);
   }
   t.total_s = Since(t_start);
-  return out;
-}
-
-absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::GatherLogits(
-    const sharding::ShardPlan& plan, const sharding::LocalLayout& layout,
-    const std::vector<float>& x, PrefillTimings* t) {
-  auto t0 = Clock::now();
-  const ModelConfig& c = config_;
-  const int64_t D = c.hidden_size, V = c.vocab_size / tp_.size();
-  // The rows of this rank that are a sequence's last position.
-  std::vector<int32_t> seq_ids;
-  std::vector<float> logits;
-  std::vector<float> normed(D);
-  for (int s = 0; s < plan.num_sequences(); ++s) {
-    const int64_t last = plan.sequences[s].cached_tokens + plan.sequences[s].new_tokens - 1;
-    for (int64_t i = 0; i < layout.q_len[s]; ++i) {
-      const int64_t row = layout.q_offset[s] + i;
-      if (layout.q_positions[row] != last) continue;
-      cpu::RmsNorm(&x[row * D], weights_.final_norm.data(), 1, D, c.rms_norm_eps, normed.data(),
-                   nullptr);
-      logits.resize(logits.size() + V);
-      cpu::Linear(normed.data(), 1, D, weights_.lm_head.data(), V, &logits[logits.size() - V]);
-      seq_ids.push_back(s);
-    }
-  }
-  // Message to world rank 0: [count, tp_rank, seq ids..., logits (count x V)] as 4-byte words.
-  std::vector<uint32_t> msg(2 + seq_ids.size() + logits.size());
-  msg[0] = static_cast<uint32_t>(seq_ids.size());
-  msg[1] = static_cast<uint32_t>(tp_.rank());
-  std::memcpy(&msg[2], seq_ids.data(), seq_ids.size() * 4);
-  std::memcpy(&msg[2 + seq_ids.size()], logits.data(), logits.size() * 4);
-  const int n = world_.size();
-  int64_t my_bytes = static_cast<int64_t>(msg.size() * 4);
-  std::vector<int64_t> all_bytes(n);
-  CPFILL_RETURN_IF_ERROR(world_.AllGather(&my_bytes, sizeof(int64_t), all_bytes.data()));
-  std::vector<size_t> sb(n, 0), so(n, 0), rb(n, 0), ro(n, 0);
-  sb[0] = my_bytes;
-  size_t total = 0;
-  if (world_.rank() == 0) {
-    for (int p = 0; p < n; ++p) {
-      ro[p] = total;
-      rb[p] = all_bytes[p];
-      total += all_bytes[p];
-    }
-  }
-  std::vector<uint32_t> recv(total / 4);
-  CPFILL_RETURN_IF_ERROR(world_.AllToAll(msg.data(), sb, so, recv.data(), rb, ro));
-  std::vector<SequenceOutput> out(plan.num_sequences());
-  if (world_.rank() == 0) {
-    for (auto& o : out) o.logits.assign(c.vocab_size, std::nanf(""));
-    for (int p = 0; p < n; ++p) {
-      const uint32_t* b = recv.data() + ro[p] / 4;
-      const uint32_t count = b[0], slice = b[1];
-      const float* lg = reinterpret_cast<const float*>(b + 2 + count);
-      for (uint32_t i = 0; i < count; ++i) {
-        std::memcpy(&out[b[2 + i]].logits[slice * V], lg + i * V, V * sizeof(float));
-      }
-    }
-    for (auto& o : out) {
-      o.first_token = static_cast<int32_t>(std::max_element(o.logits.begin(), o.logits.end()) -
-                                           o.logits.begin());
-    }
-  }
-  t->lm_head_s += Since(t0);
   return out;
 }
 

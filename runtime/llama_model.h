@@ -30,15 +30,11 @@
 #include "parallel/selector.h"
 #include "runtime/cpu/layers.h"
 #include "runtime/model_config.h"
+#include "runtime/prefill_batch.h"
 #include "runtime/weights.h"
 #include "sharding/plan.h"
 
 namespace cpfill::runtime {
-
-struct PrefillRequest {
-  std::vector<int32_t> tokens;  // this turn's new tokens
-  std::string session;          // "": nothing kept; else continue and keep this session's cache
-};
 
 struct PrefillOptions {
   bool auto_algorithm = true;  // the selector picks per batch; else `algorithm`
@@ -48,11 +44,6 @@ struct PrefillOptions {
   parallel::FittedCoefficients fitted;
   int64_t kv_capacity_tokens = int64_t{1} << 24;  // per rank, token slots of every layer's K/V
   int threads = 1;                                // kernel threads per rank
-};
-
-struct SequenceOutput {
-  std::vector<float> logits;  // [vocab] of the last position (world rank 0 only)
-  int32_t first_token = -1;   // argmax of the logits
 };
 
 struct PrefillTimings {
@@ -87,9 +78,8 @@ class LlamaModel {
   // One session's cache on this rank: where every rank holds its tokens, and this rank's rows
   // of every layer in that order (post-RoPE K, V: [rows, local KV heads, head_dim]).
   struct Session {
-    int64_t tokens = 0;                    // cached tokens of the sequence (all ranks)
-    sharding::KvLayout layout;             // one sequence
-    std::vector<std::vector<float>> k, v;  // [layer]
+    SessionLayout where;                   // cached tokens and the ranks that hold them
+    std::vector<std::vector<float>> k, v;  // [layer]: this rank's rows
   };
 
   LlamaModel(const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,

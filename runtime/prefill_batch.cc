@@ -1,0 +1,150 @@
+#include "runtime/prefill_batch.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace cpfill::runtime {
+
+absl::StatusOr<BatchPlan> PlanBatch(
+    const ModelConfig& config, const std::vector<PrefillRequest>& batch, int cp_size, int cp_rank,
+    const std::function<const SessionLayout*(const std::string&)>& session) {
+  BatchPlan b;
+  sharding::KvLayout cache;
+  cache.cp_size = cp_size;
+  cache.runs.assign(cp_size, {});
+  std::set<std::string> seen;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const PrefillRequest& r = batch[i];
+    CPFILL_CHECK_ARG(!r.tokens.empty(), "request ", i, " has no tokens");
+    for (int32_t id : r.tokens) {
+      CPFILL_CHECK_ARG(id >= 0 && id < config.vocab_size, "request ", i, ": token id ", id,
+                       " is outside the vocabulary [0, ", config.vocab_size, ")");
+    }
+    CPFILL_CHECK_ARG(r.session.empty() || seen.insert(r.session).second, "session '", r.session,
+                     "' appears twice in one batch");
+    const SessionLayout* s = r.session.empty() ? nullptr : session(r.session);
+    const int64_t cached = s ? s->tokens : 0;
+    CPFILL_CHECK_ARG(
+        cached + static_cast<int64_t>(r.tokens.size()) <= config.max_position_embeddings,
+        "request ", i, ": ", cached + r.tokens.size(), " tokens exceed the model's ",
+        config.max_position_embeddings, " positions");
+    b.sequences.push_back(
+        {.new_tokens = static_cast<int64_t>(r.tokens.size()), .cached_tokens = cached});
+    for (int rank = 0; rank < cp_size; ++rank) {
+      cache.runs[rank].push_back(s ? s->layout.runs[rank][0]
+                                   : std::vector<sharding::PositionRun>{});
+    }
+  }
+  CPFILL_ASSIGN_OR_RETURN(b.plan, sharding::PlanPrefill(b.sequences, cp_size, &cache));
+  b.layout = sharding::MakeLocalLayout(b.plan, cp_rank);
+  b.local_ids.resize(b.layout.q_rows());
+  for (int s = 0; s < b.plan.num_sequences(); ++s) {
+    for (int64_t i = 0; i < b.layout.q_len[s]; ++i) {
+      const int64_t row = b.layout.q_offset[s] + i;
+      b.local_ids[row] = batch[s].tokens[b.layout.q_positions[row] - b.sequences[s].cached_tokens];
+    }
+  }
+  return b;
+}
+
+absl::Status CheckKvCapacity(const BatchPlan& b, int64_t held, int64_t capacity, size_t requests,
+                             parallel::Communicator& world) {
+  // A sequence without a session needs its slots during the prefill too.
+  int64_t need = held + b.layout.q_rows();
+  int64_t worst[2] = {need, -need};
+  CPFILL_RETURN_IF_ERROR(
+      world.AllReduce(worst, 2, parallel::DataType::kInt64, parallel::ReduceOp::kMax));
+  // Every rank refuses together, before any work, with the same numbers.
+  if (worst[0] > capacity) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache: the batch needs ", worst[0],
+        " token slots on its fullest CP rank (what the "
+        "rank holds plus its share of the batch's new tokens), but a rank holds at most ",
+        capacity, " (--kv-capacity-tokens); ", requests,
+        " request(s) refused, nothing was changed"));
+  }
+  return absl::OkStatus();
+}
+
+double ModelFlops(const ModelConfig& config, const std::vector<sharding::SequenceRequest>& seqs) {
+  double pairs = 0, tokens = 0;
+  for (const auto& s : seqs) {
+    pairs += double(s.new_tokens) * s.cached_tokens + double(s.new_tokens) * (s.new_tokens + 1) / 2;
+    tokens += s.new_tokens;
+  }
+  return 2.0 * config.ParameterCount() * tokens +
+         4.0 * config.head_dim * config.num_heads * pairs * config.num_layers;
+}
+
+std::vector<std::pair<int, int64_t>> LastPositionRows(const BatchPlan& b) {
+  std::vector<std::pair<int, int64_t>> rows;
+  for (int s = 0; s < b.plan.num_sequences(); ++s) {
+    const int64_t last = b.sequences[s].cached_tokens + b.sequences[s].new_tokens - 1;
+    for (int64_t i = 0; i < b.layout.q_len[s]; ++i) {
+      const int64_t row = b.layout.q_offset[s] + i;
+      if (b.layout.q_positions[row] == last) rows.push_back({s, row});
+    }
+  }
+  return rows;
+}
+
+absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
+    const ModelConfig& config, int num_sequences, const std::vector<std::pair<int, int64_t>>& rows,
+    const std::vector<float>& logits, int tp_rank, int tp_size, parallel::Communicator& world) {
+  const int64_t V = config.vocab_size / tp_size;
+  // Message to world rank 0: [count, tp_rank, seq ids..., logits (count x V)] as 4-byte words.
+  std::vector<uint32_t> msg(2 + rows.size() + logits.size());
+  msg[0] = static_cast<uint32_t>(rows.size());
+  msg[1] = static_cast<uint32_t>(tp_rank);
+  for (size_t i = 0; i < rows.size(); ++i) msg[2 + i] = static_cast<uint32_t>(rows[i].first);
+  std::memcpy(&msg[2 + rows.size()], logits.data(), logits.size() * 4);
+  const int n = world.size();
+  int64_t my_bytes = static_cast<int64_t>(msg.size() * 4);
+  std::vector<int64_t> all_bytes(n);
+  CPFILL_RETURN_IF_ERROR(world.AllGather(&my_bytes, sizeof(int64_t), all_bytes.data()));
+  std::vector<size_t> sb(n, 0), so(n, 0), rb(n, 0), ro(n, 0);
+  sb[0] = my_bytes;
+  size_t total = 0;
+  if (world.rank() == 0) {
+    for (int p = 0; p < n; ++p) {
+      ro[p] = total;
+      rb[p] = all_bytes[p];
+      total += all_bytes[p];
+    }
+  }
+  std::vector<uint32_t> recv(total / 4);
+  CPFILL_RETURN_IF_ERROR(world.AllToAll(msg.data(), sb, so, recv.data(), rb, ro));
+  std::vector<SequenceOutput> out(num_sequences);
+  if (world.rank() != 0) return out;
+  for (auto& o : out) o.logits.assign(config.vocab_size, std::nanf(""));
+  for (int p = 0; p < n; ++p) {
+    const uint32_t* b = recv.data() + ro[p] / 4;
+    const uint32_t count = b[0], slice = b[1];
+    const float* lg = reinterpret_cast<const float*>(b + 2 + count);
+    for (uint32_t i = 0; i < count; ++i) {
+      std::memcpy(&out[b[2 + i]].logits[slice * V], lg + i * V, V * sizeof(float));
+    }
+  }
+  for (auto& o : out) {
+    o.first_token =
+        static_cast<int32_t>(std::max_element(o.logits.begin(), o.logits.end()) - o.logits.begin());
+  }
+  return out;
+}
+
+SessionLayout SessionAfter(const BatchPlan& b, int seq) {
+  const sharding::KvLayout after = b.plan.KvLayoutAfter();
+  SessionLayout s;
+  s.tokens = b.sequences[seq].cached_tokens + b.sequences[seq].new_tokens;
+  s.layout.cp_size = b.plan.cp_size;
+  s.layout.runs.assign(b.plan.cp_size, {});
+  for (int rank = 0; rank < b.plan.cp_size; ++rank) s.layout.runs[rank] = {after.runs[rank][seq]};
+  return s;
+}
+
+}  // namespace cpfill::runtime
