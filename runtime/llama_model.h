@@ -55,7 +55,17 @@ struct PrefillTimings {
   double model_flops = 0;  // 2 * params * tokens + causal attention FLOPs (whole batch)
 };
 
-class LlamaModel {
+// A model that prefills batches: the CPU model here, the CUDA one in cuda/llama_model_cuda.h.
+class PrefillModel {
+ public:
+  virtual ~PrefillModel() = default;
+  virtual absl::StatusOr<std::vector<SequenceOutput>> Prefill(
+      const std::vector<PrefillRequest>& batch, PrefillTimings* timings,
+      const std::function<void(int)>& progress) = 0;
+  virtual int64_t kv_tokens_held() const = 0;
+};
+
+class LlamaModel : public PrefillModel {
  public:
   // `tp`, `cp` and `world` are this rank's groups (SelfCommunicators for a single rank).
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Create(
@@ -65,12 +75,12 @@ class LlamaModel {
   // Collective over the world. InvalidArgument for token ids outside the vocabulary or
   // malformed requests; ResourceExhausted (on every rank, before any work) when the batch does
   // not fit the KV capacity of some rank. `progress(layer)` runs after each layer.
-  absl::StatusOr<std::vector<SequenceOutput>> Prefill(const std::vector<PrefillRequest>& batch,
-                                                      PrefillTimings* timings,
-                                                      const std::function<void(int)>& progress);
+  absl::StatusOr<std::vector<SequenceOutput>> Prefill(
+      const std::vector<PrefillRequest>& batch, PrefillTimings* timings,
+      const std::function<void(int)>& progress) override;
 
   // Token slots this rank's KV cache holds (all sessions), and its capacity.
-  int64_t kv_tokens_held() const;
+  int64_t kv_tokens_held() const override;
   int64_t kv_capacity_tokens() const { return options_.kv_capacity_tokens; }
   const ModelConfig& config() const { return config_; }
 

@@ -143,6 +143,9 @@ cuda_backend_check)
     expect_exit 0 'check: .*PASS' -- mpi 1 "$cpfill" attention --backend cuda --algo $algo \
       --seq-lens 1031,257,1 --cached-lens 0,300,5 --heads 16 --kv-heads 1 --head-dim 128 --check
   done
+  # The whole model on the GPU (bf16, cuBLASLt) against the fp32 CPU model.
+  expect_exit 0 'check: .*PASS' -- mpi 1 "$cpfill" prefill --backend cuda --model tiny \
+    --prompt-lens 700,33,1 --check
   ;;
 multigpu_device_ring)
   # The device ring over NCCL on 2 and (where there are 4) 4 GPUs: every algorithm, full and
@@ -157,6 +160,11 @@ multigpu_device_ring)
         --seq-lens 301,17,5 --cached-lens 9000,33,0 --heads 32 --kv-heads 8 --head-dim 128 --check
     done
   done
+  # The whole model: CP2, and TP2 (NCCL all-reduce) on two GPUs.
+  expect_exit 0 'check: .*PASS' -- mpi 2 "$cpfill" prefill --backend cuda --model tiny \
+    --prompt-lens 1500,77 --check
+  expect_exit 0 'check: .*PASS' -- mpi 2 "$cpfill" prefill --backend cuda --model tiny --tp 2 \
+    --prompt-lens 1500,77 --algo pass-q --check
   if [ "$gpus" -ge 4 ]; then
     expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" attention --backend cuda --tp 2 \
       --ranks-per-node 2 --seq-lens 8000,300 --cached-lens 0,5000 --heads 16 --kv-heads 2 \

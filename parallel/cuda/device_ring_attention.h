@@ -20,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,6 +38,15 @@ class DeviceBuffer {
   ~DeviceBuffer();
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : data_(o.data_), capacity_(o.capacity_) {
+    o.data_ = nullptr;
+    o.capacity_ = 0;
+  }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(capacity_, o.capacity_);
+    return *this;
+  }
   absl::Status Reserve(size_t bytes);
   template <typename T>
   T* As(size_t offset_bytes = 0) const {

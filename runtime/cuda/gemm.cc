@@ -1,0 +1,85 @@
+#include "runtime/cuda/gemm.h"
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace cpfill::runtime::cuda {
+namespace {
+
+#define CPFILL_CUBLAS_CHECK(call)                                                            \
+  do {                                                                                       \
+    const cublasStatus_t cpfill_cublas_rc_ = (call);                                         \
+    if (cpfill_cublas_rc_ != CUBLAS_STATUS_SUCCESS)                                          \
+      return absl::InternalError(absl::StrCat("cuBLASLt call ", #call, " failed with status ", \
+                                              static_cast<int>(cpfill_cublas_rc_), " (",     \
+                                              __FILE__, ":", __LINE__, ")"));                \
+  } while (0)
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+}  // namespace
+
+Gemm::~Gemm() {
+  for (auto& [key, p] : plans_) {
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.c);
+    cublasLtMatmulDescDestroy(p.desc);
+  }
+  cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+absl::Status Gemm::Init(cudaStream_t stream) {
+  stream_ = stream;
+  CPFILL_CUBLAS_CHECK(cublasLtCreate(&handle_));
+  CPFILL_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+  workspace_bytes_ = kWorkspaceBytes;
+  return absl::OkStatus();
+}
+
+absl::Status Gemm::Linear(const __nv_bfloat16* x, int64_t tokens, int64_t in,
+                          const __nv_bfloat16* w, int64_t out, void* y, OutType out_type) {
+  if (tokens == 0 || out == 0) return absl::OkStatus();
+  // Row-major y [T, out] = x [T, in] w^T is, column-major, y^T [out, T] = W [out, in] x^T: A is
+  // w stored [in, out] column-major, transposed; B is x stored [in, T] column-major.
+  const auto key = std::make_tuple(tokens, in, out, static_cast<int>(out_type));
+  auto it = plans_.find(key);
+  if (it == plans_.end()) {
+    Plan p;
+    const cudaDataType_t c_type = out_type == OutType::kFloat32 ? CUDA_R_32F : CUDA_R_16BF;
+    CPFILL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
+    CPFILL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA,
+                                                       &transa, sizeof(transa)));
+    CPFILL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB,
+                                                       &transb, sizeof(transb)));
+    CPFILL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, in, out, in));
+    CPFILL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, in, tokens, in));
+    CPFILL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_type, out, tokens, out));
+    cublasLtMatmulPreference_t pref;
+    CPFILL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CPFILL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
+        sizeof(workspace_bytes_)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c,
+                                                             pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    CPFILL_CUBLAS_CHECK(st);
+    if (found == 0) {
+      return absl::InternalError(absl::StrCat("cuBLASLt has no algorithm for ", tokens, "x", in,
+                                              " * ", out, "x", in, "^T"));
+    }
+    p.algo = result.algo;
+    it = plans_.emplace(key, p).first;
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  const Plan& p = it->second;
+  CPFILL_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, w, p.a, x, p.b, &beta, y, p.c, y,
+                                     p.c, &p.algo, workspace_, workspace_bytes_, stream_));
+  return absl::OkStatus();
+}
+
+}  // namespace cpfill::runtime::cuda
