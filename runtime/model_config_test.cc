@@ -270,7 +270,7 @@ TEST(ModelConfig, ParameterCountsMatchPublishedSizes) {
   // tiny, term by term.
   absl::StatusOr<ModelConfig> tiny = LoadModelConfig("tiny");
   ASSERT_TRUE(tiny.ok());
-  const int64_t d = 256, q = 8 * 32, kv = 4 * 32, inter = 688, vocab = 1024;
+  const int64_t d = 512, q = 8 * 64, kv = 4 * 64, inter = 1376, vocab = 1024;
   const int64_t layer = q * d + 2 * kv * d + d * q + 3 * d * inter + 2 * d;
   EXPECT_EQ(tiny->ParameterCount(), 2 * vocab * d + 4 * layer + d);
   ModelConfig tied = *tiny;
