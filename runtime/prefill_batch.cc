@@ -72,12 +72,18 @@ absl::Status CheckKvCapacity(const BatchPlan& b, int64_t held, int64_t capacity,
 }
 
 double ModelFlops(const ModelConfig& config, const std::vector<sharding::SequenceRequest>& seqs) {
+  // The matmuls actually done: every layer's linear weights for every new token, the LM head for
+  // each sequence's last position only (the embedding is a lookup), and causal attention.
+  const double d = config.hidden_size, q = double(config.num_heads) * config.head_dim,
+               kv = double(config.num_kv_heads) * config.head_dim;
+  const double layer_weights = d * q * 2 + d * kv * 2 + 3.0 * d * config.intermediate_size;
   double pairs = 0, tokens = 0;
   for (const auto& s : seqs) {
     pairs += double(s.new_tokens) * s.cached_tokens + double(s.new_tokens) * (s.new_tokens + 1) / 2;
     tokens += s.new_tokens;
   }
-  return 2.0 * config.ParameterCount() * tokens +
+  return 2.0 * layer_weights * config.num_layers * tokens +
+         2.0 * d * config.vocab_size * double(seqs.size()) +
          4.0 * config.head_dim * config.num_heads * pairs * config.num_layers;
 }
 

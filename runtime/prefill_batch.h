@@ -52,7 +52,8 @@ absl::StatusOr<BatchPlan> PlanBatch(
 absl::Status CheckKvCapacity(const BatchPlan& b, int64_t held, int64_t capacity, size_t requests,
                              parallel::Communicator& world);
 
-// Attention FLOPs (causal, per layer summed over layers) plus 2 x parameters x new tokens.
+// The model FLOPs of a batch: 2 x every layer's linear weights x new tokens, the LM head at each
+// sequence's last position, and causal attention (unmasked pairs only) in every layer.
 double ModelFlops(const ModelConfig& config, const std::vector<sharding::SequenceRequest>& seqs);
 
 // Local query rows that are some sequence's last position: (sequence, row) pairs.
