@@ -21,6 +21,7 @@
 #include "launch/backend.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
+#include "launch/selector_flags.h"
 #include "launch/session.h"
 #include "parallel/gather_outputs.h"
 #include "parallel/ring_attention.h"
@@ -40,12 +41,7 @@ struct AttentionFlags {
   int heads = 16;
   int kv_heads = 1;
   int head_dim = 128;
-  std::string algo = "auto";
-  std::string rule = "";  // default: fitted with --fit, else alg5
-  std::string fit_file;
-  double tflops = 800;
-  double gbps = 50;
-  double elem_bytes = 2;
+  SelectorFlags selector;
   bool check = false;
   double tolerance = 1e-4;
   std::string save_file;
@@ -176,14 +172,7 @@ int Run(int argc, char** argv) {
   flags.Int("heads", &f.heads, "query heads of the model (all TP ranks together)");
   flags.Int("kv-heads", &f.kv_heads, "key/value heads of the model");
   flags.Int("head-dim", &f.head_dim, "head dimension");
-  flags.String("algo", &f.algo, "auto | pass-kv | pass-q | all-gather");
-  flags.String("rule", &f.rule,
-               "selector rule for --algo auto: alg1 | alg5 | fitted "
-               "[fitted with --fit, else alg5]");
-  flags.String("fit", &f.fit_file, "calibration JSON from 'cpfill calibrate' (a, b, c; C, BW)");
-  flags.Double("tflops", &f.tflops, "selector: attention compute per rank C, TFLOP/s");
-  flags.Double("gbps", &f.gbps, "selector: ring bandwidth per rank BW, GB/s (bytes)");
-  flags.Double("elem-bytes", &f.elem_bytes, "selector: bytes per element e");
+  AddSelectorFlags(flags, &f.selector);
   flags.Bool("check", &f.check, "compare with a single-rank computation; exit 1 above --tolerance");
   flags.Double("tolerance", &f.tolerance, "max abs error of O and LSE that --check accepts");
   flags.String("save", &f.save_file,
@@ -209,9 +198,12 @@ int Run(int argc, char** argv) {
   if (!backend_or.ok()) return session->Refuse(backend_or.status());
   Backend& backend = **backend_or;
   if (backend.bf16() && !flags.IsSet("tolerance")) f.tolerance = 2e-2;  // bf16 inputs and P
-  auto algo_or = f.algo == "auto" ? absl::StatusOr<RingAlgorithm>(RingAlgorithm::kPassKV)
-                                  : parallel::ParseRingAlgorithm(f.algo);
-  if (!algo_or.ok()) return session->ConfigError(algo_or.status());
+  auto choice_or = ResolveSelector(f.selector, flags);
+  if (!choice_or.ok()) return session->Refuse(choice_or.status());
+  const SelectorChoice& choice = *choice_or;
+  const parallel::SystemSpec& system = choice.system;
+  const parallel::FittedCoefficients& fitted = choice.fitted;
+  const parallel::SelectorRule rule = choice.rule;
 
   std::vector<sharding::SequenceRequest> requests;
   for (size_t i = 0; i < f.seq_lens.size(); ++i) {
@@ -223,18 +215,6 @@ int Run(int argc, char** argv) {
   const sharding::ShardPlan& plan = *plan_or;
 
   // Selector: the decision is logged for every batch, also when --algo forces a choice.
-  parallel::FittedCoefficients fitted = parallel::FittedCoefficients::Paper();
-  parallel::SystemSpec system{.tflops = f.tflops, .gbps = f.gbps, .elem_bytes = f.elem_bytes};
-  if (!f.fit_file.empty()) {
-    auto cal = parallel::ReadCalibrationFile(f.fit_file);
-    if (!cal.ok()) return session->ConfigError(cal.status());
-    fitted = cal->fitted;
-    if (!flags.IsSet("tflops") && cal->tflops > 0) system.tflops = cal->tflops;
-    if (!flags.IsSet("gbps") && cal->gbps > 0) system.gbps = cal->gbps;
-  }
-  std::string rule_name = f.rule.empty() ? (f.fit_file.empty() ? "alg5" : "fitted") : f.rule;
-  auto rule_or = parallel::ParseSelectorRule(rule_name);
-  if (!rule_or.ok()) return session->ConfigError(rule_or.status());
   const parallel::ModelSpec model{.num_heads = f.heads / grid.tp_size,
                                   .num_kv_heads = f.kv_heads / grid.tp_size,
                                   .head_dim = f.head_dim};
@@ -245,10 +225,10 @@ int Run(int argc, char** argv) {
                                         .cp_size = grid.cp_size,
                                         .new_tokens = std::max<int64_t>(total_new, 1),
                                         .cached_tokens = total_cached},
-                                       *rule_or, fitted);
+                                       rule, fitted);
   if (!selection_or.ok()) return session->ConfigError(selection_or.status());
   const parallel::Selection& selection = *selection_or;
-  const RingAlgorithm algo = f.algo == "auto" ? selection.choice : *algo_or;
+  const RingAlgorithm algo = choice.auto_algorithm ? selection.choice : choice.algorithm;
 
   // ---- report the set-up ----------------------------------------------------------------
   session->Print(
@@ -261,8 +241,8 @@ int Run(int argc, char** argv) {
                  backend.Description(), threads);
   session->Print("plan: 2N = %d chunks per sequence; padding %d new-token and %d KV slots\n",
                  2 * grid.cp_size, plan.NewTokenPadding(), plan.KvPadding());
-  session->Print("selector (%s%s): %s\n", parallel::SelectorRuleName(*rule_or),
-                 *rule_or == parallel::SelectorRule::kFitted ? ", " + selection.fitted.source : "",
+  session->Print("selector (%s%s): %s\n", parallel::SelectorRuleName(rule),
+                 rule == parallel::SelectorRule::kFitted ? ", " + selection.fitted.source : "",
                  selection.reason);
   session->Print(
       "  predicted per layer: pass-kv %s ms, pass-q %s ms (C = %g TFLOP/s, BW = %g "
@@ -276,7 +256,7 @@ int Run(int argc, char** argv) {
                                    .cp_size = grid.cp_size,
                                    .new_tokens = std::max<int64_t>(requests[s].new_tokens, 1),
                                    .cached_tokens = requests[s].cached_tokens},
-                                  *rule_or, fitted);
+                                  rule, fitted);
       if (one.ok()) {
         session->Print("  sequence %d alone (T=%d, P=%d): %s\n", s, requests[s].new_tokens,
                        requests[s].cached_tokens, parallel::RingAlgorithmName(one->choice));
@@ -284,7 +264,7 @@ int Run(int argc, char** argv) {
     }
   }
   session->Print("algorithm: %s (%s)\n", parallel::RingAlgorithmName(algo),
-                 f.algo == "auto" ? "chosen by the selector" : "forced by --algo");
+                 choice.auto_algorithm ? "chosen by the selector" : "forced by --algo");
 
   // ---- run ------------------------------------------------------------------------------
   const runtime::SyntheticAttention batch{.sequences = requests,
@@ -460,7 +440,7 @@ int Run(int argc, char** argv) {
         .Set("threads_per_rank", threads)
         .Set("backend", backend.name())
         .Set("algorithm", std::string(parallel::RingAlgorithmName(algo)))
-        .Set("algorithm_source", f.algo == "auto" ? "selector" : "--algo")
+        .Set("algorithm_source", choice.auto_algorithm ? "selector" : "--algo")
         .Set("selection", sel_json.ok() ? *sel_json : json::Value())
         .Set("padding_new_slots", plan.NewTokenPadding())
         .Set("padding_kv_slots", plan.KvPadding());

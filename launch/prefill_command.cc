@@ -2,9 +2,9 @@
 // reporting the first token of every sequence and the time to first token with its breakdown;
 // --check compares with a one-rank run of the same model.
 #include <algorithm>
-#include <functional>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -16,13 +16,14 @@
 #include "base/status.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
+#include "launch/selector_flags.h"
 #include "launch/session.h"
+#include "parallel/cuda/staged_attention_kernels.h"
 #include "parallel/self_communicator.h"
 #include "runtime/llama_model.h"
 #include "runtime/model_config.h"
 #include "runtime/safetensors.h"
 #include "runtime/weights.h"
-#include "parallel/cuda/staged_attention_kernels.h"
 #if CPFILL_HAVE_CUDA
 #include "parallel/cuda/nccl_communicator.h"
 #include "runtime/cuda/llama_model_cuda.h"
@@ -36,9 +37,7 @@ struct PrefillFlags {
   std::vector<int64_t> prompt_lens;
   std::string tokens_file;
   int layers = 0;
-  std::string algo = "auto";
-  std::string rule = "alg5";
-  double tflops = 800, gbps = 50;
+  SelectorFlags selector;
   bool check = false;
   double tolerance = 1e-3;
   std::string json_file;
@@ -109,10 +108,7 @@ int Run(int argc, char** argv) {
                "a JSON list of lists of token ids (instead of "
                "--prompt-lens)");
   flags.Int("layers", &f.layers, "run only the first K layers (0: all)");
-  flags.String("algo", &f.algo, "auto | pass-kv | pass-q | all-gather");
-  flags.String("rule", &f.rule, "selector rule for --algo auto: alg1 | alg5 | fitted");
-  flags.Double("tflops", &f.tflops, "selector: attention compute per rank C, TFLOP/s");
-  flags.Double("gbps", &f.gbps, "selector: ring bandwidth per rank BW, GB/s");
+  AddSelectorFlags(flags, &f.selector);
   flags.Bool("check", &f.check,
              "compare last-position logits and first tokens with a one-rank run");
   flags.Double("tolerance", &f.tolerance, "max abs logit difference --check accepts");
@@ -139,8 +135,8 @@ int Run(int argc, char** argv) {
   // Every rank must see a GPU for the CUDA model; agreed before anything else starts.
   {
     int32_t have = parallel::CudaBackendAvailable() ? 1 : 0;
-    if (absl::Status s = grid.world->AllReduce(&have, 1, parallel::DataType::kInt32,
-                                               parallel::ReduceOp::kMin);
+    if (absl::Status s =
+            grid.world->AllReduce(&have, 1, parallel::DataType::kInt32, parallel::ReduceOp::kMin);
         !s.ok()) {
       session->Fail(s);
     }
@@ -186,17 +182,14 @@ int Run(int argc, char** argv) {
     }
     batch = SyntheticPrompts(f.prompt_lens, config.vocab_size, static_cast<uint64_t>(f.seed));
   }
+  auto choice = ResolveSelector(f.selector, flags);
+  if (!choice.ok()) return session->Refuse(choice.status());
   runtime::PrefillOptions options;
-  options.auto_algorithm = f.algo == "auto";
-  if (!options.auto_algorithm) {
-    auto algo = parallel::ParseRingAlgorithm(f.algo);
-    if (!algo.ok()) return session->ConfigError(algo.status());
-    options.algorithm = *algo;
-  }
-  auto rule = parallel::ParseSelectorRule(f.rule);
-  if (!rule.ok()) return session->ConfigError(rule.status());
-  options.rule = *rule;
-  options.system = {.tflops = f.tflops, .gbps = f.gbps, .elem_bytes = 2};
+  options.auto_algorithm = choice->auto_algorithm;
+  options.algorithm = choice->algorithm;
+  options.rule = choice->rule;
+  options.system = choice->system;
+  options.fitted = choice->fitted;
   options.kv_capacity_tokens = f.kv_capacity_tokens;
   options.threads = session->ThreadsPerRank(grid);
 
@@ -256,8 +249,8 @@ int Run(int argc, char** argv) {
   absl::StatusOr<std::vector<runtime::SequenceOutput>> out;
   std::vector<double> times;
   for (int r = (f.repeat > 1 ? -1 : 0); r < f.repeat; ++r) {
-    out = model->Prefill(batch, &t,
-                         r == f.repeat - 1 ? std::function<void(int)>(progress) : nullptr);
+    out =
+        model->Prefill(batch, &t, r == f.repeat - 1 ? std::function<void(int)>(progress) : nullptr);
     if (!out.ok()) return session->Refuse(out.status());
     double slowest_run = t.total_s;
     if (absl::Status s = grid.world->AllReduce(&slowest_run, 1, parallel::DataType::kFloat64,

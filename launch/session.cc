@@ -85,7 +85,7 @@ int Session::ConfigError(const absl::Status& status) {
 
 int Session::Refuse(const absl::Status& status) {
   if (absl::IsInvalidArgument(status) || absl::IsFailedPrecondition(status) ||
-      absl::IsResourceExhausted(status)) {
+      absl::IsResourceExhausted(status) || absl::IsNotFound(status)) {
     return ConfigError(status);
   }
   Fail(status);

@@ -69,9 +69,10 @@ class Session {
   int ConfigError(const absl::Status& status);
   // A runtime failure: this rank prints it and the job ends on every rank.
   [[noreturn]] void Fail(const absl::Status& status);
-  // Sorts a failed step by who can have seen it: InvalidArgument, FailedPrecondition and
-  // ResourceExhausted (the KV capacity check is agreed by all-reduce) come from checks every
-  // rank makes alike (ConfigError, returns kExitBadInput); anything else is Fail (no return).
+  // Sorts a failed step by who can have seen it: InvalidArgument, FailedPrecondition,
+  // NotFound (a missing input file) and ResourceExhausted (the KV capacity check is agreed by
+  // all-reduce) come from checks every rank makes alike (ConfigError, returns kExitBadInput);
+  // anything else is Fail (no return).
   int Refuse(const absl::Status& status);
 
   // printf on world rank 0 only, flushed (progress must show while work runs).

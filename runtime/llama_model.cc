@@ -92,21 +92,10 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
       CheckKvCapacity(b, kv_tokens_held(), options_.kv_capacity_tokens, batch.size(), world_));
   const sharding::ShardPlan& plan = b.plan;
   const sharding::LocalLayout& layout = b.layout;
-  const std::vector<sharding::SequenceRequest>& seqs = b.sequences;
   const int64_t T = layout.q_rows(), R = layout.kv_rows();
 
   // The selector's choice for the whole batch (every rank computes the same).
-  for (const auto& s : seqs) t.new_tokens += s.new_tokens, t.cached_tokens += s.cached_tokens;
-  CPFILL_ASSIGN_OR_RETURN(
-      t.selection,
-      parallel::Select({.system = options_.system,
-                        .model = {.num_heads = hq, .num_kv_heads = hkv, .head_dim = hd},
-                        .cp_size = n_cp,
-                        .new_tokens = t.new_tokens,
-                        .cached_tokens = t.cached_tokens},
-                       options_.rule, options_.fitted));
-  t.algorithm = options_.auto_algorithm ? t.selection.choice : options_.algorithm;
-  t.model_flops = ModelFlops(c, seqs);
+  CPFILL_RETURN_IF_ERROR(ChooseAlgorithm(options_, c, tp_.size(), n_cp, b, &t));
 
   const attention::AttentionShape shape{.num_heads = hq,
                                         .num_kv_heads = hkv,

@@ -36,25 +36,6 @@
 
 namespace cpfill::runtime {
 
-struct PrefillOptions {
-  bool auto_algorithm = true;  // the selector picks per batch; else `algorithm`
-  parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
-  parallel::SelectorRule rule = parallel::SelectorRule::kAlg5;
-  parallel::SystemSpec system{.tflops = 800, .gbps = 50, .elem_bytes = 2};
-  parallel::FittedCoefficients fitted;
-  int64_t kv_capacity_tokens = int64_t{1} << 24;  // per rank, token slots of every layer's K/V
-  int threads = 1;                                // kernel threads per rank
-};
-
-struct PrefillTimings {
-  double total_s = 0, embed_s = 0, gemm_s = 0, attention_s = 0, allreduce_s = 0, lm_head_s = 0;
-  double other_s = 0;             // norms, RoPE, SwiGLU, KV cache copies
-  parallel::Selection selection;  // the selector's decision for the batch
-  parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
-  int64_t new_tokens = 0, cached_tokens = 0;
-  double model_flops = 0;  // 2 * params * tokens + causal attention FLOPs (whole batch)
-};
-
 // A model that prefills batches: the CPU model here, the CUDA one in cuda/llama_model_cuda.h.
 class PrefillModel {
  public:

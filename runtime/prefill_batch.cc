@@ -143,6 +143,26 @@ absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
   return out;
 }
 
+absl::Status ChooseAlgorithm(const PrefillOptions& options, const ModelConfig& config, int tp_size,
+                             int cp_size, const BatchPlan& b, PrefillTimings* t) {
+  for (const auto& s : b.sequences) {
+    t->new_tokens += s.new_tokens;
+    t->cached_tokens += s.cached_tokens;
+  }
+  CPFILL_ASSIGN_OR_RETURN(t->selection,
+                          parallel::Select({.system = options.system,
+                                            .model = {.num_heads = config.num_heads / tp_size,
+                                                      .num_kv_heads = config.num_kv_heads / tp_size,
+                                                      .head_dim = config.head_dim},
+                                            .cp_size = cp_size,
+                                            .new_tokens = t->new_tokens,
+                                            .cached_tokens = t->cached_tokens},
+                                           options.rule, options.fitted));
+  t->algorithm = options.auto_algorithm ? t->selection.choice : options.algorithm;
+  t->model_flops = ModelFlops(config, b.sequences);
+  return absl::OkStatus();
+}
+
 SessionLayout SessionAfter(const BatchPlan& b, int seq) {
   const sharding::KvLayout after = b.plan.KvLayoutAfter();
   SessionLayout s;

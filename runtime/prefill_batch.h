@@ -28,6 +28,25 @@ struct SequenceOutput {
   int32_t first_token = -1;   // argmax of the logits
 };
 
+struct PrefillOptions {
+  bool auto_algorithm = true;  // the selector picks per batch; else `algorithm`
+  parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
+  parallel::SelectorRule rule = parallel::SelectorRule::kAlg5;
+  parallel::SystemSpec system{.tflops = 800, .gbps = 50, .elem_bytes = 2};
+  parallel::FittedCoefficients fitted;
+  int64_t kv_capacity_tokens = int64_t{1} << 24;  // per rank, token slots of every layer's K/V
+  int threads = 1;                                // kernel threads per rank
+};
+
+struct PrefillTimings {
+  double total_s = 0, embed_s = 0, gemm_s = 0, attention_s = 0, allreduce_s = 0, lm_head_s = 0;
+  double other_s = 0;             // norms, RoPE, SwiGLU, KV cache copies
+  parallel::Selection selection;  // the selector's decision for the batch
+  parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
+  int64_t new_tokens = 0, cached_tokens = 0;
+  double model_flops = 0;  // 2 * params * tokens + causal attention FLOPs (whole batch)
+};
+
 // A session's cache as far as planning needs it: how many tokens, and where they live.
 struct SessionLayout {
   int64_t tokens = 0;
@@ -64,6 +83,11 @@ std::vector<std::pair<int, int64_t>> LastPositionRows(const BatchPlan& b);
 absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
     const ModelConfig& config, int num_sequences, const std::vector<std::pair<int, int64_t>>& rows,
     const std::vector<float>& logits, int tp_rank, int tp_size, parallel::Communicator& world);
+
+// Fills `t`'s token totals, the selector's decision for the batch (on this rank's heads) and the
+// algorithm to run (the selector's, or the one `options` forces), and the model FLOPs.
+absl::Status ChooseAlgorithm(const PrefillOptions& options, const ModelConfig& config, int tp_size,
+                             int cp_size, const BatchPlan& b, PrefillTimings* t);
 
 // The layout a session has after this batch: its runs in the plan's KvLayoutAfter.
 SessionLayout SessionAfter(const BatchPlan& b, int seq);

@@ -6,13 +6,13 @@
 namespace cpfill::runtime::cuda {
 namespace {
 
-#define CPFILL_CUBLAS_CHECK(call)                                                            \
-  do {                                                                                       \
-    const cublasStatus_t cpfill_cublas_rc_ = (call);                                         \
-    if (cpfill_cublas_rc_ != CUBLAS_STATUS_SUCCESS)                                          \
-      return absl::InternalError(absl::StrCat("cuBLASLt call ", #call, " failed with status ", \
-                                              static_cast<int>(cpfill_cublas_rc_), " (",     \
-                                              __FILE__, ":", __LINE__, ")"));                \
+#define CPFILL_CUBLAS_CHECK(call)                                                                  \
+  do {                                                                                             \
+    const cublasStatus_t cpfill_cublas_rc_ = (call);                                               \
+    if (cpfill_cublas_rc_ != CUBLAS_STATUS_SUCCESS)                                                \
+      return absl::InternalError(absl::StrCat("cuBLASLt call ", #call, " failed with status ",     \
+                                              static_cast<int>(cpfill_cublas_rc_), " (", __FILE__, \
+                                              ":", __LINE__, ")"));                                \
   } while (0)
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
@@ -50,18 +50,18 @@ absl::Status Gemm::Linear(const __nv_bfloat16* x, int64_t tokens, int64_t in,
     const cudaDataType_t c_type = out_type == OutType::kFloat32 ? CUDA_R_32F : CUDA_R_16BF;
     CPFILL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
-    CPFILL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA,
-                                                       &transa, sizeof(transa)));
-    CPFILL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB,
-                                                       &transb, sizeof(transb)));
+    CPFILL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transa,
+                                                       sizeof(transa)));
+    CPFILL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &transb,
+                                                       sizeof(transb)));
     CPFILL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, in, out, in));
     CPFILL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, in, tokens, in));
     CPFILL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_type, out, tokens, out));
     cublasLtMatmulPreference_t pref;
     CPFILL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    CPFILL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
-        sizeof(workspace_bytes_)));
+    CPFILL_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &workspace_bytes_, sizeof(workspace_bytes_)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c,
@@ -77,8 +77,8 @@ absl::Status Gemm::Linear(const __nv_bfloat16* x, int64_t tokens, int64_t in,
   }
   const float alpha = 1.0f, beta = 0.0f;
   const Plan& p = it->second;
-  CPFILL_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, w, p.a, x, p.b, &beta, y, p.c, y,
-                                     p.c, &p.algo, workspace_, workspace_bytes_, stream_));
+  CPFILL_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, w, p.a, x, p.b, &beta, y, p.c, y, p.c,
+                                     &p.algo, workspace_, workspace_bytes_, stream_));
   return absl::OkStatus();
 }
 

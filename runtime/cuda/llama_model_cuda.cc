@@ -33,18 +33,23 @@ absl::StatusOr<std::unique_ptr<LlamaModelCuda>> LlamaModelCuda::Create(
   CPFILL_CHECK_ARG(weights.tp_size == nccl.tp->size() && weights.tp_rank == nccl.tp->rank(),
                    "weights are TP slice ", weights.tp_rank, " of ", weights.tp_size,
                    ", this rank is TP rank ", nccl.tp->rank(), " of ", nccl.tp->size());
-  CPFILL_CHECK_ARG(attention::cuda::SupportedHeadDim(config.head_dim), "head_dim ",
-                   config.head_dim, " has no CUDA attention kernel (64, 128)");
+  CPFILL_CHECK_ARG(attention::cuda::SupportedHeadDim(config.head_dim), "head_dim ", config.head_dim,
+                   " has no CUDA attention kernel (64, 128)");
   std::unique_ptr<LlamaModelCuda> m(new LlamaModelCuda(config, nccl, world, options));
   CPFILL_RETURN_IF_ERROR(m->gemm_.Init(nccl.compute.get()));
   m->layers_.resize(config.num_layers);
   for (int l = 0; l < config.num_layers; ++l) {
     const LayerWeights& w = weights.layers[l];
     LayerDevice& d = m->layers_[l];
-    for (auto [dst, src] : {std::pair{&d.input_norm, &w.input_norm}, {&d.wq, &w.wq},
-                            {&d.wk, &w.wk}, {&d.wv, &w.wv}, {&d.wo, &w.wo},
-                            {&d.post_norm, &w.post_norm}, {&d.w_gate, &w.w_gate},
-                            {&d.w_up, &w.w_up}, {&d.w_down, &w.w_down}}) {
+    for (auto [dst, src] : {std::pair{&d.input_norm, &w.input_norm},
+                            {&d.wq, &w.wq},
+                            {&d.wk, &w.wk},
+                            {&d.wv, &w.wv},
+                            {&d.wo, &w.wo},
+                            {&d.post_norm, &w.post_norm},
+                            {&d.w_gate, &w.w_gate},
+                            {&d.w_up, &w.w_up},
+                            {&d.w_down, &w.w_down}}) {
       CPFILL_RETURN_IF_ERROR(m->Upload(*dst, *src));
     }
   }
@@ -97,29 +102,19 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
         auto it = sessions_.find(name);
         return it == sessions_.end() ? nullptr : &it->second.where;
       }));
-  CPFILL_RETURN_IF_ERROR(CheckKvCapacity(b, kv_tokens_held(), options_.kv_capacity_tokens,
-                                         batch.size(), world_));
+  CPFILL_RETURN_IF_ERROR(
+      CheckKvCapacity(b, kv_tokens_held(), options_.kv_capacity_tokens, batch.size(), world_));
   const sharding::LocalLayout& layout = b.layout;
   const int64_t T = layout.q_rows(), R = layout.kv_rows();
-  for (const auto& s : b.sequences) {
-    t.new_tokens += s.new_tokens;
-    t.cached_tokens += s.cached_tokens;
-  }
-  CPFILL_ASSIGN_OR_RETURN(
-      t.selection,
-      parallel::Select({.system = options_.system,
-                        .model = {.num_heads = hq, .num_kv_heads = hkv, .head_dim = hd},
-                        .cp_size = n_cp,
-                        .new_tokens = t.new_tokens,
-                        .cached_tokens = t.cached_tokens},
-                       options_.rule, options_.fitted));
-  t.algorithm = options_.auto_algorithm ? t.selection.choice : options_.algorithm;
-  t.model_flops = ModelFlops(c, b.sequences);
-  const attention::AttentionShape shape{.num_heads = hq, .num_kv_heads = hkv, .head_dim = hd,
+  // The selector's choice for the whole batch (every rank computes the same).
+  CPFILL_RETURN_IF_ERROR(ChooseAlgorithm(options_, c, n_tp, n_cp, b, &t));
+  const attention::AttentionShape shape{.num_heads = hq,
+                                        .num_kv_heads = hkv,
+                                        .head_dim = hd,
                                         .softmax_scale = 1.0f / std::sqrt(float(hd)),
                                         .causal = true};
-  CPFILL_ASSIGN_OR_RETURN(auto ring, parallel::DeviceRingAttention::Create(
-                                         *nccl_.cp, b.plan, shape, stream));
+  CPFILL_ASSIGN_OR_RETURN(auto ring,
+                          parallel::DeviceRingAttention::Create(*nccl_.cp, b.plan, shape, stream));
 
   // Buffers for this batch (device).
   parallel::DeviceBuffer ids, qpos, x, h, q, kn, vn, k_all, v_all, attn, lse, attn16, proj, gate,
@@ -127,15 +122,25 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
   const auto reserve = [](parallel::DeviceBuffer& buf, int64_t bytes) {
     return buf.Reserve(std::max<int64_t>(16, bytes));
   };
-  for (auto [buf, bytes] : {std::pair{&ids, T * 4}, {&qpos, T * 4}, {&x, T * D * 4},
-                            {&h, T * D * 2}, {&q, T * qw * 2}, {&kn, T * kvw * 2},
-                            {&vn, T * kvw * 2}, {&k_all, R * kvw * 2}, {&v_all, R * kvw * 2},
-                            {&attn, T * qw * 4}, {&lse, T * hq * 4}, {&attn16, T * qw * 2},
-                            {&proj, T * D * 4}, {&gate, T * I * 2}, {&up, T * I * 2}}) {
+  for (auto [buf, bytes] : {std::pair{&ids, T * 4},
+                            {&qpos, T * 4},
+                            {&x, T * D * 4},
+                            {&h, T * D * 2},
+                            {&q, T * qw * 2},
+                            {&kn, T * kvw * 2},
+                            {&vn, T * kvw * 2},
+                            {&k_all, R * kvw * 2},
+                            {&v_all, R * kvw * 2},
+                            {&attn, T * qw * 4},
+                            {&lse, T * hq * 4},
+                            {&attn16, T * qw * 2},
+                            {&proj, T * D * 4},
+                            {&gate, T * I * 2},
+                            {&up, T * I * 2}}) {
     CPFILL_RETURN_IF_ERROR(reserve(*buf, bytes));
   }
-  CPFILL_CUDA_CHECK(cudaMemcpyAsync(ids.As<void>(), b.local_ids.data(), T * 4,
-                                    cudaMemcpyHostToDevice, stream));
+  CPFILL_CUDA_CHECK(
+      cudaMemcpyAsync(ids.As<void>(), b.local_ids.data(), T * 4, cudaMemcpyHostToDevice, stream));
   CPFILL_CUDA_CHECK(cudaMemcpyAsync(qpos.As<void>(), layout.q_positions.data(), T * 4,
                                     cudaMemcpyHostToDevice, stream));
   CPFILL_RETURN_IF_ERROR(phase(t.embed_s, [&] {
@@ -154,36 +159,33 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerDevice& w = layers_[l];
     CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&] {
-      return RmsNormToBf16(x.As<float>(), w.input_norm.As<Bf16>(), T, D, eps, h.As<Bf16>(),
-                           stream);
+      return RmsNormToBf16(x.As<float>(), w.input_norm.As<Bf16>(), T, D, eps, h.As<Bf16>(), stream);
     }));
     CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&]() -> absl::Status {
-      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, w.wq.As<Bf16>(), qw, q.As<void>(),
+      CPFILL_RETURN_IF_ERROR(
+          gemm_.Linear(h.As<Bf16>(), T, D, w.wq.As<Bf16>(), qw, q.As<void>(), OutType::kBfloat16));
+      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, w.wk.As<Bf16>(), kvw, kn.As<void>(),
                                           OutType::kBfloat16));
-      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, w.wk.As<Bf16>(), kvw,
-                                          kn.As<void>(), OutType::kBfloat16));
       return gemm_.Linear(h.As<Bf16>(), T, D, w.wv.As<Bf16>(), kvw, vn.As<void>(),
                           OutType::kBfloat16);
     }));
     CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
-      CPFILL_RETURN_IF_ERROR(RopeBf16(q.As<Bf16>(), qpos.As<int32_t>(), T, hq, hd,
-                                      inv_freq_.As<double>(), stream));
-      CPFILL_RETURN_IF_ERROR(RopeBf16(kn.As<Bf16>(), qpos.As<int32_t>(), T, hkv, hd,
-                                      inv_freq_.As<double>(), stream));
+      CPFILL_RETURN_IF_ERROR(
+          RopeBf16(q.As<Bf16>(), qpos.As<int32_t>(), T, hq, hd, inv_freq_.As<double>(), stream));
+      CPFILL_RETURN_IF_ERROR(
+          RopeBf16(kn.As<Bf16>(), qpos.As<int32_t>(), T, hkv, hd, inv_freq_.As<double>(), stream));
       // K/V rows of every sequence in the local layout: its cached rows, then the new ones.
       for (int s = 0; s < b.plan.num_sequences(); ++s) {
         const int64_t dst = layout.kv_offset[s], n_new = layout.q_len[s];
         const int64_t n_cached = layout.kv_len[s] - n_new;
         if (n_cached > 0) {
           const Session& old = sessions_.at(batch[s].session);
-          CPFILL_CHECK_INTERNAL(old.rows[l] == n_cached, "session '", batch[s].session,
-                                "' holds ", old.rows[l], " rows, the plan says ", n_cached);
+          CPFILL_CHECK_INTERNAL(old.rows[l] == n_cached, "session '", batch[s].session, "' holds ",
+                                old.rows[l], " rows, the plan says ", n_cached);
           CPFILL_CUDA_CHECK(cudaMemcpyAsync(k_all.As<char>(dst * kvw * 2), old.k[l]->As<void>(),
-                                            n_cached * kvw * 2, cudaMemcpyDeviceToDevice,
-                                            stream));
+                                            n_cached * kvw * 2, cudaMemcpyDeviceToDevice, stream));
           CPFILL_CUDA_CHECK(cudaMemcpyAsync(v_all.As<char>(dst * kvw * 2), old.v[l]->As<void>(),
-                                            n_cached * kvw * 2, cudaMemcpyDeviceToDevice,
-                                            stream));
+                                            n_cached * kvw * 2, cudaMemcpyDeviceToDevice, stream));
         }
         if (n_new > 0) {
           CPFILL_CUDA_CHECK(cudaMemcpyAsync(k_all.As<char>((dst + n_cached) * kvw * 2),
@@ -229,16 +231,15 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
     }
     CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
       CPFILL_RETURN_IF_ERROR(AddF32(x.As<float>(), proj.As<float>(), T * D, stream));
-      return RmsNormToBf16(x.As<float>(), w.post_norm.As<Bf16>(), T, D, eps, h.As<Bf16>(),
-                           stream);
+      return RmsNormToBf16(x.As<float>(), w.post_norm.As<Bf16>(), T, D, eps, h.As<Bf16>(), stream);
     }));
     CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&]() -> absl::Status {
       CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, w.w_gate.As<Bf16>(), I,
                                           gate.As<void>(), OutType::kBfloat16));
-      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, w.w_up.As<Bf16>(), I,
-                                          up.As<void>(), OutType::kBfloat16));
-      CPFILL_RETURN_IF_ERROR(SwiGluBf16(gate.As<Bf16>(), up.As<Bf16>(), T * I, gate.As<Bf16>(),
-                                        stream));
+      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, w.w_up.As<Bf16>(), I, up.As<void>(),
+                                          OutType::kBfloat16));
+      CPFILL_RETURN_IF_ERROR(
+          SwiGluBf16(gate.As<Bf16>(), up.As<Bf16>(), T * I, gate.As<Bf16>(), stream));
       return gemm_.Linear(gate.As<Bf16>(), T, I, w.w_down.As<Bf16>(), D, proj.As<void>(),
                           OutType::kFloat32);
     }));
@@ -264,13 +265,14 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
     CPFILL_RETURN_IF_ERROR(normed.Reserve(rows.size() * D * 2));
     CPFILL_RETURN_IF_ERROR(dev_logits.Reserve(rows.size() * V * 4));
     for (size_t i = 0; i < rows.size(); ++i) {
-      CPFILL_CUDA_CHECK(cudaMemcpyAsync(last.As<char>(i * D * 4), x.As<char>(rows[i].second * D * 4),
-                                        D * 4, cudaMemcpyDeviceToDevice, stream));
+      CPFILL_CUDA_CHECK(cudaMemcpyAsync(last.As<char>(i * D * 4),
+                                        x.As<char>(rows[i].second * D * 4), D * 4,
+                                        cudaMemcpyDeviceToDevice, stream));
     }
     CPFILL_RETURN_IF_ERROR(RmsNormToBf16(last.As<float>(), final_norm_.As<Bf16>(), rows.size(), D,
                                          eps, normed.As<Bf16>(), stream));
-    CPFILL_RETURN_IF_ERROR(gemm_.Linear(normed.As<Bf16>(), rows.size(), D, lm_head_.As<Bf16>(),
-                                        V, dev_logits.As<void>(), OutType::kFloat32));
+    CPFILL_RETURN_IF_ERROR(gemm_.Linear(normed.As<Bf16>(), rows.size(), D, lm_head_.As<Bf16>(), V,
+                                        dev_logits.As<void>(), OutType::kFloat32));
     CPFILL_CUDA_CHECK(cudaMemcpyAsync(logits.data(), dev_logits.As<void>(), logits.size() * 4,
                                       cudaMemcpyDeviceToHost, stream));
     CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -48,8 +48,8 @@ class LlamaModelCuda : public PrefillModel {
     std::vector<std::unique_ptr<parallel::DeviceBuffer>> k, v;  // [layer]: this rank's rows
     std::vector<int64_t> rows;                                  // [layer] rows held
   };
-  LlamaModelCuda(const ModelConfig& config, parallel::NcclGrid& nccl,
-                 parallel::Communicator& world, PrefillOptions options)
+  LlamaModelCuda(const ModelConfig& config, parallel::NcclGrid& nccl, parallel::Communicator& world,
+                 PrefillOptions options)
       : config_(config), nccl_(nccl), world_(world), options_(options) {}
   absl::Status Upload(parallel::DeviceBuffer& dst, const std::vector<float>& host);
 
