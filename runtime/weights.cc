@@ -5,13 +5,17 @@
 // disagree about names, shapes or slices.
 #include "runtime/weights.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <system_error>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +24,7 @@
 #include "base/json.h"
 #include "base/random.h"
 #include "base/status.h"
+#include "base/thread_pool.h"
 #include "runtime/safetensors.h"
 
 namespace cpfill::runtime {
@@ -302,6 +307,23 @@ uint64_t NameHash(std::string_view name) {
   return h;
 }
 
+// Runs fn(row) for every row on this rank's share of the host's cores: making or converting the
+// weights of a large model row by row on one thread takes minutes (8B: about 80 s).
+void ParallelRows(int64_t rows, const std::function<void(int64_t)>& fn) {
+  static ThreadPool* pool = [] {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const int ranks = local ? std::max(1, std::atoi(local)) : 1;
+    return new ThreadPool(std::max(1, cores / ranks));
+  }();
+  constexpr int64_t kRowsPerItem = 64;
+  pool->ParallelFor((rows + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+    for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r) {
+      fn(r);
+    }
+  });
+}
+
 }  // namespace
 
 absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const std::string& dir,
@@ -318,10 +340,10 @@ absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const std::s
     out.resize(static_cast<size_t>(b.nrows * b.ncols));
     // Row by row out of the mapping: only this rank's pages are touched (for a column split,
     // only its part of every row).
-    for (int64_t r = 0; r < b.nrows; ++r) {
+    ParallelRows(b.nrows, [&](int64_t r) {
       const unsigned char* src = base + ((b.row0 + r) * t.cols + b.col0) * elem;
       ConvertToFloat(src, view.dtype, b.ncols, out.data() + r * b.ncols);
-    }
+    });
   }
   if (config.tie_word_embeddings) TieLmHead(config, w);
   return w;
@@ -338,7 +360,7 @@ absl::StatusOr<ModelWeights> SyntheticWeights(const ModelConfig& config, uint64_
     const Block b = SliceOf(t, tp_rank, tp_size);
     std::vector<float>& out = t.In(w);
     out.resize(static_cast<size_t>(b.nrows * b.ncols));
-    for (int64_t r = 0; r < b.nrows; ++r) {
+    ParallelRows(b.nrows, [&](int64_t r) {
       // The element index is in the whole tensor, so any slice matches the whole one.
       const uint64_t row_base = static_cast<uint64_t>((b.row0 + r) * t.cols + b.col0);
       float* dst = out.data() + r * b.ncols;
@@ -351,7 +373,7 @@ absl::StatusOr<ModelWeights> SyntheticWeights(const ModelConfig& config, uint64_
           dst[c] = matrix_scale * UniformAt(seed, stream, row_base + static_cast<uint64_t>(c));
         }
       }
-    }
+    });
   }
   if (config.tie_word_embeddings) TieLmHead(config, w);
   return w;
