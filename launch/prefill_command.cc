@@ -214,6 +214,7 @@ int Run(int argc, char** argv) {
     auto m = runtime::cuda::LlamaModelCuda::Create(config, *weights, nccl, *grid.world, options);
     if (!m.ok()) return session->Refuse(m.status());
     model = std::move(*m);
+    *weights = runtime::ModelWeights{};  // on the GPU now: free the host's fp32 copy
   }
 #endif
   if (!cuda) {

@@ -2,8 +2,9 @@
 # CP scaling of full prefill and the pass-KV / pass-Q crossover, on one multi-GPU host, with the
 # links as they are (NVLink) and slowed to inter-node speeds: NCCL through host shared memory
 # (NCCL_P2P_DISABLE=1) and through TCP sockets (also NCCL_SHM_DISABLE=1).
-#   bash bench/gpu/scaling.sh scaling   # CP1/2/4 x 32K/128K/512K x nvlink/shm/sockets
-#   bash bench/gpu/scaling.sh table4    # P + T = 128K on sockets, calibrate, regret
+#   bash bench/gpu/scaling.sh scaling   # CP1/2/4/8 (as many as there are GPUs) x LENGTHS x
+#                                       # NETS (defaults: 32K 128K 512K; nvlink shm sockets)
+#   bash bench/gpu/scaling.sh table4    # P + T = 32K and 128K on sockets, calibrate, regret
 # Binaries from .gpu-carry/ (bench/gpu/build-carry.sh). JSON per run and the summary under $OUT.
 set -uo pipefail
 what=${1:-scaling}
@@ -35,10 +36,10 @@ run() {  # run NET NP TAG ARGS...
 }
 
 if [ "$what" = scaling ]; then
-  for t in 32768 131072 524288; do
+  for t in ${LENGTHS:-32768 131072 524288}; do
     run nvlink 1 "cp1-$t" --seq-lens $t --algo pass-kv --repeat 3
-    for net in nvlink shm sockets; do
-      for np in 2 4; do
+    for net in ${NETS:-nvlink shm sockets}; do
+      for np in 2 4 8; do
         [ $np -le $gpus ] || continue
         run $net $np "cp$np-$t-$net" --seq-lens $t --algo pass-kv --repeat 3
       done
@@ -47,7 +48,7 @@ if [ "$what" = scaling ]; then
   python3 bench/gpu/summarize.py scaling "$out/runs" "$out"
 fi
 if [ "$what" = table4 ]; then
-  np=$([ $gpus -ge 4 ] && echo 4 || echo $gpus)
+  np=$(( gpus >= 8 ? 8 : (gpus >= 4 ? 4 : gpus) ))
   env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 mpirun -np $np -x NCCL_P2P_DISABLE -x NCCL_SHM_DISABLE \
     -x NCCL_NVLS_ENABLE "$cpfill" calibrate --backend cuda $shape --context-lens 32768,131072 \
     --repeat 2 --out "$out/fit-sockets.json" --json "$out/table4-sockets.json" 2>&1 |

@@ -52,7 +52,7 @@ def scaling(runs_dir, out_dir):
         for net, style in (("nvlink", "-o"), ("shm", "--s"), ("sockets", ":^")):
             xs, sp = [1], [1.0]
             base = rows.get((tokens, 1, "-"))
-            for cp in (2, 4):
+            for cp in (2, 4, 8):
                 if base and (tokens, cp, net) in rows:
                     xs.append(cp)
                     sp.append(base["ms"] / rows[(tokens, cp, net)]["ms"])
@@ -60,13 +60,14 @@ def scaling(runs_dir, out_dir):
                 axes[0].plot(xs, sp, style, label=f"{tokens // 1024}K {net}")
                 axes[1].plot(xs, [100 * s / x for s, x in zip(sp, xs)], style,
                              label=f"{tokens // 1024}K {net}")
-    axes[0].plot([1, 4], [1, 4], "k-", lw=0.5, label="linear")
+    top = max([k[1] for k in rows] + [2])
+    axes[0].plot([1, top], [1, top], "k-", lw=0.5, label="linear")
     axes[0].set(xlabel="CP ranks (GPUs)", ylabel="speedup over CP1",
                 title="pass-KV full prefill, 16 q : 1 kv heads, d128")
     axes[1].set(xlabel="CP ranks (GPUs)", ylabel="parallel efficiency %", ylim=(50, 105))
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.set_xticks([1, 2, 4])
+        ax.set_xticks([1, 2, 4, 8][: 1 + sum(1 for c in (2, 4, 8) if c <= top)])
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "scaling.png"), dpi=110)
