@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/bfloat16.h"
 #include "base/status.h"
 #include "base/thread_pool.h"
@@ -316,17 +317,18 @@ std::string Backend::Description() const {
   return "CPU (fp32)";
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> Backend::Create(std::string name,
-                                                         const parallel::ProcessGrid& grid,
-                                                         parallel::CommOptions options,
-                                                         int threads) {
-  CPFILL_CHECK_ARG(name == "auto" || name == "cpu" || name == "cuda" || name == "cuda-staged",
-                   "--backend: unknown backend '", name, "' (valid: auto, cpu, cuda, cuda-staged)");
+absl::StatusOr<std::string> ResolveBackendName(std::string name,
+                                               const std::vector<std::string>& valid,
+                                               parallel::Communicator& world) {
+  if (name != "auto" && std::find(valid.begin(), valid.end(), name) == valid.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--backend: unknown backend '", name, "' (valid: auto, ", absl::StrJoin(valid, ", "), ")"));
+  }
   // Every rank must see a GPU for a CUDA backend: agree on it before anything starts, so a
   // missing GPU is one clean message rather than one rank's abort.
   int32_t have = parallel::CudaBackendAvailable() ? 1 : 0;
   CPFILL_RETURN_IF_ERROR(
-      grid.world->AllReduce(&have, 1, parallel::DataType::kInt32, parallel::ReduceOp::kMin));
+      world.AllReduce(&have, 1, parallel::DataType::kInt32, parallel::ReduceOp::kMin));
   if (name == "auto") name = have ? "cuda" : "cpu";
   if (name != "cpu" && !have) {
     return absl::FailedPreconditionError(
@@ -334,6 +336,15 @@ absl::StatusOr<std::unique_ptr<Backend>> Backend::Create(std::string name,
                      ": a rank sees no CUDA device (or this cpfill was built "
                      "without the CUDA backend); use --backend cpu"));
   }
+  return name;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> Backend::Create(std::string name,
+                                                         const parallel::ProcessGrid& grid,
+                                                         parallel::CommOptions options,
+                                                         int threads) {
+  CPFILL_ASSIGN_OR_RETURN(name,
+                          ResolveBackendName(name, {"cpu", "cuda", "cuda-staged"}, *grid.world));
 #if CPFILL_HAVE_CUDA
   if (name == "cuda") return DeviceBackend::Make(grid, options);
 #endif

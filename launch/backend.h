@@ -32,6 +32,14 @@ class Runner {
   virtual absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) = 0;
 };
 
+// Resolves a --backend name to one of `valid` (which lists the names this command takes besides
+// auto), agreed over the world: "auto" becomes cuda when every rank sees a GPU, else cpu.
+// InvalidArgument for a name not in `valid`; FailedPrecondition, on every rank alike, when a
+// CUDA backend is asked for and some rank has no GPU.
+absl::StatusOr<std::string> ResolveBackendName(std::string name,
+                                               const std::vector<std::string>& valid,
+                                               parallel::Communicator& world);
+
 class Backend {
  public:
   // `name`: cpu | cuda | cuda-staged | auto (cuda when every rank sees a GPU). Collective over

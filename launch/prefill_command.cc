@@ -14,11 +14,11 @@
 #include "base/json.h"
 #include "base/random.h"
 #include "base/status.h"
+#include "launch/backend.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
 #include "launch/selector_flags.h"
 #include "launch/session.h"
-#include "parallel/cuda/staged_attention_kernels.h"
 #include "parallel/self_communicator.h"
 #include "runtime/llama_model.h"
 #include "runtime/model_config.h"
@@ -133,24 +133,9 @@ int Run(int argc, char** argv) {
   Session* session = started.session.get();
   parallel::ProcessGrid& grid = *started.grid;
   // Every rank must see a GPU for the CUDA model; agreed before anything else starts.
-  {
-    int32_t have = parallel::CudaBackendAvailable() ? 1 : 0;
-    if (absl::Status s =
-            grid.world->AllReduce(&have, 1, parallel::DataType::kInt32, parallel::ReduceOp::kMin);
-        !s.ok()) {
-      session->Fail(s);
-    }
-    if (f.backend == "auto") f.backend = have ? "cuda" : "cpu";
-    if (f.backend != "cpu" && f.backend != "cuda") {
-      return session->ConfigError(absl::InvalidArgumentError(
-          absl::StrCat("--backend: unknown backend '", f.backend, "' (valid: auto, cpu, cuda)")));
-    }
-    if (f.backend == "cuda" && !have) {
-      return session->ConfigError(absl::FailedPreconditionError(
-          "--backend cuda: a rank sees no CUDA device (or this cpfill was built without the "
-          "CUDA backend); use --backend cpu"));
-    }
-  }
+  auto backend_name = ResolveBackendName(f.backend, {"cpu", "cuda"}, *grid.world);
+  if (!backend_name.ok()) return session->Refuse(backend_name.status());
+  f.backend = *backend_name;
   const bool cuda = f.backend == "cuda";
 
   // ---- configuration, the same verdict on every rank --------------------------------------
