@@ -228,6 +228,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   benchmark::Initialize(&argc, argv);
+  benchmark::AddCustomContext("attention_kernel", cpfill::attention::cuda::AttentionKernelName());
   benchmark::RunSpecifiedBenchmarks();
   return 0;
 }

@@ -11,6 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/flash_kernel.cuh"
+#ifdef CPFILL_HAVE_HOPPER_KERNEL
+#include "attention/cuda/attention_hopper.h"
+#endif
 #include "base/status.h"
 
 namespace cpfill {
@@ -50,34 +53,6 @@ int VariantFromEnv() {
 int BlockM() { return VariantFromEnv() == 1 ? 64 : 128; }
 int BlockN() { return VariantFromEnv() == 2 ? 32 : 64; }
 
-
-// ---- pre-pass: what each key tile holds ------------------------------------------------
-
-__global__ void KeyTileSummaryKernel(const __grid_constant__ FlashParams p, int total_k_tiles,
-                                     KeyTileSummary* out) {
-  const int tile = blockIdx.x * blockDim.x + threadIdx.x;
-  if (tile >= total_k_tiles) return;
-  int s = 0;
-  while (s + 1 < p.num_slices && tile >= p.slices[s + 1].k_tile_start) ++s;
-  const SliceDesc& sl = p.slices[s];
-  const int64_t key0 = static_cast<int64_t>(tile - sl.k_tile_start) * p.key_tile;
-  KeyTileSummary r{INT32_MAX, -1, 0, 0};
-  for (int i = 0; i < p.key_tile; ++i) {
-    if (key0 + i >= sl.kv_len) {
-      r.any_invalid = 1;
-      break;
-    }
-    const int32_t pos = p.k_pos[sl.kv_begin + key0 + i];
-    if (pos < 0) {
-      r.any_invalid = 1;
-    } else {
-      r.any_valid = 1;
-      r.min_pos = min(r.min_pos, pos);
-      r.max_pos = max(r.max_pos, pos);
-    }
-  }
-  out[tile] = r;
-}
 
 // ---- rows that no slice covers: O = 0, LSE = -inf --------------------------------------
 
@@ -188,6 +163,13 @@ int64_t KeyTiles(const SequenceSlice& s) { return (s.kv_len + BlockN() - 1) / Bl
 
 bool SupportedHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
+const char* AttentionKernelName() {
+#ifdef CPFILL_HAVE_HOPPER_KERNEL
+  if (internal::HopperKernelOnThisDevice()) return "hopper-wgmma";
+#endif
+  return "mma-sync";
+}
+
 int DeviceCount() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -245,8 +227,14 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
   }
 
   const std::vector<int64_t> work = WorkingSlices(a);
-  const int group = a.shape.group_size();
   KeyTileSummary* summaries = static_cast<KeyTileSummary*>(workspace);
+#ifdef CPFILL_HAVE_HOPPER_KERNEL
+  // Hopper: the wgmma/TMA kernel (its 128-key tiles need fewer summaries than reserved here).
+  if (internal::HopperAttentionUsable(a)) {
+    return internal::LaunchHopperAttention(a, work, summaries, stream);
+  }
+#endif
+  const int group = a.shape.group_size();
   int64_t summary_offset = 0;
   for (size_t first = 0; first < work.size(); first += kMaxSlicesPerLaunch) {
     const size_t count = std::min<size_t>(kMaxSlicesPerLaunch, work.size() - first);

@@ -72,6 +72,11 @@ absl::Status MergePartialsCuda(const AttentionShape& shape, int64_t rows,
                                std::span<const float* const> lse_parts, float* o_out,
                                __nv_bfloat16* o_out_bf16, float* lse_out, cudaStream_t stream);
 
+// The forward kernel PartialAttentionCuda runs on the current device: "hopper-wgmma" (sm_90a:
+// TMA, wgmma, warp-specialized) on compute capability 9.0, else "mma-sync" (sm_80+).
+// CPFILL_ATTENTION_KERNEL=mma forces the mma.sync kernel everywhere (for comparison).
+const char* AttentionKernelName();
+
 // Number of CUDA devices (0 when there is no driver or no GPU); never fails.
 int DeviceCount();
 

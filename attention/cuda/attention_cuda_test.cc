@@ -306,6 +306,52 @@ TEST(CudaAttentionSmall, PaddingRowsNotInSlicesAndKeysOutOfOrder) {
   CheckCase(c);
 }
 
+TEST(CudaAttentionSmall, TileEdgesAndGqaGroupsThatDoNotFillTheTile) {
+  // Lengths around the Hopper kernel's 128-row and 128-key tiles (and the mma.sync kernel's 64),
+  // with group sizes that do not divide the 128 folded rows of a tile (3, 5, 6) next to 16 and 4.
+  const std::pair<int, int> groups[] = {{16, 1}, {12, 4}, {10, 2}, {6, 1}, {32, 8}};
+  const int64_t lengths[] = {1, 63, 127, 128, 129, 255, 257};
+  int k = 0;
+  for (auto [h, kvh] : groups) {
+    for (int64_t n : lengths) {
+      const int dim = (k++ % 2) ? 64 : 128;
+      // Queries at the end of a longer key range: the diagonal falls inside a tile.
+      const int64_t nk = n + (n * 7) % 131;
+      CheckCase(OneSlice(absl::StrCat("edges ", h, ":", kvh, " q", n, " k", nk, " d", dim), h,
+                         kvh, dim, true, n, static_cast<int32_t>(nk - n), nk, 0),
+                static_cast<uint64_t>(1000 + k));
+    }
+  }
+}
+
+TEST(CudaAttentionSmall, GarbageOutsideTheSlicesIsNeverRead) {
+  // A persistent KV cache may hold anything in rows no slice covers, NaN included: a kernel
+  // that reads past a slice's last key row (a neighbour's rows, or free cache rows) would let it
+  // into O through 0 * NaN. Key rows 0..39, 140..149 and 300.. are NaN here.
+  Case c{.name = "NaN outside slices", .heads = 16, .kv_heads = 2, .dim = 128};
+  c.kv_tokens = 420;
+  for (int i = 0; i < 420; ++i) c.k_pos.push_back(i);
+  c.q_tokens = 230;
+  AppendRun(c.q_pos, 50, 100);   // slice 0: 100 queries at [50, 150) over key rows [40, 140)
+  AppendRun(c.q_pos, 100, 130);  // slice 1: 130 queries at [100, 230) over key rows [150, 300)
+  for (int i = 150; i < 300; ++i) c.k_pos[i] = i - 150;
+  c.slices = {{0, 100, 40, 100}, {100, 130, 150, 150}};
+  for (int i = 40; i < 140; ++i) c.k_pos[i] = i - 40 + 50;
+  Inputs in = MakeInputs(c, 31);
+  const size_t row = static_cast<size_t>(c.kv_heads) * c.dim;
+  for (int i = 0; i < 420; ++i) {
+    if ((i >= 40 && i < 140) || (i >= 150 && i < 300)) continue;
+    for (size_t e = 0; e < row; ++e) {
+      in.kb[i * row + e] = in.vb[i * row + e] = __float2bfloat16(kNaN);
+    }
+  }
+  std::vector<double> o_ref, lse_ref;
+  Reference(c, in, &o_ref, &lse_ref);
+  std::vector<float> o, lse;
+  RunOnGpu(c, in, OutputMode::kFloat32, &o, &lse);
+  ExpectGood(Compare(c, o, lse, o_ref, lse_ref), c.name);
+}
+
 TEST(CudaAttentionSmall, LargeScoresStayFinite) {
   Case c = OneSlice("peaky softmax", 16, 1, 128, true, 200, 0, 200, 0);
   c.amplitude = 12.0f;
@@ -430,5 +476,7 @@ int main(int argc, char** argv) {
     return 77;
   }
   ::testing::InitGoogleTest(&argc, argv);
+  std::printf("attention kernel on this device: %s\n",
+              cpfill::attention::cuda::AttentionKernelName());
   return RUN_ALL_TESTS();
 }

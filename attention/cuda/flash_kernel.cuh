@@ -128,6 +128,131 @@ __device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
   return static_cast<uint32_t>((row * kChunks + (chunk ^ (row & 7))) * 16);
 }
 
+// ---- pre-pass: what each key tile holds ------------------------------------------------
+
+// Params: any launch parameter block with slices, num_slices, key_tile and k_pos.
+template <typename Params>
+__global__ void KeyTileSummaryKernel(const __grid_constant__ Params p, int total_k_tiles,
+                                     KeyTileSummary* out) {
+  const int tile = blockIdx.x * blockDim.x + threadIdx.x;
+  if (tile >= total_k_tiles) return;
+  int s = 0;
+  while (s + 1 < p.num_slices && tile >= p.slices[s + 1].k_tile_start) ++s;
+  const SliceDesc& sl = p.slices[s];
+  const int64_t key0 = static_cast<int64_t>(tile - sl.k_tile_start) * p.key_tile;
+  KeyTileSummary r{INT32_MAX, -1, 0, 0};
+  for (int i = 0; i < p.key_tile; ++i) {
+    if (key0 + i >= sl.kv_len) {
+      r.any_invalid = 1;
+      break;
+    }
+    const int32_t pos = p.k_pos[sl.kv_begin + key0 + i];
+    if (pos < 0) {
+      r.any_invalid = 1;
+    } else {
+      r.any_valid = 1;
+      r.min_pos = min(r.min_pos, pos);
+      r.max_pos = max(r.max_pos, pos);
+    }
+  }
+  out[tile] = r;
+}
+
+// ---- epilogue shared by the mma.sync and the Hopper kernels ------------------------------
+
+// Where a launch's results go.
+struct EpilogueTarget {
+  void* o;
+  float* lse;
+  int32_t num_heads, group, out_mode;
+  float scale_log2;
+};
+
+// Writes (or merges into the running fp32 O/LSE) the two rows this thread holds of one m16 tile:
+// slice rows row16 + lane / 4 and row16 + lane / 4 + 8, in the mma accumulator layout
+// (o_acc[dt][2 h + {0, 1}] = columns 8 dt + 2 (lane % 4) + {0, 1} of row h). m_row is the
+// running max of the raw scores, l_row this thread's part of the row sum (reduced over the quad
+// here). The quad's four threads must all call it.
+template <int kDim>
+__device__ __forceinline__ void StoreRows16(const EpilogueTarget& t, int kv_head,
+                                            int64_t q_begin, int64_t slice_rows, int64_t row16,
+                                            const float (&o_acc)[kDim / 8][4],
+                                            const float (&m_row)[2], const float (&l_row)[2],
+                                            int lane) {
+  const int group_id = lane >> 2, tig = lane & 3;
+  float row_lse[2], inv_l[2];
+  int64_t o_row_off[2];
+  bool row_in[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_row[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int64_t row = row16 + group_id + h * 8;
+    row_in[h] = row < slice_rows;
+    const int64_t tok = row_in[h] ? row / t.group : 0;
+    const int g = row_in[h] ? static_cast<int>(row % t.group) : 0;
+    o_row_off[h] = (q_begin + tok) * t.num_heads + kv_head * t.group + g;  // rows of kDim
+    const bool empty = l == 0.f;
+    row_lse[h] = empty ? -INFINITY : (m_row[h] * t.scale_log2 + __log2f(l)) * kLn2;
+    inv_l[h] = empty ? 0.f : 1.f / l;
+  }
+  if (t.out_mode == kOutMergeF32) {
+    // Fold into the running (O, LSE): every old LSE of the quad is read before any is rewritten.
+    float* o = static_cast<float*>(t.o);
+    float w_old[2], w_new[2], lse_out[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float old = row_in[h] ? t.lse[o_row_off[h]] : -INFINITY;
+      const float mx = fmaxf(old, row_lse[h]);
+      if (mx == -INFINITY) {
+        w_old[h] = 1.f;  // both empty: keep the old values as they are
+        w_new[h] = 0.f;
+        lse_out[h] = -INFINITY;
+      } else {
+        const float eo = __expf(old - mx), en = __expf(row_lse[h] - mx);
+        w_old[h] = eo / (eo + en);
+        w_new[h] = en / (eo + en);
+        lse_out[h] = mx + __logf(eo + en);
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!row_in[h]) continue;
+      float* orow = o + o_row_off[h] * kDim;
+#pragma unroll
+      for (int dt = 0; dt < kDim / 8; ++dt) {
+        const int col = dt * 8 + tig * 2;
+        float2 old = *reinterpret_cast<float2*>(orow + col);
+        old.x = old.x * w_old[h] + o_acc[dt][2 * h] * inv_l[h] * w_new[h];
+        old.y = old.y * w_old[h] + o_acc[dt][2 * h + 1] * inv_l[h] * w_new[h];
+        *reinterpret_cast<float2*>(orow + col) = old;
+      }
+      if (tig == 0) t.lse[o_row_off[h]] = lse_out[h];
+    }
+    return;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (!row_in[h]) continue;
+#pragma unroll
+    for (int dt = 0; dt < kDim / 8; ++dt) {
+      const int col = dt * 8 + tig * 2;
+      const float x = o_acc[dt][2 * h] * inv_l[h], y = o_acc[dt][2 * h + 1] * inv_l[h];
+      if (t.out_mode == kOutF32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(t.o) + o_row_off[h] * kDim + col) =
+            make_float2(x, y);
+      } else {
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(t.o) +
+                                           o_row_off[h] * kDim + col) =
+            __floats2bfloat162_rn(x, y);
+      }
+    }
+    if (tig == 0) t.lse[o_row_off[h]] = row_lse[h];
+  }
+}
+
 // ---- the kernel --------------------------------------------------------------------------
 
 // kMTiles m16 tiles per warp: with 2, every K or V fragment loaded from shared memory feeds
@@ -464,82 +589,12 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
     buf ^= 1;
   }
 
-  // Step 3: epilogue, row by row. The quad holds partial sums of one row: reduce them.
-  const int64_t e_q_begin = s_epilogue[0], e_rows = s_epilogue[1], e_row0 = s_epilogue[2];
+  // Step 3: epilogue, one m16 tile at a time.
+  const EpilogueTarget target{p.o, p.lse, p.num_heads, p.group, p.out_mode, p.scale_log2};
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
-    float row_lse[2], inv_l[2];
-    int64_t o_row_off[2];
-    bool row_in[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = l_row[mt][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int64_t row = e_row0 + tile_row(mt) + group_id + h * 8;
-      row_in[h] = row < e_rows;
-      const int64_t t = row_in[h] ? row / p.group : 0;
-      const int g = row_in[h] ? static_cast<int>(row % p.group) : 0;
-      o_row_off[h] = (e_q_begin + t) * p.num_heads + blockIdx.y * p.group + g;  // rows of kDim
-      const bool empty = l == 0.f;
-      row_lse[h] = empty ? -INFINITY : (m_row[mt][h] * p.scale_log2 + __log2f(l)) * kLn2;
-      inv_l[h] = empty ? 0.f : 1.f / l;
-    }
-    if (p.out_mode == kOutMergeF32) {
-      // Fold into the running (O, LSE): every old LSE of the quad is read before any is
-      // rewritten.
-      float* o = static_cast<float*>(p.o);
-      float w_old[2], w_new[2], lse_out[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float old = row_in[h] ? p.lse[o_row_off[h]] : -INFINITY;
-        const float mx = fmaxf(old, row_lse[h]);
-        if (mx == -INFINITY) {
-          w_old[h] = 1.f;  // both empty: keep the old values as they are
-          w_new[h] = 0.f;
-          lse_out[h] = -INFINITY;
-        } else {
-          const float eo = __expf(old - mx), en = __expf(row_lse[h] - mx);
-          w_old[h] = eo / (eo + en);
-          w_new[h] = en / (eo + en);
-          lse_out[h] = mx + __logf(eo + en);
-        }
-      }
-      __syncwarp();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (!row_in[h]) continue;
-        float* orow = o + o_row_off[h] * kDim;
-#pragma unroll
-        for (int dt = 0; dt < kDim / 8; ++dt) {
-          const int col = dt * 8 + tig * 2;
-          float2 old = *reinterpret_cast<float2*>(orow + col);
-          old.x = old.x * w_old[h] + o_acc[mt][dt][2 * h] * inv_l[h] * w_new[h];
-          old.y = old.y * w_old[h] + o_acc[mt][dt][2 * h + 1] * inv_l[h] * w_new[h];
-          *reinterpret_cast<float2*>(orow + col) = old;
-        }
-        if (tig == 0) p.lse[o_row_off[h]] = lse_out[h];
-      }
-      continue;
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (!row_in[h]) continue;
-#pragma unroll
-      for (int dt = 0; dt < kDim / 8; ++dt) {
-        const int col = dt * 8 + tig * 2;
-        const float x = o_acc[mt][dt][2 * h] * inv_l[h], y = o_acc[mt][dt][2 * h + 1] * inv_l[h];
-        if (p.out_mode == kOutF32) {
-          *reinterpret_cast<float2*>(static_cast<float*>(p.o) + o_row_off[h] * kDim + col) =
-              make_float2(x, y);
-        } else {
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.o) +
-                                             o_row_off[h] * kDim + col) =
-              __floats2bfloat162_rn(x, y);
-        }
-      }
-      if (tig == 0) p.lse[o_row_off[h]] = row_lse[h];
-    }
+    StoreRows16<kDim>(target, blockIdx.y, s_epilogue[0], s_epilogue[1],
+                      s_epilogue[2] + tile_row(mt), o_acc[mt], m_row[mt], l_row[mt], lane);
   }
 }
 

@@ -7,7 +7,9 @@ import sys
 
 
 def main(cpfill_path, peer_path):
-    ours = json.load(open(cpfill_path))["benchmarks"]
+    run = json.load(open(cpfill_path))
+    ours = run["benchmarks"]
+    print(f"cpfill kernel: {run['context'].get('attention_kernel', 'unknown')}\n")
     peer = {}
     for e in json.load(open(peer_path)):
         peer[(e["name"], e["backend"])] = e

@@ -1,0 +1,154 @@
+// Launcher of the Hopper kernel (hopper_kernel.cuh). This file alone is compiled for sm_90a
+// (wgmma and setmaxnreg exist only there); attention_cuda.cu calls it on compute capability 9.0
+// devices and keeps the mma.sync kernel for every other GPU.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attention/cuda/attention_hopper.h"
+#include "attention/cuda/hopper_kernel.cuh"
+#include "base/status.h"
+
+namespace cpfill::attention::cuda::internal {
+namespace {
+
+constexpr int kStages = 2;
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point: linking libcuda directly
+// would stop the binary from starting on machines without a driver.
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A 2-D map over one slice's key rows of K or V: [kv_len rows, num_kv_heads * head_dim
+// columns], boxes of 64 columns x kHopperBlockN rows, 128-byte swizzle; rows past the slice read
+// as zeros.
+absl::Status EncodeSliceMap(CUtensorMap* map, const __nv_bfloat16* base, int64_t kv_begin,
+                            int64_t kv_len, int num_kv_heads, int head_dim) {
+  const int64_t row_elems = static_cast<int64_t>(num_kv_heads) * head_dim;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_elems),
+                              static_cast<cuuint64_t>(kv_len)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_elems * 2)};
+  const cuuint32_t box[2] = {64, kHopperBlockN};
+  const cuuint32_t element_strides[2] = {1, 1};
+  void* addr = const_cast<__nv_bfloat16*>(base + kv_begin * row_elems);
+  const CUresult r = TensorMapEncoder()(
+      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr, dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat("cuTensorMapEncodeTiled failed (CUresult ", r,
+                                            ") for key rows [", kv_begin, ", ",
+                                            kv_begin + kv_len, ")"));
+  }
+  return absl::OkStatus();
+}
+
+template <int kDim>
+absl::Status LaunchShape(const HopperParams& params, int num_q_tiles, int num_kv_heads,
+                         cudaStream_t stream) {
+  using Cfg = HopperConfig<kDim, kStages>;
+  auto kernel = HopperFlashKernel<kDim, kStages>;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  CPFILL_CUDA_CHECK(attr);
+  kernel<<<dim3(num_q_tiles, num_kv_heads), kHopperThreads, Cfg::kSmemBytes, stream>>>(params);
+  CPFILL_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool HopperKernelOnThisDevice() {
+  const char* choice = std::getenv("CPFILL_ATTENTION_KERNEL");
+  if (choice != nullptr && std::strcmp(choice, "mma") == 0) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  // sm_90a machine code runs on compute capability 9.0 only.
+  return major == 9 && minor == 0 && TensorMapEncoder() != nullptr;
+}
+
+bool HopperAttentionUsable(const CudaAttentionArgs& a) {
+  return HopperKernelOnThisDevice() && Aligned16(a.q) && Aligned16(a.k) && Aligned16(a.v) &&
+         (a.shape.head_dim == 64 || a.shape.head_dim == 128);
+}
+
+absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const int64_t> work,
+                                   KeyTileSummary* summaries, cudaStream_t stream) {
+  const int group = a.shape.group_size();
+  int64_t summary_offset = 0;
+  // One launch per kMaxHopperSlices slices: a ring step of up to 48 sequences is one launch.
+  for (size_t first = 0; first < work.size(); first += kMaxHopperSlices) {
+    const size_t count = std::min<size_t>(kMaxHopperSlices, work.size() - first);
+    HopperParams p{};  // about 14 KiB: the launch copies it into the parameter space
+    p.q = a.q;
+    p.q_pos = a.q_pos;
+    p.k_pos = a.k_pos;
+    p.o = a.o;
+    p.lse = a.lse;
+    p.key_tiles = summaries + summary_offset;
+    p.key_tile = kHopperBlockN;
+    p.num_heads = a.shape.num_heads;
+    p.num_kv_heads = a.shape.num_kv_heads;
+    p.group = group;
+    p.scale_log2 = a.shape.softmax_scale * kLog2e;
+    p.causal = a.shape.causal ? 1 : 0;
+    p.out_mode = a.output == OutputMode::kBfloat16  ? kOutBf16
+                 : a.output == OutputMode::kFloat32 ? kOutF32
+                                                    : kOutMergeF32;
+    p.num_slices = static_cast<int32_t>(count);
+    int64_t q_tiles = 0, k_tiles = 0;
+    for (size_t i = 0; i < count; ++i) {
+      const SequenceSlice& s = a.slices[work[first + i]];
+      p.slices[i] = SliceDesc{s.q_begin, s.q_len, s.kv_begin, s.kv_len,
+                              static_cast<int32_t>(q_tiles), static_cast<int32_t>(k_tiles)};
+      CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.k_maps[i], a.k, s.kv_begin, s.kv_len,
+                                            a.shape.num_kv_heads, a.shape.head_dim));
+      CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.v_maps[i], a.v, s.kv_begin, s.kv_len,
+                                            a.shape.num_kv_heads, a.shape.head_dim));
+      q_tiles += (s.q_len * group + kHopperBlockM - 1) / kHopperBlockM;
+      k_tiles += (s.kv_len + kHopperBlockN - 1) / kHopperBlockN;
+    }
+    CPFILL_CHECK_ARG(q_tiles < (int64_t{1} << 31) - 1, "CUDA attention: ", q_tiles,
+                     " query tiles exceed one launch");
+    KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
+        p, static_cast<int>(k_tiles), summaries + summary_offset);
+    CPFILL_CUDA_CHECK(cudaGetLastError());
+    if (a.shape.head_dim == 128) {
+      CPFILL_RETURN_IF_ERROR(
+          LaunchShape<128>(p, static_cast<int>(q_tiles), a.shape.num_kv_heads, stream));
+    } else {
+      CPFILL_RETURN_IF_ERROR(
+          LaunchShape<64>(p, static_cast<int>(q_tiles), a.shape.num_kv_heads, stream));
+    }
+    summary_offset += k_tiles;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace cpfill::attention::cuda::internal

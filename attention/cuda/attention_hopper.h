@@ -1,0 +1,26 @@
+// cpfill/attention/cuda/attention_hopper.h — the Hopper (sm_90a, wgmma + TMA) path of
+// PartialAttentionCuda. Internal: attention_cuda.cu dispatches to it after validating the call.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "attention/cuda/attention_cuda.h"
+#include "attention/cuda/flash_kernel.cuh"
+
+namespace cpfill::attention::cuda::internal {
+
+// True when the current device is compute capability 9.0, the driver can encode tensor maps,
+// and the environment does not ask for the mma.sync kernel (CPFILL_ATTENTION_KERNEL=mma).
+bool HopperKernelOnThisDevice();
+
+// HopperKernelOnThisDevice, and the call's Q/K/V are 16-byte aligned with head_dim 64 or 128.
+bool HopperAttentionUsable(const CudaAttentionArgs& a);
+
+// Launches the key-tile pre-pass and the Hopper kernel over the slices `work` (indices into
+// a.slices, each with work to do). `summaries` holds at least one entry per 128 keys of each.
+absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const int64_t> work,
+                                   KeyTileSummary* summaries, cudaStream_t stream);
+
+}  // namespace cpfill::attention::cuda::internal
