@@ -61,11 +61,21 @@ absl::Status EncodeSliceMap(CUtensorMap* map, const __nv_bfloat16* base, int64_t
   return absl::OkStatus();
 }
 
-template <int kDim>
+// Ping-pong between the consumer warpgroups is on unless CPFILL_HOPPER_PINGPONG=0 (kept for
+// measuring what it gives).
+bool PingPongFromEnv() {
+  static const bool on = [] {
+    const char* e = std::getenv("CPFILL_HOPPER_PINGPONG");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
+
+template <int kDim, bool kPingPong>
 absl::Status LaunchShape(const HopperParams& params, int num_q_tiles, int num_kv_heads,
                          cudaStream_t stream) {
   using Cfg = HopperConfig<kDim, kStages>;
-  auto kernel = HopperFlashKernel<kDim, kStages>;
+  auto kernel = HopperFlashKernel<kDim, kStages, kPingPong>;
   static const cudaError_t attr = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   CPFILL_CUDA_CHECK(attr);
@@ -139,13 +149,13 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
     KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
         p, static_cast<int>(k_tiles), summaries + summary_offset);
     CPFILL_CUDA_CHECK(cudaGetLastError());
-    if (a.shape.head_dim == 128) {
-      CPFILL_RETURN_IF_ERROR(
-          LaunchShape<128>(p, static_cast<int>(q_tiles), a.shape.num_kv_heads, stream));
-    } else {
-      CPFILL_RETURN_IF_ERROR(
-          LaunchShape<64>(p, static_cast<int>(q_tiles), a.shape.num_kv_heads, stream));
-    }
+    const int tiles = static_cast<int>(q_tiles), kv_heads = a.shape.num_kv_heads;
+    const bool pingpong = PingPongFromEnv();
+    auto launch = a.shape.head_dim == 128 ? (pingpong ? LaunchShape<128, true>
+                                                      : LaunchShape<128, false>)
+                                          : (pingpong ? LaunchShape<64, true>
+                                                      : LaunchShape<64, false>);
+    CPFILL_RETURN_IF_ERROR(launch(p, tiles, kv_heads, stream));
     summary_offset += k_tiles;
   }
   return absl::OkStatus();

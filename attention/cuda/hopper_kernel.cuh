@@ -125,6 +125,14 @@ __device__ __forceinline__ void SetMaxRegistersInc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// Named barriers 1 and 2 order the two consumer warpgroups' turns at the tensor cores.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -227,7 +235,10 @@ __device__ __forceinline__ void WgmmaRS_N64(float (&d)[32], const uint32_t (&a)[
 
 // ---- the kernel --------------------------------------------------------------------------
 
-template <int kDim, int kStages>
+// kPingPong: the two consumer warpgroups take turns issuing their products (FlashAttention-3's
+// ping-pong), so one warpgroup's softmax runs while the other's products keep the tensor cores
+// busy.
+template <int kDim, int kStages, bool kPingPong>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     HopperFlashKernel(const __grid_constant__ HopperParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -384,6 +395,14 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   float* s_flat = &s_acc[0][0];
   uint32_t p_frag[kBlockN / 16][4];
   float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.f, 0.f};
+  // Turns at the tensor cores: consumer c waits on barrier 1 + c, then hands the turn over.
+  auto turn_begin = [&] {
+    if constexpr (kPingPong) NamedBarrierSync(1 + cw, 256);
+  };
+  auto turn_end = [&] {
+    if constexpr (kPingPong) NamedBarrierArrive(1 + (cw ^ 1), 256);
+  };
+  if (kPingPong && cw == 1) NamedBarrierArrive(1, 256);  // consumer 0 goes first
 
   // S = Q K^T over head_dim in k-steps of 16: step kk is bytes 32 (kk % 4) of slab kk / 4.
   auto issue_qk = [&](int st) {
@@ -471,7 +490,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   if (j < num_k_tiles) {
     // First tile: S, softmax, P.
     MbarWait(full_k(0), 0);
+    turn_begin();
     issue_qk(0);
+    turn_end();
     WgmmaWait<0>();
     FenceRegisters(reinterpret_cast<float(&)[kBlockN / 2]>(*s_flat));
     __syncwarp();
@@ -489,14 +510,20 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     while (j_next < num_k_tiles) {
       const int st = it % kStages, st_next = (it + 1) % kStages;
       MbarWait(full_k(st_next), ((it + 1) / kStages) & 1);
+      turn_begin();
       issue_qk(st_next);
       MbarWait(full_v(st), (it / kStages) & 1);
       issue_pv(st);
+      turn_end();
+      // The tile after next, and whether the next one needs the mask, while the tensor cores
+      // work: the summaries are global loads, too slow to wait for at the loop's end.
+      const bool mask_next = classify(j_next) == 1;
+      const int j_after = next_visible(j_next + 1);
       WgmmaWait<1>();  // S of the next tile is ready; P V may still run
       FenceRegisters(reinterpret_cast<float(&)[kBlockN / 2]>(*s_flat));
       __syncwarp();
       if (lane == 0) MbarArrive(empty_k(st_next));
-      if (classify(j_next) == 1) mask_tile(j_next);
+      if (mask_next) mask_tile(j_next);
       softmax(alpha);
       WgmmaWait<0>();
       FenceRegisters(reinterpret_cast<float(&)[kDim / 2]>(*o_flat));
@@ -511,12 +538,14 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       }
       pack_p();
       j = j_next;
-      j_next = next_visible(j + 1);
+      j_next = j_after;
       ++it;
     }
     const int st = it % kStages;
     MbarWait(full_v(st), (it / kStages) & 1);
+    turn_begin();
     issue_pv(st);
+    turn_end();
     WgmmaWait<0>();
     FenceRegisters(reinterpret_cast<float(&)[kDim / 2]>(*o_flat));
     __syncwarp();
