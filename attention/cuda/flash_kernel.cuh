@@ -158,6 +158,28 @@ __global__ void KeyTileSummaryKernel(const __grid_constant__ Params p, int total
   out[tile] = r;
 }
 
+// The key tiles of one slice as a CTA's query rows see them, from the pre-pass summaries and the
+// CTA's query statistics (smallest and largest valid position, whether a row is padding).
+struct VisibleKeyTiles {
+  const KeyTileSummary* summaries;
+  int num_tiles;
+  int32_t q_min, q_max, q_pad, causal;
+
+  // 0: hidden (skip), 1: partly visible (element mask), 2: fully visible (no mask).
+  __device__ __forceinline__ int Classify(int j) const {
+    const KeyTileSummary ks = summaries[j];
+    if (!ks.any_valid || q_max < 0) return 0;
+    if (causal && ks.min_pos > q_max) return 0;
+    if (!ks.any_invalid && !q_pad && (!causal || ks.max_pos <= q_min)) return 2;
+    return 1;
+  }
+  // The first tile at or after j that is not hidden; num_tiles when there is none.
+  __device__ __forceinline__ int NextVisible(int j) const {
+    while (j < num_tiles && Classify(j) == 0) ++j;
+    return j;
+  }
+};
+
 // ---- epilogue shared by the mma.sync and the Hopper kernels ------------------------------
 
 // Where a launch's results go.
@@ -401,20 +423,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
   }
 
   const int num_k_tiles = static_cast<int>((sl.kv_len + kBlockN - 1) / kBlockN);
-  const KeyTileSummary* summaries = p.key_tiles + sl.k_tile_start;
-  const bool q_any_valid = q_max >= 0;
-  // 0: hidden (skip), 1: partly visible (element mask), 2: fully visible (no mask).
-  auto classify = [&](int j) -> int {
-    const KeyTileSummary ks = summaries[j];
-    if (!ks.any_valid || !q_any_valid) return 0;
-    if (p.causal && ks.min_pos > q_max) return 0;
-    if (!ks.any_invalid && !q_pad && (!p.causal || ks.max_pos <= q_min)) return 2;
-    return 1;
-  };
-  auto next_visible = [&](int j) {
-    while (j < num_k_tiles && classify(j) == 0) ++j;
-    return j;
-  };
+  const VisibleKeyTiles tiles{p.key_tiles + sl.k_tile_start, num_k_tiles, q_min, q_max, q_pad,
+                              p.causal};
+  auto classify = [&](int j) { return tiles.Classify(j); };
+  auto next_visible = [&](int j) { return tiles.NextVisible(j); };
   // K/V rows of this slice and head start here; a thread always copies the same 16-byte chunk
   // column of every row it touches, so its offsets advance by constants.
   const __nv_bfloat16* k_base = p.k + sl.kv_begin * kv_stride + kv_head * kDim;

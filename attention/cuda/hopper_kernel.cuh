@@ -332,20 +332,10 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
 
   // The producer and the consumers walk the same list of visible key tiles.
   const int num_k_tiles = static_cast<int>((sl.kv_len + kBlockN - 1) / kBlockN);
-  const KeyTileSummary* summaries = p.key_tiles + sl.k_tile_start;
-  const bool q_any_valid = q_max >= 0;
-  // 0: hidden (skip), 1: partly visible (element mask), 2: fully visible (no mask).
-  auto classify = [&](int j) -> int {
-    const KeyTileSummary ks = summaries[j];
-    if (!ks.any_valid || !q_any_valid) return 0;
-    if (p.causal && ks.min_pos > q_max) return 0;
-    if (!ks.any_invalid && !q_pad && (!p.causal || ks.max_pos <= q_min)) return 2;
-    return 1;
-  };
-  auto next_visible = [&](int j) {
-    while (j < num_k_tiles && classify(j) == 0) ++j;
-    return j;
-  };
+  const VisibleKeyTiles tiles{p.key_tiles + sl.k_tile_start, num_k_tiles, q_min, q_max, q_pad,
+                              p.causal};
+  auto classify = [&](int j) { return tiles.Classify(j); };
+  auto next_visible = [&](int j) { return tiles.NextVisible(j); };
 
   if (warpgroup == 0) {
     // ---- producer ----
