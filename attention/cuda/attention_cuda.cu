@@ -234,39 +234,17 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
     return internal::LaunchHopperAttention(a, work, summaries, stream);
   }
 #endif
-  const int group = a.shape.group_size();
   int64_t summary_offset = 0;
   for (size_t first = 0; first < work.size(); first += kMaxSlicesPerLaunch) {
     const size_t count = std::min<size_t>(kMaxSlicesPerLaunch, work.size() - first);
     FlashParams p{};
-    p.q = a.q;
     p.k = a.k;
     p.v = a.v;
-    p.q_pos = a.q_pos;
-    p.k_pos = a.k_pos;
-    p.o = a.o;
-    p.lse = a.lse;
-    p.key_tiles = summaries + summary_offset;
-    p.key_tile = BlockN();
-    p.num_heads = a.shape.num_heads;
-    p.num_kv_heads = a.shape.num_kv_heads;
-    p.group = group;
-    p.scale_log2 = a.shape.softmax_scale * internal::kLog2e;
-    p.causal = a.shape.causal ? 1 : 0;
-    p.out_mode = a.output == OutputMode::kBfloat16  ? internal::kOutBf16
-                 : a.output == OutputMode::kFloat32 ? internal::kOutF32
-                                                    : internal::kOutMergeF32;
-    p.num_slices = static_cast<int32_t>(count);
-    int64_t q_tiles = 0, k_tiles = 0;
-    for (size_t i = 0; i < count; ++i) {
-      const SequenceSlice& s = a.slices[work[first + i]];
-      p.slices[i] = SliceDesc{s.q_begin, s.q_len, s.kv_begin, s.kv_len,
-                              static_cast<int32_t>(q_tiles), static_cast<int32_t>(k_tiles)};
-      q_tiles += (s.q_len * group + BlockM() - 1) / BlockM();
-      k_tiles += KeyTiles(s);
-    }
-    CPFILL_CHECK_ARG(q_tiles < (int64_t{1} << 31) - 1, "CUDA attention: ", q_tiles,
-                     " query tiles exceed one launch");
+    internal::LaunchExtent extent;
+    CPFILL_RETURN_IF_ERROR(internal::PrepareLaunch(
+        a, std::span<const int64_t>(work).subspan(first, count), BlockM(), BlockN(),
+        summaries + summary_offset, &p, p.slices, &extent));
+    const int64_t q_tiles = extent.q_tiles, k_tiles = extent.k_tiles;
     KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
         p, static_cast<int>(k_tiles), summaries + summary_offset);
     CPFILL_CUDA_CHECK(cudaGetLastError());

@@ -110,42 +110,23 @@ bool HopperAttentionUsable(const CudaAttentionArgs& a) {
 
 absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const int64_t> work,
                                    KeyTileSummary* summaries, cudaStream_t stream) {
-  const int group = a.shape.group_size();
   int64_t summary_offset = 0;
   // One launch per kMaxHopperSlices slices: a ring step of up to 48 sequences is one launch.
   for (size_t first = 0; first < work.size(); first += kMaxHopperSlices) {
     const size_t count = std::min<size_t>(kMaxHopperSlices, work.size() - first);
     HopperParams p{};  // about 14 KiB: the launch copies it into the parameter space
-    p.q = a.q;
-    p.q_pos = a.q_pos;
-    p.k_pos = a.k_pos;
-    p.o = a.o;
-    p.lse = a.lse;
-    p.key_tiles = summaries + summary_offset;
-    p.key_tile = kHopperBlockN;
-    p.num_heads = a.shape.num_heads;
-    p.num_kv_heads = a.shape.num_kv_heads;
-    p.group = group;
-    p.scale_log2 = a.shape.softmax_scale * kLog2e;
-    p.causal = a.shape.causal ? 1 : 0;
-    p.out_mode = a.output == OutputMode::kBfloat16  ? kOutBf16
-                 : a.output == OutputMode::kFloat32 ? kOutF32
-                                                    : kOutMergeF32;
-    p.num_slices = static_cast<int32_t>(count);
-    int64_t q_tiles = 0, k_tiles = 0;
+    LaunchExtent extent;
+    CPFILL_RETURN_IF_ERROR(PrepareLaunch(a, work.subspan(first, count), kHopperBlockM,
+                                         kHopperBlockN, summaries + summary_offset, &p,
+                                         p.slices, &extent));
     for (size_t i = 0; i < count; ++i) {
-      const SequenceSlice& s = a.slices[work[first + i]];
-      p.slices[i] = SliceDesc{s.q_begin, s.q_len, s.kv_begin, s.kv_len,
-                              static_cast<int32_t>(q_tiles), static_cast<int32_t>(k_tiles)};
+      const SliceDesc& s = p.slices[i];
       CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.k_maps[i], a.k, s.kv_begin, s.kv_len,
                                             a.shape.num_kv_heads, a.shape.head_dim));
       CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.v_maps[i], a.v, s.kv_begin, s.kv_len,
                                             a.shape.num_kv_heads, a.shape.head_dim));
-      q_tiles += (s.q_len * group + kHopperBlockM - 1) / kHopperBlockM;
-      k_tiles += (s.kv_len + kHopperBlockN - 1) / kHopperBlockN;
     }
-    CPFILL_CHECK_ARG(q_tiles < (int64_t{1} << 31) - 1, "CUDA attention: ", q_tiles,
-                     " query tiles exceed one launch");
+    const int64_t q_tiles = extent.q_tiles, k_tiles = extent.k_tiles;
     KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
         p, static_cast<int>(k_tiles), summaries + summary_offset);
     CPFILL_CUDA_CHECK(cudaGetLastError());

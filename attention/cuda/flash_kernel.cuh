@@ -26,6 +26,11 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "attention/cuda/attention_cuda.h"
 
 namespace cpfill::attention::cuda::internal {
 
@@ -46,10 +51,10 @@ struct KeyTileSummary {
 
 enum OutMode : int32_t { kOutBf16 = 0, kOutF32 = 1, kOutMergeF32 = 2 };
 
-struct FlashParams {
+// What a launch of either forward kernel carries besides its slice table (and the Hopper
+// kernel's tensor maps).
+struct LaunchCommon {
   const __nv_bfloat16* q;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
   const int32_t* q_pos;
   const int32_t* k_pos;
   void* o;
@@ -61,12 +66,62 @@ struct FlashParams {
   int32_t causal;
   int32_t out_mode;
   int32_t num_slices;
+};
+
+struct FlashParams : LaunchCommon {
+  const __nv_bfloat16* k;
+  const __nv_bfloat16* v;
   SliceDesc slices[kMaxSlicesPerLaunch];
 };
 static_assert(sizeof(FlashParams) <= 4096, "kernel parameters must fit the 4 KiB limit");
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// Tile counts of one launch.
+struct LaunchExtent {
+  int64_t q_tiles = 0;  // CTAs along blockIdx.x
+  int64_t k_tiles = 0;  // key-tile summaries
+};
+
+// Fills a launch's common fields and its slice table from the slices `work` (indices into
+// a.slices): each slice's first CTA (query tiles of block_m folded rows) and first key-tile
+// summary (tiles of block_n keys). InvalidArgument when the query tiles exceed one launch.
+inline absl::Status PrepareLaunch(const CudaAttentionArgs& a, std::span<const int64_t> work,
+                                  int block_m, int block_n, const KeyTileSummary* summaries,
+                                  LaunchCommon* c, SliceDesc* slices, LaunchExtent* extent) {
+  const int group = a.shape.group_size();
+  c->q = a.q;
+  c->q_pos = a.q_pos;
+  c->k_pos = a.k_pos;
+  c->o = a.o;
+  c->lse = a.lse;
+  c->key_tiles = summaries;
+  c->key_tile = block_n;
+  c->num_heads = a.shape.num_heads;
+  c->num_kv_heads = a.shape.num_kv_heads;
+  c->group = group;
+  c->scale_log2 = a.shape.softmax_scale * kLog2e;
+  c->causal = a.shape.causal ? 1 : 0;
+  c->out_mode = a.output == OutputMode::kBfloat16  ? kOutBf16
+                : a.output == OutputMode::kFloat32 ? kOutF32
+                                                   : kOutMergeF32;
+  c->num_slices = static_cast<int32_t>(work.size());
+  *extent = {};
+  for (size_t i = 0; i < work.size(); ++i) {
+    const SequenceSlice& s = a.slices[work[i]];
+    slices[i] = SliceDesc{s.q_begin, s.q_len, s.kv_begin, s.kv_len,
+                          static_cast<int32_t>(extent->q_tiles),
+                          static_cast<int32_t>(extent->k_tiles)};
+    extent->q_tiles += (s.q_len * group + block_m - 1) / block_m;
+    extent->k_tiles += (s.kv_len + block_n - 1) / block_n;
+  }
+  if (extent->q_tiles >= (int64_t{1} << 31) - 1) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA attention: ", extent->q_tiles,
+                                                   " query tiles exceed one launch"));
+  }
+  return absl::OkStatus();
+}
 
 // ---- small PTX wrappers ------------------------------------------------------------------
 
@@ -156,6 +211,22 @@ __global__ void KeyTileSummaryKernel(const __grid_constant__ Params p, int total
     }
   }
   out[tile] = r;
+}
+
+// The CTA's slice and query tile: CTAs of a slice are contiguous in blockIdx.x; within a slice
+// the last query tiles (latest positions, most causal work) go first.
+struct QueryTile {
+  int slice_index;
+  SliceDesc slice;
+  int m_block;
+};
+__device__ __forceinline__ QueryTile LocateQueryTile(const SliceDesc* slices, int num_slices,
+                                                     int group, int block_m) {
+  int s = 0;
+  while (s + 1 < num_slices && static_cast<int>(blockIdx.x) >= slices[s + 1].q_tile_start) ++s;
+  const SliceDesc sl = slices[s];
+  const int num_q_tiles = static_cast<int>((sl.q_len * group + block_m - 1) / block_m);
+  return {s, sl, num_q_tiles - 1 - (static_cast<int>(blockIdx.x) - sl.q_tile_start)};
 }
 
 // The key tiles of one slice as a CTA's query rows see them, from the pre-pass summaries and the
@@ -310,17 +381,11 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
   const int warp = tid / 32, lane = tid % 32;
   const int group_id = lane >> 2, tig = lane & 3;
 
-  // Which slice and query tile: CTAs of a slice are contiguous in blockIdx.x; within a slice
-  // the last query tiles (latest positions, most causal work) go first.
-  int s = 0;
-  while (s + 1 < p.num_slices && static_cast<int>(blockIdx.x) >= p.slices[s + 1].q_tile_start) {
-    ++s;
-  }
-  const SliceDesc sl = p.slices[s];
+  const QueryTile tile = LocateQueryTile(p.slices, p.num_slices, p.group, kBlockM);
+  const SliceDesc sl = tile.slice;
+  const int m_block = tile.m_block;
   const int G = p.group;
   const int64_t slice_rows = sl.q_len * G;
-  const int num_q_tiles = static_cast<int>((slice_rows + kBlockM - 1) / kBlockM);
-  const int m_block = num_q_tiles - 1 - (static_cast<int>(blockIdx.x) - sl.q_tile_start);
   const int kv_head = blockIdx.y;
   const int64_t q_stride = static_cast<int64_t>(p.num_heads) * kDim;
   const int64_t kv_stride = static_cast<int64_t>(p.num_kv_heads) * kDim;

@@ -39,22 +39,10 @@ inline constexpr int kMaxHopperSlices = 48;
 
 // Launch parameters; the tensor maps must live in parameter space (or global memory) for TMA,
 // and 48 slices of them need the large kernel-parameter space of CUDA 12.1+.
-struct HopperParams {
+struct HopperParams : LaunchCommon {
   CUtensorMap k_maps[kMaxHopperSlices];  // per slice: [kv_len rows, num_kv_heads * head_dim]
   CUtensorMap v_maps[kMaxHopperSlices];
   SliceDesc slices[kMaxHopperSlices];
-  const __nv_bfloat16* q;
-  const int32_t* q_pos;
-  const int32_t* k_pos;
-  void* o;
-  float* lse;
-  const KeyTileSummary* key_tiles;
-  int32_t key_tile;  // kHopperBlockN
-  int32_t num_heads, num_kv_heads, group;
-  float scale_log2;
-  int32_t causal;
-  int32_t out_mode;
-  int32_t num_slices;
 };
 static_assert(sizeof(HopperParams) <= 32764, "kernel parameters must fit 32764 bytes");
 
@@ -261,16 +249,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   const int warp = tid / 32, lane = tid % 32;
   const int warpgroup = warp / 4;
 
-  // Which slice and query tile (as the mma.sync kernel): a slice's last query tiles first.
-  int s = 0;
-  while (s + 1 < p.num_slices && static_cast<int>(blockIdx.x) >= p.slices[s + 1].q_tile_start) {
-    ++s;
-  }
-  const SliceDesc sl = p.slices[s];
+  const QueryTile tile = LocateQueryTile(p.slices, p.num_slices, p.group, kBlockM);
+  const SliceDesc sl = tile.slice;
+  const int m_block = tile.m_block;
   const int G = p.group;
   const int64_t slice_rows = sl.q_len * G;
-  const int num_q_tiles = static_cast<int>((slice_rows + kBlockM - 1) / kBlockM);
-  const int m_block = num_q_tiles - 1 - (static_cast<int>(blockIdx.x) - sl.q_tile_start);
   const int kv_head = blockIdx.y;
   const int64_t q_stride = static_cast<int64_t>(p.num_heads) * kDim;
   const int64_t row0 = static_cast<int64_t>(m_block) * kBlockM;
@@ -341,8 +324,8 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     // ---- producer ----
     SetMaxRegistersDec<24>();
     if (warp == 0 && lane == 0) {
-      const CUtensorMap* kmap = &p.k_maps[s];
-      const CUtensorMap* vmap = &p.v_maps[s];
+      const CUtensorMap* kmap = &p.k_maps[tile.slice_index];
+      const CUtensorMap* vmap = &p.v_maps[tile.slice_index];
       int it = 0;
       for (int j = next_visible(0); j < num_k_tiles; j = next_visible(j + 1), ++it) {
         const int st = it % kStages;
