@@ -354,7 +354,7 @@ int Run(int argc, char** argv) {
         .Set("world_size", grid.world_size)
         .Set("tp", grid.tp_size)
         .Set("cp", grid.cp_size)
-        .Set("backend", "cpu")
+        .Set("backend", f.backend)
         .Set("algorithm", std::string(parallel::RingAlgorithmName(t.algorithm)))
         .Set("sequences", std::move(seqs))
         .Set("ttft_ms", slowest * 1e3)

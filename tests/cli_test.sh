@@ -143,9 +143,12 @@ cuda_backend_check)
     expect_exit 0 'check: .*PASS' -- mpi 1 "$cpfill" attention --backend cuda --algo $algo \
       --seq-lens 1031,257,1 --cached-lens 0,300,5 --heads 16 --kv-heads 1 --head-dim 128 --check
   done
-  # The whole model on the GPU (bf16, cuBLASLt) against the fp32 CPU model.
+  # The whole model on the GPU (bf16, cuBLASLt) against the fp32 CPU model; --repeat runs the
+  # same model three times, so the kept workspace and ring scratch are reused.
   expect_exit 0 'check: .*PASS' -- mpi 1 "$cpfill" prefill --backend cuda --model tiny \
-    --prompt-lens 700,33,1 --check
+    --prompt-lens 700,33,1 --repeat 2 --check --json "$tmp/g.json"
+  python3 -c "import json; assert json.load(open('$tmp/g.json'))['backend'] == 'cuda'" ||
+    fail "prefill JSON names the backend"
   ;;
 multigpu_device_ring)
   # The device ring over NCCL on 2 and (where there are 4) 4 GPUs: every algorithm, full and

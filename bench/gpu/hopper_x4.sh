@@ -5,6 +5,8 @@
 #                                        # same call; 8B (2 layers) on one GPU vs transformers
 #   bash bench/gpu/hopper_x4.sh model    # multigpu tests; whole Llama-3-8B (32 layers) prefill,
 #                                        # CP1 / CP2 / CP4 / TP2xCP2 at 32K and 128K
+#   bash bench/gpu/hopper_x4.sh one      # on any one GPU: GPU tests (both kernels, the CLI
+#                                        # checks), then the 8B cut to 2 layers vs transformers
 # Binaries from .gpu-carry/ (bench/gpu/build-carry.sh); logs and JSON under $OUT.
 set -uo pipefail
 what=${1:-cp}
@@ -51,6 +53,20 @@ if [ "$what" = cp ]; then
     done
   done
   # Issue 5 on one GPU: cpfill vs transformers, the 8B geometry cut to 2 layers.
+  for t in 8192 32768 131072; do prefill "cp1-2l-$t" 1 --layers 2 --prompt-lens $t; done
+  python3 bench/gpu/hf_prefill_peer.py --layers 2 --lens 8192,32768,131072 \
+    > "$out/hf_peer.log" 2>&1
+  note "transformers: $(grep -h '^{\|^\[' "$out/hf_peer.log" | tail -3)"
+fi
+
+if [ "$what" = one ]; then
+  timeout 150 .gpu-carry/attention_cuda_test --gtest_filter='*Small*' > "$out/gpu_tests.log" 2>&1
+  note "gpu tests (hopper kernel): rc $? $(grep -E 'PASSED|FAILED' "$out/gpu_tests.log" | head -3)"
+  CPFILL_ATTENTION_KERNEL=mma timeout 150 .gpu-carry/attention_cuda_test --gtest_filter='*Small*' \
+    > "$out/gpu_tests_mma.log" 2>&1
+  note "gpu tests (mma kernel): rc $? $(grep -E 'PASSED|FAILED' "$out/gpu_tests_mma.log" | head -3)"
+  timeout 200 bash tests/cli_test.sh cuda_backend_check "$cpfill" > "$out/cli_cuda.log" 2>&1
+  note "cli cuda_backend_check: rc $? $(tail -1 "$out/cli_cuda.log")"
   for t in 8192 32768 131072; do prefill "cp1-2l-$t" 1 --layers 2 --prompt-lens $t; done
   python3 bench/gpu/hf_prefill_peer.py --layers 2 --lens 8192,32768,131072 \
     > "$out/hf_peer.log" 2>&1

@@ -30,46 +30,54 @@ absl::Status DeviceBuffer::Reserve(size_t bytes) {
   return absl::OkStatus();
 }
 
+DeviceRingScratch::~DeviceRingScratch() {
+  for (auto e : events) cudaEventDestroy(e);
+}
+
 DeviceRingAttention::DeviceRingAttention(NcclCommunicator& cp, const sharding::ShardPlan& plan,
                                          const attention::AttentionShape& shape,
-                                         cudaStream_t stream)
-    : cp_(cp), ring_plan_(plan, cp.rank(), shape.causal), shape_(shape), stream_(stream) {}
-
-DeviceRingAttention::~DeviceRingAttention() {
-  for (auto e : events_) cudaEventDestroy(e);
-}
+                                         cudaStream_t stream, DeviceRingScratch* scratch)
+    : cp_(cp),
+      ring_plan_(plan, cp.rank(), shape.causal),
+      shape_(shape),
+      stream_(stream),
+      own_scratch_(scratch ? nullptr : std::make_unique<DeviceRingScratch>()),
+      s_(scratch ? *scratch : *own_scratch_) {}
 
 absl::StatusOr<std::unique_ptr<DeviceRingAttention>> DeviceRingAttention::Create(
     NcclCommunicator& cp, const sharding::ShardPlan& plan, const attention::AttentionShape& shape,
-    cudaStream_t stream) {
+    cudaStream_t stream, DeviceRingScratch* scratch) {
   CPFILL_CHECK_ARG(plan.cp_size == cp.size(), "the shard plan is for CP", plan.cp_size,
                    " but the CP ring has ", cp.size(), " ranks");
   CPFILL_CHECK_ARG(attention::cuda::SupportedHeadDim(shape.head_dim), "head_dim ", shape.head_dim,
                    " has no CUDA kernel (64, 128)");
   CPFILL_CHECK_ARG(plan.cp_size <= attention::cuda::kMaxMergeParts, "pass-Q merges at most ",
                    attention::cuda::kMaxMergeParts, " partials: CP", plan.cp_size, " is too large");
-  std::unique_ptr<DeviceRingAttention> r(new DeviceRingAttention(cp, plan, shape, stream));
+  std::unique_ptr<DeviceRingAttention> r(new DeviceRingAttention(cp, plan, shape, stream, scratch));
   CPFILL_RETURN_IF_ERROR(r->Init());
   return r;
 }
 
 absl::Status DeviceRingAttention::Init() {
   const sharding::LocalLayout& layout = ring_plan_.layout();
-  CPFILL_RETURN_IF_ERROR(q_pos_.Reserve(std::max<size_t>(16, layout.q_rows() * 4)));
-  CPFILL_RETURN_IF_ERROR(kv_pos_.Reserve(std::max<size_t>(16, layout.kv_rows() * 4)));
-  CPFILL_CUDA_CHECK(cudaMemcpyAsync(q_pos_.As<void>(), layout.q_positions.data(),
+  CPFILL_RETURN_IF_ERROR(s_.q_pos.Reserve(std::max<size_t>(16, layout.q_rows() * 4)));
+  CPFILL_RETURN_IF_ERROR(s_.kv_pos.Reserve(std::max<size_t>(16, layout.kv_rows() * 4)));
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(s_.q_pos.As<void>(), layout.q_positions.data(),
                                     layout.q_rows() * 4, cudaMemcpyHostToDevice, stream_));
-  CPFILL_CUDA_CHECK(cudaMemcpyAsync(kv_pos_.As<void>(), layout.kv_positions.data(),
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(s_.kv_pos.As<void>(), layout.kv_positions.data(),
                                     layout.kv_rows() * 4, cudaMemcpyHostToDevice, stream_));
   CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // set-up, not the ring loop
-  events_.resize(kEventsPerRun);
-  for (auto& e : events_) CPFILL_CUDA_CHECK(cudaEventCreate(&e));
+  while (s_.events.size() < kEventsPerRun) {
+    cudaEvent_t e;
+    CPFILL_CUDA_CHECK(cudaEventCreate(&e));
+    s_.events.push_back(e);
+  }
   return absl::OkStatus();
 }
 
 cudaEvent_t DeviceRingAttention::Mark() {
-  cudaEvent_t e = events_[next_event_];
-  next_event_ = (next_event_ + 1) % events_.size();
+  cudaEvent_t e = s_.events[s_.next_event];
+  s_.next_event = (s_.next_event + 1) % s_.events.size();
   cudaEventRecord(e, stream_);
   return e;
 }
@@ -110,7 +118,7 @@ absl::Status DeviceRingAttention::PackKv(const Bf16* k, const Bf16* v, const Dev
                                         cudaMemcpyDeviceToDevice, stream_));
       CPFILL_CUDA_CHECK(cudaMemcpyAsync(mv, reinterpret_cast<const char*>(v) + src * row, n * row,
                                         cudaMemcpyDeviceToDevice, stream_));
-      CPFILL_CUDA_CHECK(cudaMemcpyAsync(mpos, kv_pos_.As<int32_t>() + src, n * 4,
+      CPFILL_CUDA_CHECK(cudaMemcpyAsync(mpos, s_.kv_pos.As<int32_t>() + src, n * 4,
                                         cudaMemcpyDeviceToDevice, stream_));
     }
     if (pad > 0) {
@@ -134,7 +142,7 @@ absl::Status DeviceRingAttention::PackQ(const Bf16* q, const DeviceBuffer& msg) 
     if (n > 0) {
       CPFILL_CUDA_CHECK(cudaMemcpyAsync(mq, reinterpret_cast<const char*>(q) + src * row, n * row,
                                         cudaMemcpyDeviceToDevice, stream_));
-      CPFILL_CUDA_CHECK(cudaMemcpyAsync(mpos, q_pos_.As<int32_t>() + src, n * 4,
+      CPFILL_CUDA_CHECK(cudaMemcpyAsync(mpos, s_.q_pos.As<int32_t>() + src, n * 4,
                                         cudaMemcpyDeviceToDevice, stream_));
     }
     if (pad > 0) {
@@ -148,8 +156,8 @@ absl::Status DeviceRingAttention::PackQ(const Bf16* q, const DeviceBuffer& msg) 
 absl::Status DeviceRingAttention::Attend(const CudaAttentionArgs& args) {
   const size_t need = attention::cuda::AttentionWorkspaceBytes(args);
   // Sized on the first run of a plan; later runs find it large enough.
-  CPFILL_RETURN_IF_ERROR(workspace_.Reserve(std::max<size_t>(need, 256)));
-  return attention::cuda::PartialAttentionCuda(args, workspace_.As<void>(), workspace_.capacity(),
+  CPFILL_RETURN_IF_ERROR(s_.workspace.Reserve(std::max<size_t>(need, 256)));
+  return attention::cuda::PartialAttentionCuda(args, s_.workspace.As<void>(), s_.workspace.capacity(),
                                                stream_);
 }
 
@@ -174,11 +182,11 @@ absl::Status DeviceRingAttention::RunPassKV(const Bf16* q, const Bf16* k, const 
   const int n = ring_plan_.cp_size(), me = ring_plan_.cp_rank();
   const MessageLayout m = KvMessage();
   const sharding::LocalLayout& layout = ring_plan_.layout();
-  CPFILL_RETURN_IF_ERROR(msg_[0].Reserve(m.bytes));
-  CPFILL_RETURN_IF_ERROR(msg_[1].Reserve(m.bytes));
+  CPFILL_RETURN_IF_ERROR(s_.msg[0].Reserve(m.bytes));
+  CPFILL_RETURN_IF_ERROR(s_.msg[1].Reserve(m.bytes));
 
   cudaEvent_t pack0 = Mark();
-  CPFILL_RETURN_IF_ERROR(PackKv(k, v, msg_[0]));
+  CPFILL_RETURN_IF_ERROR(PackKv(k, v, s_.msg[0]));
   cudaEvent_t pack1 = Mark();
 
   std::vector<SequenceSlice> slices;
@@ -194,7 +202,7 @@ absl::Status DeviceRingAttention::RunPassKV(const Bf16* q, const Bf16* k, const 
     if (j + 1 < n) {
       CPFILL_ASSIGN_OR_RETURN(
           exchanges[j],
-          cp_.StartRingExchange(msg_[cur].As<void>(), msg_[1 - cur].As<void>(), m.bytes));
+          cp_.StartRingExchange(s_.msg[cur].As<void>(), s_.msg[1 - cur].As<void>(), m.bytes));
       step.exchange_bytes = static_cast<int64_t>(m.bytes);
     }
     // Step j.2: this step's keys, folded straight into the running (O, LSE).
@@ -202,11 +210,11 @@ absl::Status DeviceRingAttention::RunPassKV(const Bf16* q, const Bf16* k, const 
     const CudaAttentionArgs a{
         .shape = shape_,
         .q = q,
-        .q_pos = q_pos_.As<int32_t>(),
+        .q_pos = s_.q_pos.As<int32_t>(),
         .q_tokens = layout.q_rows(),
-        .k = msg_[cur].As<Bf16>(m.a_offset),
-        .v = msg_[cur].As<Bf16>(m.b_offset),
-        .k_pos = msg_[cur].As<int32_t>(m.pos_offset),
+        .k = s_.msg[cur].As<Bf16>(m.a_offset),
+        .v = s_.msg[cur].As<Bf16>(m.b_offset),
+        .k_pos = s_.msg[cur].As<int32_t>(m.pos_offset),
         .kv_tokens = ring_plan_.kv_slots_total(),
         .slices = slices.data(),
         .num_slices = static_cast<int64_t>(slices.size()),
@@ -240,16 +248,16 @@ absl::Status DeviceRingAttention::RunPassQ(const Bf16* q, const Bf16* k, const B
   const int64_t slots = ring_plan_.q_slots_total();
   const size_t block_floats = slots * (q_row + heads);  // [O fp32 | LSE fp32]
   const size_t block_bytes = block_floats * sizeof(float);
-  CPFILL_RETURN_IF_ERROR(msg_[0].Reserve(m.bytes));
-  CPFILL_RETURN_IF_ERROR(msg_[1].Reserve(m.bytes));
-  CPFILL_RETURN_IF_ERROR(partials_.Reserve(std::max<size_t>(16, n * block_bytes)));
-  CPFILL_RETURN_IF_ERROR(received_.Reserve(std::max<size_t>(16, n * block_bytes)));
-  CPFILL_RETURN_IF_ERROR(merged_.Reserve(std::max<size_t>(16, block_bytes)));
-  float* partials = partials_.As<float>();
-  float* received = received_.As<float>();
+  CPFILL_RETURN_IF_ERROR(s_.msg[0].Reserve(m.bytes));
+  CPFILL_RETURN_IF_ERROR(s_.msg[1].Reserve(m.bytes));
+  CPFILL_RETURN_IF_ERROR(s_.partials.Reserve(std::max<size_t>(16, n * block_bytes)));
+  CPFILL_RETURN_IF_ERROR(s_.received.Reserve(std::max<size_t>(16, n * block_bytes)));
+  CPFILL_RETURN_IF_ERROR(s_.merged.Reserve(std::max<size_t>(16, block_bytes)));
+  float* partials = s_.partials.As<float>();
+  float* received = s_.received.As<float>();
 
   cudaEvent_t pack0 = Mark();
-  CPFILL_RETURN_IF_ERROR(PackQ(q, msg_[0]));
+  CPFILL_RETURN_IF_ERROR(PackQ(q, s_.msg[0]));
   cudaEvent_t pack1 = Mark();
 
   std::vector<SequenceSlice> slices;
@@ -264,18 +272,18 @@ absl::Status DeviceRingAttention::RunPassQ(const Bf16* q, const Bf16* k, const B
     if (j + 1 < n) {
       CPFILL_ASSIGN_OR_RETURN(
           exchanges[j],
-          cp_.StartRingExchange(msg_[cur].As<void>(), msg_[1 - cur].As<void>(), m.bytes));
+          cp_.StartRingExchange(s_.msg[cur].As<void>(), s_.msg[1 - cur].As<void>(), m.bytes));
       step.exchange_bytes = static_cast<int64_t>(m.bytes);
     }
     ring_plan_.PassQSlices(src, &slices, &step);
     float* block = partials + src * block_floats;
     const CudaAttentionArgs a{.shape = shape_,
-                              .q = msg_[cur].As<Bf16>(m.a_offset),
-                              .q_pos = msg_[cur].As<int32_t>(m.pos_offset),
+                              .q = s_.msg[cur].As<Bf16>(m.a_offset),
+                              .q_pos = s_.msg[cur].As<int32_t>(m.pos_offset),
                               .q_tokens = slots,
                               .k = k,
                               .v = v,
-                              .k_pos = kv_pos_.As<int32_t>(),
+                              .k_pos = s_.kv_pos.As<int32_t>(),
                               .kv_tokens = layout.kv_rows(),
                               .slices = slices.data(),
                               .num_slices = static_cast<int64_t>(slices.size()),
@@ -308,7 +316,7 @@ absl::Status DeviceRingAttention::RunPassQ(const Bf16* q, const Bf16* k, const B
     po[p] = b;
     pl[p] = b + slots * q_row;
   }
-  float* merged_o = merged_.As<float>();
+  float* merged_o = s_.merged.As<float>();
   float* merged_lse = merged_o + slots * q_row;
   CPFILL_RETURN_IF_ERROR(attention::cuda::MergePartialsCuda(shape_, slots, po, pl, merged_o,
                                                             nullptr, merged_lse, stream_));
@@ -341,14 +349,14 @@ absl::Status DeviceRingAttention::RunAllGather(const Bf16* q, const Bf16* k, con
   const sharding::LocalLayout& layout = ring_plan_.layout();
   const size_t kv_row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim * sizeof(Bf16);
   const MessageLayout g = MessageLayout::Make(n * ring_plan_.kv_slots_total(), kv_row, kv_row);
-  CPFILL_RETURN_IF_ERROR(msg_[0].Reserve(m.bytes));
-  CPFILL_RETURN_IF_ERROR(gathered_.Reserve(n * m.bytes));
-  CPFILL_RETURN_IF_ERROR(gathered_kv_.Reserve(g.bytes));
+  CPFILL_RETURN_IF_ERROR(s_.msg[0].Reserve(m.bytes));
+  CPFILL_RETURN_IF_ERROR(s_.gathered.Reserve(n * m.bytes));
+  CPFILL_RETURN_IF_ERROR(s_.gathered_kv.Reserve(g.bytes));
 
   cudaEvent_t p0 = Mark();
-  CPFILL_RETURN_IF_ERROR(PackKv(k, v, msg_[0]));
+  CPFILL_RETURN_IF_ERROR(PackKv(k, v, s_.msg[0]));
   cudaEvent_t g0 = Mark();
-  CPFILL_RETURN_IF_ERROR(cp_.AllGather(msg_[0].As<void>(), m.bytes, gathered_.As<void>()));
+  CPFILL_RETURN_IF_ERROR(cp_.AllGather(s_.msg[0].As<void>(), m.bytes, s_.gathered.As<void>()));
   cudaEvent_t g1 = Mark();
   // Each sequence's keys from all ranks side by side (N * L^i slots at N * kv_slot_offset(i)).
   for (int p = 0; p < n; ++p) {
@@ -357,14 +365,14 @@ absl::Status DeviceRingAttention::RunAllGather(const Bf16* q, const Bf16* k, con
       const int64_t dst = n * src + p * len;
       if (len == 0) continue;
       const size_t base = p * m.bytes;
-      CPFILL_CUDA_CHECK(cudaMemcpyAsync(gathered_kv_.As<char>(g.a_offset) + dst * kv_row,
-                                        gathered_.As<char>(base + m.a_offset) + src * kv_row,
+      CPFILL_CUDA_CHECK(cudaMemcpyAsync(s_.gathered_kv.As<char>(g.a_offset) + dst * kv_row,
+                                        s_.gathered.As<char>(base + m.a_offset) + src * kv_row,
                                         len * kv_row, cudaMemcpyDeviceToDevice, stream_));
-      CPFILL_CUDA_CHECK(cudaMemcpyAsync(gathered_kv_.As<char>(g.b_offset) + dst * kv_row,
-                                        gathered_.As<char>(base + m.b_offset) + src * kv_row,
+      CPFILL_CUDA_CHECK(cudaMemcpyAsync(s_.gathered_kv.As<char>(g.b_offset) + dst * kv_row,
+                                        s_.gathered.As<char>(base + m.b_offset) + src * kv_row,
                                         len * kv_row, cudaMemcpyDeviceToDevice, stream_));
-      CPFILL_CUDA_CHECK(cudaMemcpyAsync(gathered_kv_.As<int32_t>(g.pos_offset) + dst,
-                                        gathered_.As<int32_t>(base + m.pos_offset) + src, len * 4,
+      CPFILL_CUDA_CHECK(cudaMemcpyAsync(s_.gathered_kv.As<int32_t>(g.pos_offset) + dst,
+                                        s_.gathered.As<int32_t>(base + m.pos_offset) + src, len * 4,
                                         cudaMemcpyDeviceToDevice, stream_));
     }
   }
@@ -373,11 +381,11 @@ absl::Status DeviceRingAttention::RunAllGather(const Bf16* q, const Bf16* k, con
   ring_plan_.AllGatherSlices(&slices);
   const CudaAttentionArgs a{.shape = shape_,
                             .q = q,
-                            .q_pos = q_pos_.As<int32_t>(),
+                            .q_pos = s_.q_pos.As<int32_t>(),
                             .q_tokens = layout.q_rows(),
-                            .k = gathered_kv_.As<Bf16>(g.a_offset),
-                            .v = gathered_kv_.As<Bf16>(g.b_offset),
-                            .k_pos = gathered_kv_.As<int32_t>(g.pos_offset),
+                            .k = s_.gathered_kv.As<Bf16>(g.a_offset),
+                            .v = s_.gathered_kv.As<Bf16>(g.b_offset),
+                            .k_pos = s_.gathered_kv.As<int32_t>(g.pos_offset),
                             .kv_tokens = n * ring_plan_.kv_slots_total(),
                             .slices = slices.data(),
                             .num_slices = static_cast<int64_t>(slices.size()),
@@ -403,7 +411,7 @@ absl::Status DeviceRingAttention::Run(RingAlgorithm algorithm, const Bf16* q, co
   RingTimings* t = timings ? timings : &local;
   *t = RingTimings{};
   t->algorithm = algorithm;
-  next_event_ = 0;
+  s_.next_event = 0;
   const auto t0 = Clock::now();
   absl::Status status;
   switch (algorithm) {

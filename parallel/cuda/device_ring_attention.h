@@ -59,13 +59,28 @@ class DeviceBuffer {
   size_t capacity_ = 0;
 };
 
+// The ring's device memory and timing events, kept by a caller that runs many batches (the
+// model, once per layer and per prefill) so that a new plan allocates nothing: cudaMalloc and
+// cudaFree of the message and workspace buffers cost milliseconds and synchronize the device.
+struct DeviceRingScratch {
+  DeviceRingScratch() = default;
+  ~DeviceRingScratch();
+  DeviceRingScratch(const DeviceRingScratch&) = delete;
+  DeviceRingScratch& operator=(const DeviceRingScratch&) = delete;
+
+  DeviceBuffer q_pos, kv_pos;  // the plan's positions
+  DeviceBuffer msg[2], partials, received, merged, gathered, gathered_kv, workspace;
+  std::vector<cudaEvent_t> events;  // created on first use
+  size_t next_event = 0;
+};
+
 class DeviceRingAttention {
  public:
-  // `cp` is the CP ring of the plan; work runs on cp's compute stream.
+  // `cp` is the CP ring of the plan; work runs on cp's compute stream. `scratch`, when given,
+  // outlives the ring and is reused by the next one; without it the ring owns its own.
   static absl::StatusOr<std::unique_ptr<DeviceRingAttention>> Create(
       NcclCommunicator& cp, const sharding::ShardPlan& plan, const attention::AttentionShape& shape,
-      cudaStream_t stream);
-  ~DeviceRingAttention();
+      cudaStream_t stream, DeviceRingScratch* scratch = nullptr);
 
   // Device tensors in the rank's local layout: q [q_rows, H, D] bf16, k/v [kv_rows, H_kv, D]
   // bf16 -> o [q_rows, H, D] fp32, lse [q_rows, H] fp32. Returns after the host synchronized.
@@ -76,7 +91,8 @@ class DeviceRingAttention {
 
  private:
   DeviceRingAttention(NcclCommunicator& cp, const sharding::ShardPlan& plan,
-                      const attention::AttentionShape& shape, cudaStream_t stream);
+                      const attention::AttentionShape& shape, cudaStream_t stream,
+                      DeviceRingScratch* scratch);
   absl::Status Init();
 
   absl::Status RunPassKV(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
@@ -102,10 +118,8 @@ class DeviceRingAttention {
   RingPlan ring_plan_;
   attention::AttentionShape shape_;
   cudaStream_t stream_;
-  DeviceBuffer q_pos_, kv_pos_;  // this rank's positions, uploaded once
-  DeviceBuffer msg_[2], partials_, received_, merged_, gathered_, gathered_kv_, workspace_;
-  std::vector<cudaEvent_t> events_;
-  size_t next_event_ = 0;
+  std::unique_ptr<DeviceRingScratch> own_scratch_;  // when the caller gave none
+  DeviceRingScratch& s_;
 };
 
 }  // namespace cpfill::parallel

@@ -63,6 +63,45 @@ absl::StatusOr<std::unique_ptr<LlamaModelCuda>> LlamaModelCuda::Create(
   return m;
 }
 
+LlamaModelCuda::PhaseEvents::~PhaseEvents() {
+  for (cudaEvent_t e : pool_) cudaEventDestroy(e);
+}
+
+absl::StatusOr<cudaEvent_t> LlamaModelCuda::PhaseEvents::Next() {
+  if (used_ == pool_.size()) {
+    cudaEvent_t e;
+    CPFILL_CUDA_CHECK(cudaEventCreate(&e));
+    pool_.push_back(e);
+  }
+  return pool_[used_++];
+}
+
+absl::Status LlamaModelCuda::PhaseEvents::Begin(cudaStream_t stream) {
+  CPFILL_ASSIGN_OR_RETURN(open_, Next());
+  CPFILL_CUDA_CHECK(cudaEventRecord(open_, stream));
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModelCuda::PhaseEvents::End(cudaStream_t stream, double* seconds) {
+  CPFILL_ASSIGN_OR_RETURN(cudaEvent_t end, Next());
+  CPFILL_CUDA_CHECK(cudaEventRecord(end, stream));
+  pending_.emplace_back(seconds, open_, end);
+  return absl::OkStatus();
+}
+
+void LlamaModelCuda::PhaseEvents::Collect() {
+  for (auto [seconds, begin, end] : pending_) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, begin, end) == cudaSuccess) *seconds += ms / 1e3;
+  }
+  Reset();
+}
+
+void LlamaModelCuda::PhaseEvents::Reset() {
+  pending_.clear();
+  used_ = 0;
+}
+
 int64_t LlamaModelCuda::kv_tokens_held() const {
   int64_t held = 0;
   for (const auto& [name, s] : sessions_) held += s.where.layout.tokens(nccl_.cp->rank(), 0);
@@ -75,6 +114,7 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
   PrefillTimings local_t;
   PrefillTimings& t = timings ? *timings : local_t;
   t = PrefillTimings{};
+  phases_.Reset();
   const auto t_start = Clock::now();
   const ModelConfig& c = config_;
   const cudaStream_t stream = nccl_.compute.get();
@@ -85,14 +125,12 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
   const int64_t qw = int64_t{hq} * hd, kvw = int64_t{hkv} * hd;
   const float eps = static_cast<float>(c.rms_norm_eps);
 
-  // Each phase ends with a stream synchronization so its time is its own (microseconds of
-  // overhead against the milliseconds of a long prefill's phases).
+  // Each phase is bracketed by events on the compute stream: its GPU time is its own, and the
+  // host runs ahead enqueueing the next phase (the ring and the LM head still wait on the host).
   auto phase = [&](double& acc, const std::function<absl::Status()>& fn) -> absl::Status {
-    const auto p0 = Clock::now();
+    CPFILL_RETURN_IF_ERROR(phases_.Begin(stream));
     CPFILL_RETURN_IF_ERROR(fn());
-    CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream));
-    acc += std::chrono::duration<double>(Clock::now() - p0).count();
-    return absl::OkStatus();
+    return phases_.End(stream, &acc);
   };
 
   // Step 0: plan, capacity and algorithm, exactly as the CPU model.
@@ -114,31 +152,36 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
                                         .softmax_scale = 1.0f / std::sqrt(float(hd)),
                                         .causal = true};
   CPFILL_ASSIGN_OR_RETURN(auto ring,
-                          parallel::DeviceRingAttention::Create(*nccl_.cp, b.plan, shape, stream));
+                          parallel::DeviceRingAttention::Create(*nccl_.cp, b.plan, shape, stream,
+                                                                       &work_.ring));
 
-  // Buffers for this batch (device).
-  parallel::DeviceBuffer ids, qpos, x, h, q, kn, vn, k_all, v_all, attn, lse, attn16, proj, gate,
-      up;
+  // Buffers for this batch (device), grown if this batch is the largest so far.
+  Workspace& w = work_;
   const auto reserve = [](parallel::DeviceBuffer& buf, int64_t bytes) {
     return buf.Reserve(std::max<int64_t>(16, bytes));
   };
-  for (auto [buf, bytes] : {std::pair{&ids, T * 4},
-                            {&qpos, T * 4},
-                            {&x, T * D * 4},
-                            {&h, T * D * 2},
-                            {&q, T * qw * 2},
-                            {&kn, T * kvw * 2},
-                            {&vn, T * kvw * 2},
-                            {&k_all, R * kvw * 2},
-                            {&v_all, R * kvw * 2},
-                            {&attn, T * qw * 4},
-                            {&lse, T * hq * 4},
-                            {&attn16, T * qw * 2},
-                            {&proj, T * D * 4},
-                            {&gate, T * I * 2},
-                            {&up, T * I * 2}}) {
+  for (auto [buf, bytes] : {std::pair{&w.ids, T * 4},
+                            {&w.qpos, T * 4},
+                            {&w.x, T * D * 4},
+                            {&w.h, T * D * 2},
+                            {&w.q, T * qw * 2},
+                            {&w.kn, T * kvw * 2},
+                            {&w.vn, T * kvw * 2},
+                            {&w.k_all, R * kvw * 2},
+                            {&w.v_all, R * kvw * 2},
+                            {&w.attn, T * qw * 4},
+                            {&w.lse, T * hq * 4},
+                            {&w.attn16, T * qw * 2},
+                            {&w.proj, T * D * 4},
+                            {&w.gate, T * I * 2},
+                            {&w.up, T * I * 2}}) {
     CPFILL_RETURN_IF_ERROR(reserve(*buf, bytes));
   }
+  // Aliases, so the layer code reads as the math.
+  parallel::DeviceBuffer &ids = w.ids, &qpos = w.qpos, &x = w.x, &h = w.h, &q = w.q, &kn = w.kn,
+                         &vn = w.vn, &k_all = w.k_all, &v_all = w.v_all, &attn = w.attn,
+                         &lse = w.lse, &attn16 = w.attn16, &proj = w.proj, &gate = w.gate,
+                         &up = w.up;
   CPFILL_CUDA_CHECK(
       cudaMemcpyAsync(ids.As<void>(), b.local_ids.data(), T * 4, cudaMemcpyHostToDevice, stream));
   CPFILL_CUDA_CHECK(cudaMemcpyAsync(qpos.As<void>(), layout.q_positions.data(), T * 4,
@@ -157,16 +200,16 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
   }
 
   for (int l = 0; l < c.num_layers; ++l) {
-    const LayerDevice& w = layers_[l];
+    const LayerDevice& lw = layers_[l];
     CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&] {
-      return RmsNormToBf16(x.As<float>(), w.input_norm.As<Bf16>(), T, D, eps, h.As<Bf16>(), stream);
+      return RmsNormToBf16(x.As<float>(), lw.input_norm.As<Bf16>(), T, D, eps, h.As<Bf16>(), stream);
     }));
     CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&]() -> absl::Status {
       CPFILL_RETURN_IF_ERROR(
-          gemm_.Linear(h.As<Bf16>(), T, D, w.wq.As<Bf16>(), qw, q.As<void>(), OutType::kBfloat16));
-      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, w.wk.As<Bf16>(), kvw, kn.As<void>(),
+          gemm_.Linear(h.As<Bf16>(), T, D, lw.wq.As<Bf16>(), qw, q.As<void>(), OutType::kBfloat16));
+      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, lw.wk.As<Bf16>(), kvw, kn.As<void>(),
                                           OutType::kBfloat16));
-      return gemm_.Linear(h.As<Bf16>(), T, D, w.wv.As<Bf16>(), kvw, vn.As<void>(),
+      return gemm_.Linear(h.As<Bf16>(), T, D, lw.wv.As<Bf16>(), kvw, vn.As<void>(),
                           OutType::kBfloat16);
     }));
     CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
@@ -220,7 +263,7 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
     }));
     // o projection, row-parallel: partial sums in fp32, added up over the TP group.
     CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&] {
-      return gemm_.Linear(attn16.As<Bf16>(), T, qw, w.wo.As<Bf16>(), D, proj.As<void>(),
+      return gemm_.Linear(attn16.As<Bf16>(), T, qw, lw.wo.As<Bf16>(), D, proj.As<void>(),
                           OutType::kFloat32);
     }));
     if (n_tp > 1) {
@@ -231,16 +274,16 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
     }
     CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
       CPFILL_RETURN_IF_ERROR(AddF32(x.As<float>(), proj.As<float>(), T * D, stream));
-      return RmsNormToBf16(x.As<float>(), w.post_norm.As<Bf16>(), T, D, eps, h.As<Bf16>(), stream);
+      return RmsNormToBf16(x.As<float>(), lw.post_norm.As<Bf16>(), T, D, eps, h.As<Bf16>(), stream);
     }));
     CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&]() -> absl::Status {
-      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, w.w_gate.As<Bf16>(), I,
+      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, lw.w_gate.As<Bf16>(), I,
                                           gate.As<void>(), OutType::kBfloat16));
-      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, w.w_up.As<Bf16>(), I, up.As<void>(),
+      CPFILL_RETURN_IF_ERROR(gemm_.Linear(h.As<Bf16>(), T, D, lw.w_up.As<Bf16>(), I, up.As<void>(),
                                           OutType::kBfloat16));
       CPFILL_RETURN_IF_ERROR(
           SwiGluBf16(gate.As<Bf16>(), up.As<Bf16>(), T * I, gate.As<Bf16>(), stream));
-      return gemm_.Linear(gate.As<Bf16>(), T, I, w.w_down.As<Bf16>(), D, proj.As<void>(),
+      return gemm_.Linear(gate.As<Bf16>(), T, I, lw.w_down.As<Bf16>(), D, proj.As<void>(),
                           OutType::kFloat32);
     }));
     if (n_tp > 1) {
@@ -254,13 +297,14 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModelCuda::Prefill(
     if (progress) progress(l);
   }
   CPFILL_RETURN_IF_ERROR(tp.Synchronize());
+  phases_.Collect();
 
   // Step 3: logits at the last positions (this TP rank's vocabulary slice), on world rank 0.
   const auto lm0 = Clock::now();
   const auto rows = LastPositionRows(b);
   std::vector<float> logits(rows.size() * V);
   if (!rows.empty()) {
-    parallel::DeviceBuffer last, normed, dev_logits;
+    parallel::DeviceBuffer &last = w.last, &normed = w.normed, &dev_logits = w.logits;
     CPFILL_RETURN_IF_ERROR(last.Reserve(rows.size() * D * 4));
     CPFILL_RETURN_IF_ERROR(normed.Reserve(rows.size() * D * 2));
     CPFILL_RETURN_IF_ERROR(dev_logits.Reserve(rows.size() * V * 4));

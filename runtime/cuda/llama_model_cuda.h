@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -43,6 +44,31 @@ class LlamaModelCuda : public PrefillModel {
   struct LayerDevice {
     parallel::DeviceBuffer input_norm, wq, wk, wv, wo, post_norm, w_gate, w_up, w_down;
   };
+  // Activations of one prefill, kept between prefills and grown to the largest batch seen: a
+  // fresh cudaMalloc/cudaFree of several GB per prefill cost milliseconds of TTFT (10 ms at 32K
+  // tokens on an H200) and synchronized the device.
+  struct Workspace {
+    parallel::DeviceBuffer ids, qpos, x, h, q, kn, vn, k_all, v_all, attn, lse, attn16, proj, gate,
+        up, last, normed, logits;
+    parallel::DeviceRingScratch ring;
+  };
+  // Times the phases of a prefill with CUDA events on the compute stream, so phases need no host
+  // synchronization of their own; Collect() adds each phase's GPU time once the stream is idle.
+  class PhaseEvents {
+   public:
+    ~PhaseEvents();
+    absl::Status Begin(cudaStream_t stream);
+    absl::Status End(cudaStream_t stream, double* seconds);
+    void Collect();
+    void Reset();  // forgets the phases of a prefill that failed half-way
+
+   private:
+    absl::StatusOr<cudaEvent_t> Next();
+    std::vector<cudaEvent_t> pool_;
+    size_t used_ = 0;
+    cudaEvent_t open_ = nullptr;
+    std::vector<std::tuple<double*, cudaEvent_t, cudaEvent_t>> pending_;
+  };
   struct Session {
     SessionLayout where;
     std::vector<std::unique_ptr<parallel::DeviceBuffer>> k, v;  // [layer]: this rank's rows
@@ -61,6 +87,8 @@ class LlamaModelCuda : public PrefillModel {
   std::vector<LayerDevice> layers_;
   parallel::DeviceBuffer embedding_, final_norm_, lm_head_, inv_freq_;
   std::map<std::string, Session> sessions_;
+  Workspace work_;
+  PhaseEvents phases_;
 };
 
 }  // namespace cpfill::runtime::cuda
