@@ -2,7 +2,8 @@
 //
 // Key names and defaults follow transformers' LlamaConfig: num_key_value_heads defaults to
 // num_attention_heads, head_dim to hidden_size / num_attention_heads, rope_theta to 10000,
-// tie_word_embeddings to false. Everything else a Llama forward needs is required, so a
+// tie_word_embeddings to false; RoPE comes from "rope_parameters" (transformers 5) or from
+// "rope_theta" and "rope_scaling" (earlier versions). Everything else a Llama forward needs is required, so a
 // config.json of another family fails here, naming the key, instead of producing a wrong model.
 #include "runtime/model_config.h"
 
@@ -119,41 +120,44 @@ class ConfigReader {
   const std::string& name_;
 };
 
+// RoPE settings from the object under `key`: "rope_scaling" (transformers 4: the scaling alone,
+// rope_theta at the top level) or "rope_parameters" (transformers 5, which save_pretrained writes:
+// rope_type "default" or "llama3", rope_theta inside). Null when absent or "default".
 absl::StatusOr<std::optional<Llama3RopeScaling>> ParseRopeScaling(const ConfigReader& reader,
-                                                                  const json::Value& config) {
-  const json::Value* v = config.Find("rope_scaling");
+                                                                  const json::Value& config,
+                                                                  std::string_view key) {
+  const json::Value* v = config.Find(key);
   if (v == nullptr || v->is_null()) return std::optional<Llama3RopeScaling>();
+  const std::string prefix = absl::StrCat(std::string(key), ".");
   if (!v->is_object()) {
-    return reader.Error("rope_scaling", absl::StrCat("is ", v->Dump(),
-                                                     ", expected null or an "
-                                                     "object"));
+    return reader.Error(key, absl::StrCat("is ", v->Dump(), ", expected null or an object"));
   }
   // transformers renamed "type" to "rope_type" (4.43); both appear in published configs.
   const json::Value* type = v->Find("rope_type");
-  std::string_view type_key = "rope_scaling.rope_type";
+  std::string type_key = absl::StrCat(prefix, "rope_type");
   if (type == nullptr) {
     type = v->Find("type");
-    type_key = "rope_scaling.type";
+    type_key = absl::StrCat(prefix, "type");
   }
   if (type == nullptr || !type->is_string()) {
-    return reader.Error("rope_scaling", "has no string \"rope_type\" (or \"type\")");
+    return reader.Error(key, "has no string \"rope_type\" (or \"type\")");
   }
+  if (type->as_string() == "default") return std::optional<Llama3RopeScaling>();
   if (type->as_string() != "llama3") {
-    return reader.Error(type_key, absl::StrCat("is \"", type->as_string(),
-                                               "\"; only \"llama3\" rope scaling is supported"));
+    return reader.Error(type_key,
+                        absl::StrCat("is \"", type->as_string(),
+                                     "\"; only \"default\" and \"llama3\" RoPE are supported"));
   }
   Llama3RopeScaling s;
-  constexpr std::string_view kPrefix = "rope_scaling.";
-  CPFILL_ASSIGN_OR_RETURN(s.factor, reader.PositiveNumber("factor", v, kPrefix));
-  CPFILL_ASSIGN_OR_RETURN(s.low_freq_factor, reader.PositiveNumber("low_freq_factor", v, kPrefix));
-  CPFILL_ASSIGN_OR_RETURN(s.high_freq_factor,
-                          reader.PositiveNumber("high_freq_factor", v, kPrefix));
+  CPFILL_ASSIGN_OR_RETURN(s.factor, reader.PositiveNumber("factor", v, prefix));
+  CPFILL_ASSIGN_OR_RETURN(s.low_freq_factor, reader.PositiveNumber("low_freq_factor", v, prefix));
+  CPFILL_ASSIGN_OR_RETURN(s.high_freq_factor, reader.PositiveNumber("high_freq_factor", v, prefix));
   CPFILL_ASSIGN_OR_RETURN(
       s.original_max_position_embeddings,
-      reader.PositiveInt<int64_t>("original_max_position_embeddings", v, kPrefix));
+      reader.PositiveInt<int64_t>("original_max_position_embeddings", v, prefix));
   // The smoothing between the two wavelength bounds divides by (high - low).
   if (!(s.high_freq_factor > s.low_freq_factor)) {
-    return reader.Error("rope_scaling.high_freq_factor",
+    return reader.Error(absl::StrCat(prefix, "high_freq_factor"),
                         absl::StrCat("is ", s.high_freq_factor, ", must exceed low_freq_factor (",
                                      s.low_freq_factor, ")"));
   }
@@ -240,12 +244,28 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const json::Value& config, std::string
   CPFILL_ASSIGN_OR_RETURN(c.intermediate_size, reader.PositiveInt<int>("intermediate_size"));
   CPFILL_ASSIGN_OR_RETURN(c.num_layers, reader.PositiveInt<int>("num_hidden_layers"));
   CPFILL_ASSIGN_OR_RETURN(c.vocab_size, reader.PositiveInt<int>("vocab_size"));
-  if (reader.Has("rope_theta")) {
-    CPFILL_ASSIGN_OR_RETURN(c.rope_theta, reader.PositiveNumber("rope_theta"));
+  // transformers 5 writes "rope_parameters" (rope_theta and the scaling together) and no
+  // top-level rope_theta or rope_scaling; earlier versions write those two. Reading only the old
+  // keys would silently build RoPE with theta 10000 and no scaling.
+  const json::Value* rope_parameters = config.Find("rope_parameters");
+  if (rope_parameters != nullptr && !rope_parameters->is_null()) {
+    CPFILL_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(reader, config, "rope_parameters"));
+    if (rope_parameters->Find("rope_theta") != nullptr) {
+      CPFILL_ASSIGN_OR_RETURN(c.rope_theta, reader.PositiveNumber("rope_theta", rope_parameters,
+                                                                  "rope_parameters."));
+    } else if (reader.Has("rope_theta")) {
+      CPFILL_ASSIGN_OR_RETURN(c.rope_theta, reader.PositiveNumber("rope_theta"));
+    } else {
+      return reader.Error("rope_parameters.rope_theta", "is missing");
+    }
   } else {
-    c.rope_theta = 10000.0;  // LlamaConfig's default
+    if (reader.Has("rope_theta")) {
+      CPFILL_ASSIGN_OR_RETURN(c.rope_theta, reader.PositiveNumber("rope_theta"));
+    } else {
+      c.rope_theta = 10000.0;  // LlamaConfig's default
+    }
+    CPFILL_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(reader, config, "rope_scaling"));
   }
-  CPFILL_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(reader, config));
   CPFILL_ASSIGN_OR_RETURN(c.rms_norm_eps, reader.PositiveNumber("rms_norm_eps"));
   CPFILL_ASSIGN_OR_RETURN(c.tie_word_embeddings, reader.Bool("tie_word_embeddings", false));
   CPFILL_ASSIGN_OR_RETURN(c.max_position_embeddings,

@@ -75,6 +75,16 @@ void ExpectInvalid(const json::Value& config, const std::string& key_text) {
   EXPECT_TRUE(Contains(c.status(), "my-model")) << c.status();
 }
 
+// Llama-3.1's RoPE: theta 500000, llama3 scaling 8 / 1 / 4 from an 8192-token original context.
+void ExpectLlama31Rope(const ModelConfig& c) {
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  ASSERT_TRUE(c.rope_scaling.has_value());
+  EXPECT_EQ(c.rope_scaling->factor, 8.0);
+  EXPECT_EQ(c.rope_scaling->low_freq_factor, 1.0);
+  EXPECT_EQ(c.rope_scaling->high_freq_factor, 4.0);
+  EXPECT_EQ(c.rope_scaling->original_max_position_embeddings, 8192);
+}
+
 TEST(ParseHfConfig, ReadsLlama31_8B) {
   absl::StatusOr<ModelConfig> c = ParseHfConfig(Llama8BJson(), "/models/llama-3.1-8b");
   ASSERT_TRUE(c.ok()) << c.status();
@@ -86,12 +96,7 @@ TEST(ParseHfConfig, ReadsLlama31_8B) {
   EXPECT_EQ(c->intermediate_size, 14336);
   EXPECT_EQ(c->num_layers, 32);
   EXPECT_EQ(c->vocab_size, 128256);
-  EXPECT_EQ(c->rope_theta, 500000.0);
-  ASSERT_TRUE(c->rope_scaling.has_value());
-  EXPECT_EQ(c->rope_scaling->factor, 8.0);
-  EXPECT_EQ(c->rope_scaling->low_freq_factor, 1.0);
-  EXPECT_EQ(c->rope_scaling->high_freq_factor, 4.0);
-  EXPECT_EQ(c->rope_scaling->original_max_position_embeddings, 8192);
+  ExpectLlama31Rope(*c);
   EXPECT_EQ(c->rms_norm_eps, 1e-5);
   EXPECT_FALSE(c->tie_word_embeddings);
   EXPECT_EQ(c->max_position_embeddings, 131072);
@@ -201,6 +206,44 @@ TEST(ParseHfConfig, RejectsUnsupportedRopeScaling) {
       "\"rope_scaling.original_max_position_embeddings\" is missing");
   ExpectInvalid(json::Value(v).Set("rope_scaling", json::Value(scaling).Set("high_freq_factor", 1)),
                 "\"rope_scaling.high_freq_factor\"");
+}
+
+// transformers 5's save_pretrained writes RoPE as one "rope_parameters" object (rope_theta
+// inside it) and no top-level rope_theta or rope_scaling.
+json::Value Transformers5Json() {
+  json::Value v = Without(Without(Without(Llama8BJson(), "rope_scaling"), "rope_theta"),
+                          "torch_dtype");
+  json::Value rope = json::Value(*Llama8BJson().Find("rope_scaling")).Set("rope_theta", 500000.0);
+  return v.Set("rope_parameters", rope).Set("dtype", "bfloat16");
+}
+
+TEST(ParseHfConfig, ReadsTransformers5RopeParameters) {
+  absl::StatusOr<ModelConfig> c = ParseHfConfig(Transformers5Json(), "llama-3.1-8b-tf5");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ExpectLlama31Rope(*c);
+
+  // rope_type "default": rope_theta, no scaling.
+  json::Value plain = Transformers5Json().Set(
+      "rope_parameters",
+      json::Value::Object().Set("rope_type", "default").Set("rope_theta", 250000.0));
+  c = ParseHfConfig(plain, "plain");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_theta, 250000.0);
+  EXPECT_FALSE(c->rope_scaling.has_value());
+}
+
+TEST(ParseHfConfig, RejectsBadRopeParameters) {
+  const json::Value v = Transformers5Json();
+  const json::Value rope = *v.Find("rope_parameters");
+  ExpectInvalid(json::Value(v).Set("rope_parameters", json::Value(rope).Set("rope_type", "yarn")),
+                "\"rope_parameters.rope_type\"");
+  ExpectInvalid(json::Value(v).Set("rope_parameters", Without(rope, "rope_theta")),
+                "\"rope_parameters.rope_theta\" is missing");
+  ExpectInvalid(json::Value(v).Set("rope_parameters", json::Value(rope).Set("rope_theta", -1)),
+                "\"rope_parameters.rope_theta\"");
+  ExpectInvalid(json::Value(v).Set("rope_parameters", Without(rope, "factor")),
+                "\"rope_parameters.factor\" is missing");
+  ExpectInvalid(json::Value(v).Set("rope_parameters", 3), "\"rope_parameters\"");
 }
 
 TEST(LoadModelConfig, PresetsAndDirectories) {

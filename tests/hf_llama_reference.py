@@ -44,9 +44,11 @@ def load_safetensors(path):
 
 def inv_freq(cfg, dim):
     # transformers' default and llama3 rope init (modeling_rope_utils).
-    base = cfg.get("rope_theta", 10000.0)
+    # transformers 5 writes both under "rope_parameters"; earlier versions at the top level.
+    rp = cfg.get("rope_parameters")
+    base = rp.get("rope_theta", cfg.get("rope_theta")) if rp else cfg.get("rope_theta", 10000.0)
     freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    rs = cfg.get("rope_scaling")
+    rs = rp if rp else cfg.get("rope_scaling")
     if rs and rs.get("rope_type", rs.get("type")) == "llama3":
         factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old = rs["original_max_position_embeddings"]

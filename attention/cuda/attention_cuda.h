@@ -49,7 +49,13 @@ struct CudaAttentionArgs {
   OutputMode output = OutputMode::kBfloat16;
   void* o = nullptr;
   float* lse = nullptr;
+  // Set while a communication kernel (an NCCL exchange) runs beside this launch: the persistent
+  // Hopper kernel then leaves kSmsForCommunication SMs free, or it would hold every SM until it
+  // ends and the exchange could not start (measured: CP4 over sockets 46 ms instead of 32).
+  bool communication_in_flight = false;
 };
+
+inline constexpr int kSmsForCommunication = 4;
 
 // Head dimensions with compiled kernels.
 bool SupportedHeadDim(int head_dim);

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -18,7 +19,16 @@
 namespace cpfill::attention::cuda::internal {
 namespace {
 
-constexpr int kStages = 2;
+// K/V pipeline depth: 2 by default; CPFILL_HOPPER_STAGES=3 takes a third stage (225 KiB of
+// dynamic shared memory at head_dim 128, just under the 227 KiB a block may have), kept for
+// measuring what it gives.
+int StagesFromEnv() {
+  static const int stages = [] {
+    const char* e = std::getenv("CPFILL_HOPPER_STAGES");
+    return e != nullptr && std::strcmp(e, "3") == 0 ? 3 : 2;
+  }();
+  return stages;
+}
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point: linking libcuda directly
 // would stop the binary from starting on machines without a driver.
@@ -71,15 +81,40 @@ bool PingPongFromEnv() {
   return on;
 }
 
-template <int kDim, bool kPingPong>
-absl::Status LaunchShape(const HopperParams& params, int num_q_tiles, int num_kv_heads,
-                         cudaStream_t stream) {
+// The persistent schedule (one CTA per SM taking work items in turn) is on unless
+// CPFILL_HOPPER_PERSISTENT=0, which gives every item its own CTA (kept for measuring it).
+bool PersistentFromEnv() {
+  static const bool on = [] {
+    const char* e = std::getenv("CPFILL_HOPPER_PERSISTENT");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
+
+// CPFILL_HOPPER_MAX_CTAS=N caps the persistent grid at N CTAs (tests: many items per CTA).
+int MaxCtasFromEnv() {
+  static const int cap = [] {
+    const char* e = std::getenv("CPFILL_HOPPER_MAX_CTAS");
+    return e == nullptr ? 0 : std::max(0, std::atoi(e));
+  }();
+  return cap;
+}
+
+absl::StatusOr<int> SmCount() {
+  int device = 0, sms = 0;
+  CPFILL_CUDA_CHECK(cudaGetDevice(&device));
+  CPFILL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+template <int kDim, int kStages, bool kPingPong>
+absl::Status LaunchShape(const HopperParams& params, int num_ctas, cudaStream_t stream) {
   using Cfg = HopperConfig<kDim, kStages>;
   auto kernel = HopperFlashKernel<kDim, kStages, kPingPong>;
   static const cudaError_t attr = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   CPFILL_CUDA_CHECK(attr);
-  kernel<<<dim3(num_q_tiles, num_kv_heads), kHopperThreads, Cfg::kSmemBytes, stream>>>(params);
+  kernel<<<num_ctas, kHopperThreads, Cfg::kSmemBytes, stream>>>(params);
   CPFILL_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -130,14 +165,26 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
     KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
         p, static_cast<int>(k_tiles), summaries + summary_offset);
     CPFILL_CUDA_CHECK(cudaGetLastError());
-    const int tiles = static_cast<int>(q_tiles), kv_heads = a.shape.num_kv_heads;
-    const bool pingpong = PingPongFromEnv();
-    auto launch = a.shape.head_dim == 128 ? (pingpong ? LaunchShape<128, true>
-                                                      : LaunchShape<128, false>)
-                                          : (pingpong ? LaunchShape<64, true>
-                                                      : LaunchShape<64, false>);
-    CPFILL_RETURN_IF_ERROR(launch(p, tiles, kv_heads, stream));
+    p.num_q_tiles = static_cast<int32_t>(q_tiles);
+    const int64_t items = q_tiles * a.shape.num_kv_heads;
+    CPFILL_CHECK_ARG(items <= INT32_MAX, "one launch of ", items, " work items is too many");
     summary_offset += k_tiles;
+    if (items == 0) continue;
+    int ctas = static_cast<int>(items);
+    if (PersistentFromEnv()) {
+      CPFILL_ASSIGN_OR_RETURN(const int sms, SmCount());
+      // One CTA per SM (its shared memory and 384 threads), less the SMs an exchange in flight
+      // needs for its own kernel.
+      ctas = std::min(ctas, a.communication_in_flight ? sms - kSmsForCommunication : sms);
+      if (MaxCtasFromEnv() > 0) ctas = std::min(ctas, MaxCtasFromEnv());
+    }
+    const bool pingpong = PingPongFromEnv(), three = StagesFromEnv() == 3;
+    auto launch = a.shape.head_dim == 128
+                      ? (three ? (pingpong ? LaunchShape<128, 3, true> : LaunchShape<128, 3, false>)
+                               : (pingpong ? LaunchShape<128, 2, true> : LaunchShape<128, 2, false>))
+                      : (three ? (pingpong ? LaunchShape<64, 3, true> : LaunchShape<64, 3, false>)
+                               : (pingpong ? LaunchShape<64, 2, true> : LaunchShape<64, 2, false>));
+    CPFILL_RETURN_IF_ERROR(launch(p, ctas, stream));
   }
   return absl::OkStatus();
 }

@@ -213,20 +213,21 @@ __global__ void KeyTileSummaryKernel(const __grid_constant__ Params p, int total
   out[tile] = r;
 }
 
-// The CTA's slice and query tile: CTAs of a slice are contiguous in blockIdx.x; within a slice
-// the last query tiles (latest positions, most causal work) go first.
+// The slice and query tile of launch-wide tile index `x` (blockIdx.x for the mma.sync kernel, a
+// work item's tile for the persistent Hopper kernel): tiles of a slice are contiguous; within a
+// slice the last query tiles (latest positions, most causal work) go first.
 struct QueryTile {
   int slice_index;
   SliceDesc slice;
   int m_block;
 };
 __device__ __forceinline__ QueryTile LocateQueryTile(const SliceDesc* slices, int num_slices,
-                                                     int group, int block_m) {
+                                                     int group, int block_m, int x) {
   int s = 0;
-  while (s + 1 < num_slices && static_cast<int>(blockIdx.x) >= slices[s + 1].q_tile_start) ++s;
+  while (s + 1 < num_slices && x >= slices[s + 1].q_tile_start) ++s;
   const SliceDesc sl = slices[s];
   const int num_q_tiles = static_cast<int>((sl.q_len * group + block_m - 1) / block_m);
-  return {s, sl, num_q_tiles - 1 - (static_cast<int>(blockIdx.x) - sl.q_tile_start)};
+  return {s, sl, num_q_tiles - 1 - (x - sl.q_tile_start)};
 }
 
 // The key tiles of one slice as a CTA's query rows see them, from the pre-pass summaries and the
@@ -381,7 +382,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
   const int warp = tid / 32, lane = tid % 32;
   const int group_id = lane >> 2, tig = lane & 3;
 
-  const QueryTile tile = LocateQueryTile(p.slices, p.num_slices, p.group, kBlockM);
+  const QueryTile tile =
+      LocateQueryTile(p.slices, p.num_slices, p.group, kBlockM, static_cast<int>(blockIdx.x));
   const SliceDesc sl = tile.slice;
   const int m_block = tile.m_block;
   const int G = p.group;

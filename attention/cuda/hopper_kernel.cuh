@@ -5,10 +5,13 @@
 // into the M tile, three output modes, the key-tile summaries of the pre-pass); this file only
 // changes how the work is done:
 //
-//   one CTA = one (slice, kv head, query tile of 128 folded rows), 3 warpgroups:
-//     warpgroup 0, the producer: gives its registers away (setmaxnreg) and one thread issues the
+//   a work item = one (slice, kv head, query tile of 128 folded rows); a persistent CTA (one per
+//   SM) takes items in turn, with 3 warpgroups:
+//     warpgroup 0, the producer: gives its registers away (setmaxnreg); one thread issues the
 //       TMA loads of the visible K and V tiles (128 keys each) into a kStages-deep ring of
-//       shared-memory buffers, each guarded by a "full" and an "empty" mbarrier;
+//       shared-memory buffers, each guarded by a "full" and an "empty" mbarrier, running on
+//       from one item into the next; warps 1-3 load the next item's Q tile (cp.async) and
+//       positions while the consumers finish this one;
 //     warpgroups 1 and 2, the consumers: 64 query rows each. S = Q K^T by wgmma with both
 //       operands in shared memory; the online softmax in registers; O += P V by wgmma with P
 //       straight from the S accumulators (bf16 A fragments, never through shared memory).
@@ -43,12 +46,19 @@ struct HopperParams : LaunchCommon {
   CUtensorMap k_maps[kMaxHopperSlices];  // per slice: [kv_len rows, num_kv_heads * head_dim]
   CUtensorMap v_maps[kMaxHopperSlices];
   SliceDesc slices[kMaxHopperSlices];
+  int32_t num_q_tiles;  // work items: num_q_tiles x num_kv_heads
 };
 static_assert(sizeof(HopperParams) <= 32764, "kernel parameters must fit 32764 bytes");
 
 inline constexpr int kHopperBlockM = 128;  // 2 consumer warpgroups x 64 rows
 inline constexpr int kHopperBlockN = 128;  // keys per K/V tile
 inline constexpr int kHopperThreads = 384;
+// Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64512 of the SM's 65536. The
+// producer needs 56 (not the 24 of a TMA-only producer): its warps 1-3 walk the work items and
+// compute the gather addresses of the next item's Q rows, and at 40 or 48 ptxas spilled them to
+// local memory; the consumers still fit 224 with no spill.
+inline constexpr int kProducerRegisters = 56;
+inline constexpr int kConsumerRegisters = 224;
 
 template <int kDim, int kStages>
 struct HopperConfig {
@@ -61,6 +71,8 @@ struct HopperConfig {
   static constexpr int kTileBytes = kSlabs * kSlabBytesKv;      // one K or V tile
   // + 1024: the dynamic buffer is re-aligned to the 1024-byte swizzle period at run time.
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + 1024;
+  // 227 KiB per block on sm_90, less about 1.2 KiB of static barriers and positions.
+  static_assert(kSmemBytes <= 227 * 1024 - 2048, "K/V stages exceed shared memory");
 };
 
 // ---- PTX wrappers: mbarriers, TMA, wgmma --------------------------------------------------
@@ -98,6 +110,16 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const CUtensorMap* map, 
       "{%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
+}
+
+// 16 bytes global -> shared without registers; `valid` false writes 16 zero bytes instead.
+__device__ __forceinline__ void CpAsync16ZeroFill(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncWaitAll() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void FenceProxyAsync() {
@@ -223,19 +245,40 @@ __device__ __forceinline__ void WgmmaRS_N64(float (&d)[32], const uint32_t (&a)[
 
 // ---- the kernel --------------------------------------------------------------------------
 
+// A work item: one (query tile, kv head). Items are numbered tile-major, so the heads of one
+// tile (the same positions, the same cost) are neighbours and the order is the tiles' order:
+// within a slice the latest (most causal work) first.
+struct HopperItem {
+  QueryTile tile;
+  int kv_head;
+};
+__device__ __forceinline__ HopperItem LocateHopperItem(const HopperParams& p, int item) {
+  return {LocateQueryTile(p.slices, p.num_slices, p.group, kHopperBlockM, item / p.num_kv_heads),
+          item % p.num_kv_heads};
+}
+
 // kPingPong: the two consumer warpgroups take turns issuing their products (FlashAttention-3's
 // ping-pong), so one warpgroup's softmax runs while the other's products keep the tensor cores
 // busy.
+//
+// Persistent: a CTA takes items blockIdx.x, blockIdx.x + gridDim.x, ... (the launcher sizes the
+// grid to the SMs; with gridDim.x = num_items every CTA takes one item, the non-persistent
+// schedule). The K/V ring runs on across items, and the next item's Q and positions are loaded
+// by producer warps 1-3 as soon as the consumers' last Q K^T of this item has read Q, i.e.
+// during this item's last P V and epilogue, so a short item no longer pays a cold Q load and
+// pipeline fill.
 template <int kDim, int kStages, bool kPingPong>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     HopperFlashKernel(const __grid_constant__ HopperParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = HopperConfig<kDim, kStages>;
   constexpr int kBlockM = kHopperBlockM, kBlockN = kHopperBlockN;
+  constexpr int kLoaderThreads = 96;  // producer warps 1-3
   extern __shared__ unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[4 * kStages];  // full K, full V, empty K, empty V
-  __shared__ int32_t s_qpos[kBlockM];
-  __shared__ int32_t s_qstat[4][3];
+  // full K, full V, empty K, empty V per stage; then Q full and Q empty.
+  __shared__ __align__(8) uint64_t bars[4 * kStages + 2];
+  __shared__ int32_t s_qpos[2][kBlockM];    // [item parity][row]
+  __shared__ int32_t s_qstat[2][3][3];      // [item parity][loader warp][min, max, padding]
   const uint32_t smem_base = (SmemAddr(smem_raw) + 1023u) & ~1023u;
   const uint32_t s_q = smem_base;
   const uint32_t s_k = s_q + Cfg::kQBytes;
@@ -244,131 +287,154 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   auto full_v = [&](int st) { return SmemAddr(&bars[kStages + st]); };
   auto empty_k = [&](int st) { return SmemAddr(&bars[2 * kStages + st]); };
   auto empty_v = [&](int st) { return SmemAddr(&bars[3 * kStages + st]); };
+  const uint32_t q_full = SmemAddr(&bars[4 * kStages]);
+  const uint32_t q_empty = SmemAddr(&bars[4 * kStages + 1]);
 
-  const int tid = threadIdx.x;
-  const int warp = tid / 32, lane = tid % 32;
-  const int warpgroup = warp / 4;
-
-  const QueryTile tile = LocateQueryTile(p.slices, p.num_slices, p.group, kBlockM);
-  const SliceDesc sl = tile.slice;
-  const int m_block = tile.m_block;
+  // Thread indices are read again after each setmaxnreg: a value live across it is spilled.
+  const int warpgroup = threadIdx.x / 128;
   const int G = p.group;
-  const int64_t slice_rows = sl.q_len * G;
-  const int kv_head = blockIdx.y;
-  const int64_t q_stride = static_cast<int64_t>(p.num_heads) * kDim;
-  const int64_t row0 = static_cast<int64_t>(m_block) * kBlockM;
+  const int num_items = p.num_q_tiles * p.num_kv_heads;
+  auto item_at = [&](int n) { return static_cast<int>(blockIdx.x) + n * static_cast<int>(gridDim.x); };
 
-  if (tid == 0) {
+  if (threadIdx.x == 0) {
     for (int st = 0; st < kStages; ++st) {
       MbarInit(full_k(st), 1);
       MbarInit(full_v(st), 1);
       MbarInit(empty_k(st), 8);  // one arrival per consumer warp
       MbarInit(empty_v(st), 8);
     }
+    MbarInit(q_full, kLoaderThreads);  // every loader thread, after its own copies landed
+    // Every consumer warp after its last Q K^T of an item, and the K/V thread once it has read
+    // the item's statistics (an item with no visible tiles is released by the consumers at once,
+    // and its loaders must not overwrite statistics the K/V thread has not read yet).
+    MbarInit(q_empty, 9);
   }
-
-  // The Q tile, by every thread, into the swizzled layout (rows past the slice are zeros), and
-  // the query positions with the tile's statistics (warps 0-3, one row each).
-  for (int i = tid; i < kBlockM * (kDim / 8); i += kHopperThreads) {
-    const int r = i / (kDim / 8), c = i % (kDim / 8);
-    const int64_t row = row0 + r;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (row < slice_rows) {
-      const int64_t t = row / G;
-      const int g = static_cast<int>(row % G);
-      val = *reinterpret_cast<const uint4*>(p.q + (sl.q_begin + t) * q_stride +
-                                            static_cast<int64_t>(kv_head * G + g) * kDim + c * 8);
-    }
-    const int wg = r / 64, rr = r % 64, slab = c / 8, cc = c % 8;
-    const uint32_t dst = s_q + wg * Cfg::kQBytesPerWarpgroup + slab * Cfg::kSlabBytesQ +
-                         rr * 128 + ((cc ^ (rr & 7)) << 4);
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(val.x),
-                 "r"(val.y), "r"(val.z), "r"(val.w)
-                 : "memory");
-  }
-  if (tid < kBlockM) {
-    const int64_t row = row0 + tid;
-    const int32_t pos = row < slice_rows ? p.q_pos[sl.q_begin + row / G] : -1;
-    s_qpos[tid] = pos;
-    const bool in = row < slice_rows;
-    int32_t mn = (in && pos >= 0) ? pos : INT32_MAX;
-    int32_t mx = (in && pos >= 0) ? pos : -1;
-    int32_t pad = (in && pos < 0) ? 1 : 0;
-    mn = __reduce_min_sync(0xffffffffu, mn);
-    mx = __reduce_max_sync(0xffffffffu, mx);
-    pad = __reduce_or_sync(0xffffffffu, pad);
-    if (lane == 0) {
-      s_qstat[warp][0] = mn;
-      s_qstat[warp][1] = mx;
-      s_qstat[warp][2] = pad;
-    }
-  }
-  FenceProxyAsync();  // the Q stores are read by wgmma (the async proxy)
   __syncthreads();
-  int32_t q_min = INT32_MAX, q_max = -1, q_pad = 0;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    q_min = min(q_min, s_qstat[w][0]);
-    q_max = max(q_max, s_qstat[w][1]);
-    q_pad |= s_qstat[w][2];
-  }
 
-  // The producer and the consumers walk the same list of visible key tiles.
-  const int num_k_tiles = static_cast<int>((sl.kv_len + kBlockN - 1) / kBlockN);
-  const VisibleKeyTiles tiles{p.key_tiles + sl.k_tile_start, num_k_tiles, q_min, q_max, q_pad,
-                              p.causal};
-  auto classify = [&](int j) { return tiles.Classify(j); };
-  auto next_visible = [&](int j) { return tiles.NextVisible(j); };
+  // The visible key tiles of an item, from the statistics its loaders left in slot n & 1.
+  auto visible_tiles = [&](const SliceDesc& sl, int slot) {
+    int32_t q_min = INT32_MAX, q_max = -1, q_pad = 0;
+#pragma unroll
+    for (int w = 0; w < 3; ++w) {
+      q_min = min(q_min, s_qstat[slot][w][0]);
+      q_max = max(q_max, s_qstat[slot][w][1]);
+      q_pad |= s_qstat[slot][w][2];
+    }
+    return VisibleKeyTiles{p.key_tiles + sl.k_tile_start,
+                           static_cast<int>((sl.kv_len + kBlockN - 1) / kBlockN),
+                           q_min,
+                           q_max,
+                           q_pad,
+                           p.causal};
+  };
 
   if (warpgroup == 0) {
-    // ---- producer ----
-    SetMaxRegistersDec<24>();
-    if (warp == 0 && lane == 0) {
-      const CUtensorMap* kmap = &p.k_maps[tile.slice_index];
-      const CUtensorMap* vmap = &p.v_maps[tile.slice_index];
-      int it = 0;
-      for (int j = next_visible(0); j < num_k_tiles; j = next_visible(j + 1), ++it) {
-        const int st = it % kStages;
-        const uint32_t free_parity = ((it / kStages) & 1) ^ 1;
-        MbarWait(empty_k(st), free_parity);
-        MbarArriveExpectTx(full_k(st), Cfg::kTileBytes);
+    SetMaxRegistersDec<kProducerRegisters>();
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    if (warp == 0) {
+      // ---- producer, K/V: one thread issues the TMA loads of every item's visible tiles ----
+      if (lane != 0) return;
+      int g = 0;  // tiles issued so far by this CTA: the ring's stage and phase
+      for (int n = 0; item_at(n) < num_items; ++n) {
+        const HopperItem item = LocateHopperItem(p, item_at(n));
+        MbarWait(q_full, n & 1);  // the item's statistics are in place
+        const VisibleKeyTiles tiles = visible_tiles(item.tile.slice, n & 1);
+        MbarArrive(q_empty);
+        const CUtensorMap* kmap = &p.k_maps[item.tile.slice_index];
+        const CUtensorMap* vmap = &p.v_maps[item.tile.slice_index];
+        for (int j = tiles.NextVisible(0); j < tiles.num_tiles; j = tiles.NextVisible(j + 1), ++g) {
+          const int st = g % kStages;
+          const uint32_t free_parity = ((g / kStages) & 1) ^ 1;
+          MbarWait(empty_k(st), free_parity);
+          MbarArriveExpectTx(full_k(st), Cfg::kTileBytes);
 #pragma unroll
-        for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
-          TmaLoad2d(s_k + st * Cfg::kTileBytes + slab * Cfg::kSlabBytesKv, kmap,
-                    kv_head * kDim + slab * 64, j * kBlockN, full_k(st));
-        }
-        MbarWait(empty_v(st), free_parity);
-        MbarArriveExpectTx(full_v(st), Cfg::kTileBytes);
+          for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
+            TmaLoad2d(s_k + st * Cfg::kTileBytes + slab * Cfg::kSlabBytesKv, kmap,
+                      item.kv_head * kDim + slab * 64, j * kBlockN, full_k(st));
+          }
+          MbarWait(empty_v(st), free_parity);
+          MbarArriveExpectTx(full_v(st), Cfg::kTileBytes);
 #pragma unroll
-        for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
-          TmaLoad2d(s_v + st * Cfg::kTileBytes + slab * Cfg::kSlabBytesKv, vmap,
-                    kv_head * kDim + slab * 64, j * kBlockN, full_v(st));
+          for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
+            TmaLoad2d(s_v + st * Cfg::kTileBytes + slab * Cfg::kSlabBytesKv, vmap,
+                      item.kv_head * kDim + slab * 64, j * kBlockN, full_v(st));
+          }
         }
       }
+      return;
+    }
+    // ---- producer, Q: warps 1-3 load each item's Q tile, positions and statistics ----
+    const int t = tid - 32;
+    for (int n = 0; item_at(n) < num_items; ++n) {
+      if (n > 0) MbarWait(q_empty, (n - 1) & 1);  // the consumers are done reading Q
+      const HopperItem item = LocateHopperItem(p, item_at(n));
+      const SliceDesc& sl = item.tile.slice;
+      const int64_t slice_rows = sl.q_len * G;
+      const int64_t row0 = static_cast<int64_t>(item.tile.m_block) * kBlockM;
+      const int slot = n & 1;
+      int32_t mn = INT32_MAX, mx = -1, pad = 0;
+      for (int r = t; r < kBlockM; r += kLoaderThreads) {
+        const int64_t row = row0 + r;
+        const bool in = row < slice_rows;
+        const int32_t pos = in ? p.q_pos[sl.q_begin + row / G] : -1;
+        s_qpos[slot][r] = pos;
+        if (in && pos >= 0) {
+          mn = min(mn, pos);
+          mx = max(mx, pos);
+        }
+        pad |= (in && pos < 0) ? 1 : 0;
+      }
+      mn = __reduce_min_sync(0xffffffffu, mn);
+      mx = __reduce_max_sync(0xffffffffu, mx);
+      pad = __reduce_or_sync(0xffffffffu, pad);
+      if (lane == 0) {
+        s_qstat[slot][warp - 1][0] = mn;
+        s_qstat[slot][warp - 1][1] = mx;
+        s_qstat[slot][warp - 1][2] = pad;
+      }
+      // Q rows into the swizzled layout; rows past the slice are zero-filled by the copy. A
+      // thread keeps one 16-byte column chunk and walks rows 6 apart (96 threads, 16 chunks).
+      static_assert(kLoaderThreads % (kDim / 8) == 0);
+      constexpr int kRowStep = kLoaderThreads / (kDim / 8);
+      const int c = t % (kDim / 8), slab = c / 8, cc = c % 8;
+      const __nv_bfloat16* q_head =
+          p.q + static_cast<int64_t>(item.kv_head) * G * kDim + c * 8;  // + token, + group
+      const int64_t q_stride = static_cast<int64_t>(p.num_heads) * kDim;
+      for (int r = t / (kDim / 8); r < kBlockM; r += kRowStep) {
+        const int64_t row = row0 + r;
+        const bool in = row < slice_rows;
+        const int64_t token = sl.q_begin + row / G;
+        const __nv_bfloat16* src =
+            in ? q_head + token * q_stride + static_cast<int64_t>(row - (row / G) * G) * kDim : p.q;
+        const int wg = r / 64, rr = r % 64;
+        CpAsync16ZeroFill(s_q + wg * Cfg::kQBytesPerWarpgroup + slab * Cfg::kSlabBytesQ +
+                              rr * 128 + ((cc ^ (rr & 7)) << 4),
+                          src, in);
+      }
+      CpAsyncWaitAll();
+      FenceProxyAsync();  // Q is read by wgmma (the async proxy)
+      MbarArrive(q_full);
     }
     return;
   }
 
   // ---- consumers ----
-  SetMaxRegistersInc<240>();
+  SetMaxRegistersInc<kConsumerRegisters>();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int cw = warpgroup - 1;        // consumer warpgroup: rows 64 cw .. 64 cw + 63
   const int wq = warp % 4;             // warp in the warpgroup: rows 16 wq .. 16 wq + 15
   const int group_id = lane >> 2, tig = lane & 3;
   const int tile_row = cw * 64 + wq * 16;
-  const int32_t qp[2] = {s_qpos[tile_row + group_id], s_qpos[tile_row + group_id + 8]};
   const uint32_t q_wg = s_q + cw * Cfg::kQBytesPerWarpgroup;
-  const int32_t* kpos_base = p.k_pos + sl.kv_begin;
-  const int kv_len = static_cast<int>(sl.kv_len);
 
   float o_acc[kDim / 8][4];
   float* o_flat = &o_acc[0][0];
-#pragma unroll
-  for (int i = 0; i < kDim / 2; ++i) o_flat[i] = 0.f;
   float s_acc[kBlockN / 8][4];
   float* s_flat = &s_acc[0][0];
   uint32_t p_frag[kBlockN / 16][4];
-  float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.f, 0.f};
-  // Turns at the tensor cores: consumer c waits on barrier 1 + c, then hands the turn over.
+  float m_row[2], l_row[2];
+  // Turns at the tensor cores: consumer c waits on barrier 1 + c, then hands the turn over. Both
+  // consumers take the same number of turns per item, so the order holds across items.
   auto turn_begin = [&] {
     if constexpr (kPingPong) NamedBarrierSync(1 + cw, 256);
   };
@@ -376,6 +442,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     if constexpr (kPingPong) NamedBarrierArrive(1 + (cw ^ 1), 256);
   };
   if (kPingPong && cw == 1) NamedBarrierArrive(1, 256);  // consumer 0 goes first
+  // This warp is done reading Q for the item: once all 8 are, the loaders may replace it.
+  auto release_q = [&] {
+    __syncwarp();
+    if (lane == 0) MbarArrive(q_empty);
+  };
 
   // S = Q K^T over head_dim in k-steps of 16: step kk is bytes 32 (kk % 4) of slab kk / 4.
   auto issue_qk = [&](int st) {
@@ -405,50 +476,6 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     }
     WgmmaCommit();
   };
-  // The element mask on a partly visible tile: key validity, padding, causality.
-  auto mask_tile = [&](int j) {
-    const int key0 = j * kBlockN;
-#pragma unroll
-    for (int nt = 0; nt < kBlockN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = key0 + nt * 8 + tig * 2 + e;
-        const int32_t kp = c < kv_len ? __ldg(kpos_base + c) : -1;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (!(kp >= 0 && qp[h] >= 0 && (!p.causal || kp <= qp[h]))) {
-            s_acc[nt][2 * h + e] = -INFINITY;
-          }
-        }
-      }
-    }
-  };
-  // Online softmax on S (FlashAttention-2's, as the mma.sync kernel): returns each row's alpha.
-  auto softmax = [&](float (&alpha)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = m_row[h];
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
-        mx = fmaxf(mx, fmaxf(s_acc[nt][2 * h], s_acc[nt][2 * h + 1]));
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      alpha[h] = FastExp2(m_row[h] * p.scale_log2 - m_scaled);
-      m_row[h] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
-        float& a = s_acc[nt][2 * h];
-        float& b = s_acc[nt][2 * h + 1];
-        a = FastExp2(fmaf(a, p.scale_log2, -m_scaled));
-        b = FastExp2(fmaf(b, p.scale_log2, -m_scaled));
-        sum += a + b;
-      }
-      l_row[h] = l_row[h] * alpha[h] + sum;
-    }
-  };
   auto pack_p = [&]() {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -459,75 +486,145 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     }
   };
 
-  int j = next_visible(0);
-  if (j < num_k_tiles) {
-    // First tile: S, softmax, P.
-    MbarWait(full_k(0), 0);
-    turn_begin();
-    issue_qk(0);
-    turn_end();
-    WgmmaWait<0>();
-    FenceRegisters(reinterpret_cast<float(&)[kBlockN / 2]>(*s_flat));
-    __syncwarp();
-    if (lane == 0) MbarArrive(empty_k(0));
-    if (classify(j) == 1) mask_tile(j);
-    float alpha[2];
-    softmax(alpha);
-    pack_p();
-    // Steady state: the next tile's Q K^T and this tile's P V in flight together; the softmax
-    // of the next tile runs as soon as its S is back, while P V still runs. The loop has one
-    // shape (the last tile's P V is peeled off below), so the compiler can pair every wait with
-    // its group and keep the wgmma pipeline unserialized.
-    int it = 0;
-    int j_next = next_visible(j + 1);
-    while (j_next < num_k_tiles) {
-      const int st = it % kStages, st_next = (it + 1) % kStages;
-      MbarWait(full_k(st_next), ((it + 1) / kStages) & 1);
+  int g = 0;  // tiles consumed so far by this CTA: the ring's stage and phase
+  auto stage = [&](int i) { return (g + i) % kStages; };
+  auto phase = [&](int i) { return static_cast<uint32_t>(((g + i) / kStages) & 1); };
+  for (int n = 0; item_at(n) < num_items; ++n) {
+    const HopperItem item = LocateHopperItem(p, item_at(n));
+    const SliceDesc sl = item.tile.slice;
+    const int64_t slice_rows = sl.q_len * G;
+    const int64_t row0 = static_cast<int64_t>(item.tile.m_block) * kBlockM;
+    const int slot = n & 1;
+    MbarWait(q_full, n & 1);
+    const int32_t qp[2] = {s_qpos[slot][tile_row + group_id], s_qpos[slot][tile_row + group_id + 8]};
+    const VisibleKeyTiles tiles = visible_tiles(sl, slot);
+    const int num_k_tiles = tiles.num_tiles;
+    const int32_t* kpos_base = p.k_pos + sl.kv_begin;
+    const int kv_len = static_cast<int>(sl.kv_len);
+
+    // The element mask on a partly visible tile: key validity, padding, causality.
+    auto mask_tile = [&](int j) {
+      const int key0 = j * kBlockN;
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = key0 + nt * 8 + tig * 2 + e;
+          const int32_t kp = c < kv_len ? __ldg(kpos_base + c) : -1;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (!(kp >= 0 && qp[h] >= 0 && (!p.causal || kp <= qp[h]))) {
+              s_acc[nt][2 * h + e] = -INFINITY;
+            }
+          }
+        }
+      }
+    };
+    // Online softmax on S (FlashAttention-2's, as the mma.sync kernel): each row's alpha.
+    auto softmax = [&](float (&alpha)[2]) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = m_row[h];
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+          mx = fmaxf(mx, fmaxf(s_acc[nt][2 * h], s_acc[nt][2 * h + 1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+        alpha[h] = FastExp2(m_row[h] * p.scale_log2 - m_scaled);
+        m_row[h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+          float& a = s_acc[nt][2 * h];
+          float& b = s_acc[nt][2 * h + 1];
+          a = FastExp2(fmaf(a, p.scale_log2, -m_scaled));
+          b = FastExp2(fmaf(b, p.scale_log2, -m_scaled));
+          sum += a + b;
+        }
+        l_row[h] = l_row[h] * alpha[h] + sum;
+      }
+    };
+
+#pragma unroll
+    for (int i = 0; i < kDim / 2; ++i) o_flat[i] = 0.f;
+    m_row[0] = m_row[1] = -INFINITY;
+    l_row[0] = l_row[1] = 0.f;
+    int j = tiles.NextVisible(0);
+    if (j >= num_k_tiles) {
+      release_q();
+    } else {
+      // First tile: S, softmax, P.
+      MbarWait(full_k(stage(0)), phase(0));
       turn_begin();
-      issue_qk(st_next);
-      MbarWait(full_v(st), (it / kStages) & 1);
-      issue_pv(st);
+      issue_qk(stage(0));
       turn_end();
-      // The tile after next, and whether the next one needs the mask, while the tensor cores
-      // work: the summaries are global loads, too slow to wait for at the loop's end.
-      const bool mask_next = classify(j_next) == 1;
-      const int j_after = next_visible(j_next + 1);
-      WgmmaWait<1>();  // S of the next tile is ready; P V may still run
+      int j_next = tiles.NextVisible(j + 1);
+      WgmmaWait<0>();
       FenceRegisters(reinterpret_cast<float(&)[kBlockN / 2]>(*s_flat));
       __syncwarp();
-      if (lane == 0) MbarArrive(empty_k(st_next));
-      if (mask_next) mask_tile(j_next);
+      if (lane == 0) MbarArrive(empty_k(stage(0)));
+      if (j_next >= num_k_tiles) release_q();
+      if (tiles.Classify(j) == 1) mask_tile(j);
+      float alpha[2];
       softmax(alpha);
+      pack_p();
+      // Steady state: the next tile's Q K^T and this tile's P V in flight together; the softmax
+      // of the next tile runs as soon as its S is back, while P V still runs. The loop has one
+      // shape (the last tile's P V is peeled off below), so the compiler can pair every wait
+      // with its group and keep the wgmma pipeline unserialized.
+      int it = 0;
+      while (j_next < num_k_tiles) {
+        const int st = stage(it), st_next = stage(it + 1);
+        MbarWait(full_k(st_next), phase(it + 1));
+        turn_begin();
+        issue_qk(st_next);
+        MbarWait(full_v(st), phase(it));
+        issue_pv(st);
+        turn_end();
+        // The tile after next, and whether the next one needs the mask, while the tensor
+        // cores work: the summaries are global loads, too slow to wait for at the loop's end.
+        const bool mask_next = tiles.Classify(j_next) == 1;
+        const int j_after = tiles.NextVisible(j_next + 1);
+        WgmmaWait<1>();  // S of the next tile is ready; P V may still run
+        FenceRegisters(reinterpret_cast<float(&)[kBlockN / 2]>(*s_flat));
+        __syncwarp();
+        if (lane == 0) MbarArrive(empty_k(st_next));
+        if (j_after >= num_k_tiles) release_q();  // that was the item's last Q K^T
+        if (mask_next) mask_tile(j_next);
+        softmax(alpha);
+        WgmmaWait<0>();
+        FenceRegisters(reinterpret_cast<float(&)[kDim / 2]>(*o_flat));
+        __syncwarp();
+        if (lane == 0) MbarArrive(empty_v(st));
+#pragma unroll
+        for (int dt = 0; dt < kDim / 8; ++dt) {
+          o_acc[dt][0] *= alpha[0];
+          o_acc[dt][1] *= alpha[0];
+          o_acc[dt][2] *= alpha[1];
+          o_acc[dt][3] *= alpha[1];
+        }
+        pack_p();
+        j_next = j_after;
+        ++it;
+      }
+      const int st = stage(it);
+      MbarWait(full_v(st), phase(it));
+      turn_begin();
+      issue_pv(st);
+      turn_end();
       WgmmaWait<0>();
       FenceRegisters(reinterpret_cast<float(&)[kDim / 2]>(*o_flat));
       __syncwarp();
       if (lane == 0) MbarArrive(empty_v(st));
-#pragma unroll
-      for (int dt = 0; dt < kDim / 8; ++dt) {
-        o_acc[dt][0] *= alpha[0];
-        o_acc[dt][1] *= alpha[0];
-        o_acc[dt][2] *= alpha[1];
-        o_acc[dt][3] *= alpha[1];
-      }
-      pack_p();
-      j = j_next;
-      j_next = j_after;
-      ++it;
+      g += it + 1;
     }
-    const int st = it % kStages;
-    MbarWait(full_v(st), (it / kStages) & 1);
-    turn_begin();
-    issue_pv(st);
-    turn_end();
-    WgmmaWait<0>();
-    FenceRegisters(reinterpret_cast<float(&)[kDim / 2]>(*o_flat));
-    __syncwarp();
-    if (lane == 0) MbarArrive(empty_v(st));
-  }
 
-  const EpilogueTarget target{p.o, p.lse, p.num_heads, p.group, p.out_mode, p.scale_log2};
-  StoreRows16<kDim>(target, kv_head, sl.q_begin, slice_rows, row0 + tile_row, o_acc, m_row,
-                    l_row, lane);
+    const EpilogueTarget target{p.o, p.lse, p.num_heads, p.group, p.out_mode, p.scale_log2};
+    StoreRows16<kDim>(target, item.kv_head, sl.q_begin, slice_rows, row0 + tile_row, o_acc, m_row,
+                      l_row, lane);
+  }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 

@@ -5,6 +5,7 @@
 #                                        # same call; 8B (2 layers) on one GPU vs transformers
 #   bash bench/gpu/hopper_x4.sh model    # multigpu tests; whole Llama-3-8B (32 layers) prefill,
 #                                        # CP1 / CP2 / CP4 / TP2xCP2 at 32K and 128K
+#   bash bench/gpu/hopper_x4.sh cp4      # multigpu tests; the 128K CP1/CP4 runs of `cp` alone
 #   bash bench/gpu/hopper_x4.sh one      # on any one GPU: GPU tests (both kernels, the CLI
 #                                        # checks), then the 8B cut to 2 layers vs transformers
 # Binaries from .gpu-carry/ (bench/gpu/build-carry.sh); logs and JSON under $OUT.
@@ -30,9 +31,7 @@ prefill() {  # prefill TAG NP ARGS...: one cpfill prefill run, its TTFT line int
   [ $rc -eq 0 ] || tail -4 "$out/$tag.log"
 }
 
-if [ "$what" = cp ]; then
-  timeout 120 .gpu-carry/attention_cuda_test --gtest_filter='*Small*' > "$out/gpu_tests.log" 2>&1
-  note "gpu tests (hopper kernel): rc $? $(grep -E 'PASSED|FAILED' "$out/gpu_tests.log" | head -3)"
+cp_vs_torch() {  # 128K 16q:1kv, CP1 and CP4 on NVLink and sockets, cpfill and PyTorch CP
   for net in nvlink sockets; do
     envs=""; [ $net = sockets ] && envs=$sockets
     for np in 1 4; do
@@ -52,6 +51,18 @@ if [ "$what" = cp ]; then
       [ -n "$(grep -h '^{' "$out"/torch-cp$np*.log)" ] || tail -3 "$out"/torch-cp$np*.log
     done
   done
+}
+
+if [ "$what" = cp4 ]; then
+  timeout 240 bash tests/cli_test.sh multigpu_device_ring "$cpfill" > "$out/multigpu.log" 2>&1
+  note "multigpu tests: rc $? $(tail -1 "$out/multigpu.log")"
+  cp_vs_torch
+fi
+
+if [ "$what" = cp ]; then
+  timeout 120 .gpu-carry/attention_cuda_test --gtest_filter='*Small*' > "$out/gpu_tests.log" 2>&1
+  note "gpu tests (hopper kernel): rc $? $(grep -E 'PASSED|FAILED' "$out/gpu_tests.log" | head -3)"
+  cp_vs_torch
   # Issue 5 on one GPU: cpfill vs transformers, the 8B geometry cut to 2 layers.
   for t in 8192 32768 131072; do prefill "cp1-2l-$t" 1 --layers 2 --prompt-lens $t; done
   python3 bench/gpu/hf_prefill_peer.py --layers 2 --lens 8192,32768,131072 \

@@ -220,7 +220,8 @@ absl::Status DeviceRingAttention::RunPassKV(const Bf16* q, const Bf16* k, const 
         .num_slices = static_cast<int64_t>(slices.size()),
         .output = j == 0 ? OutputMode::kFloat32 : OutputMode::kMergeIntoFloat32,
         .o = o,
-        .lse = lse};
+        .lse = lse,
+        .communication_in_flight = exchanges[j] != nullptr};
     c0[j] = Mark();
     CPFILL_RETURN_IF_ERROR(Attend(a));
     c1[j] = Mark();
@@ -289,7 +290,8 @@ absl::Status DeviceRingAttention::RunPassQ(const Bf16* q, const Bf16* k, const B
                               .num_slices = static_cast<int64_t>(slices.size()),
                               .output = OutputMode::kFloat32,
                               .o = block,
-                              .lse = block + slots * q_row};
+                              .lse = block + slots * q_row,
+                              .communication_in_flight = exchanges[j] != nullptr};
     c0[j] = Mark();
     CPFILL_RETURN_IF_ERROR(Attend(a));
     c1[j] = Mark();
