@@ -19,17 +19,6 @@
 namespace cpfill::attention::cuda::internal {
 namespace {
 
-// K/V pipeline depth: 2 by default; CPFILL_HOPPER_STAGES=3 takes a third stage (225 KiB of
-// dynamic shared memory at head_dim 128, just under the 227 KiB a block may have), kept for
-// measuring what it gives.
-int StagesFromEnv() {
-  static const int stages = [] {
-    const char* e = std::getenv("CPFILL_HOPPER_STAGES");
-    return e != nullptr && std::strcmp(e, "3") == 0 ? 3 : 2;
-  }();
-  return stages;
-}
-
 // cuTensorMapEncodeTiled through the runtime's driver entry point: linking libcuda directly
 // would stop the binary from starting on machines without a driver.
 PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
@@ -71,33 +60,31 @@ absl::Status EncodeSliceMap(CUtensorMap* map, const __nv_bfloat16* base, int64_t
   return absl::OkStatus();
 }
 
-// Ping-pong between the consumer warpgroups is on unless CPFILL_HOPPER_PINGPONG=0 (kept for
-// measuring what it gives).
-bool PingPongFromEnv() {
-  static const bool on = [] {
-    const char* e = std::getenv("CPFILL_HOPPER_PINGPONG");
-    return e == nullptr || std::strcmp(e, "0") != 0;
+// Measurement knobs, read once from the environment; the defaults are the measured best.
+//   CPFILL_HOPPER_PINGPONG=0     no ping-pong between the consumer warpgroups
+//   CPFILL_HOPPER_PERSISTENT=0   a CTA per work item instead of one per SM taking items in turn
+//   CPFILL_HOPPER_STAGES=3       a third K/V stage (225 KiB of dynamic shared memory at head_dim
+//                                128, just under the 227 KiB a block may have)
+//   CPFILL_HOPPER_MAX_CTAS=N     at most N persistent CTAs (tests: many items per CTA)
+struct HopperKnobs {
+  bool pingpong = true, persistent = true;
+  int stages = 2, max_ctas = 0;
+};
+const HopperKnobs& Knobs() {
+  static const HopperKnobs knobs = [] {
+    auto is = [](const char* name, const char* value) {
+      const char* e = std::getenv(name);
+      return e != nullptr && std::strcmp(e, value) == 0;
+    };
+    HopperKnobs k;
+    k.pingpong = !is("CPFILL_HOPPER_PINGPONG", "0");
+    k.persistent = !is("CPFILL_HOPPER_PERSISTENT", "0");
+    k.stages = is("CPFILL_HOPPER_STAGES", "3") ? 3 : 2;
+    const char* cap = std::getenv("CPFILL_HOPPER_MAX_CTAS");
+    k.max_ctas = cap == nullptr ? 0 : std::max(0, std::atoi(cap));
+    return k;
   }();
-  return on;
-}
-
-// The persistent schedule (one CTA per SM taking work items in turn) is on unless
-// CPFILL_HOPPER_PERSISTENT=0, which gives every item its own CTA (kept for measuring it).
-bool PersistentFromEnv() {
-  static const bool on = [] {
-    const char* e = std::getenv("CPFILL_HOPPER_PERSISTENT");
-    return e == nullptr || std::strcmp(e, "0") != 0;
-  }();
-  return on;
-}
-
-// CPFILL_HOPPER_MAX_CTAS=N caps the persistent grid at N CTAs (tests: many items per CTA).
-int MaxCtasFromEnv() {
-  static const int cap = [] {
-    const char* e = std::getenv("CPFILL_HOPPER_MAX_CTAS");
-    return e == nullptr ? 0 : std::max(0, std::atoi(e));
-  }();
-  return cap;
+  return knobs;
 }
 
 absl::StatusOr<int> SmCount() {
@@ -170,20 +157,24 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
     CPFILL_CHECK_ARG(items <= INT32_MAX, "one launch of ", items, " work items is too many");
     summary_offset += k_tiles;
     if (items == 0) continue;
+    const HopperKnobs& knobs = Knobs();
     int ctas = static_cast<int>(items);
-    if (PersistentFromEnv()) {
+    if (knobs.persistent) {
       CPFILL_ASSIGN_OR_RETURN(const int sms, SmCount());
       // One CTA per SM (its shared memory and 384 threads), less the SMs an exchange in flight
       // needs for its own kernel.
       ctas = std::min(ctas, a.communication_in_flight ? sms - kSmsForCommunication : sms);
-      if (MaxCtasFromEnv() > 0) ctas = std::min(ctas, MaxCtasFromEnv());
+      if (knobs.max_ctas > 0) ctas = std::min(ctas, knobs.max_ctas);
     }
-    const bool pingpong = PingPongFromEnv(), three = StagesFromEnv() == 3;
-    auto launch = a.shape.head_dim == 128
-                      ? (three ? (pingpong ? LaunchShape<128, 3, true> : LaunchShape<128, 3, false>)
-                               : (pingpong ? LaunchShape<128, 2, true> : LaunchShape<128, 2, false>))
-                      : (three ? (pingpong ? LaunchShape<64, 3, true> : LaunchShape<64, 3, false>)
-                               : (pingpong ? LaunchShape<64, 2, true> : LaunchShape<64, 2, false>));
+    using Launch = absl::Status (*)(const HopperParams&, int, cudaStream_t);
+    // [head_dim 128][3 stages][ping-pong]
+    static constexpr Launch kLaunch[2][2][2] = {
+        {{LaunchShape<64, 2, false>, LaunchShape<64, 2, true>},
+         {LaunchShape<64, 3, false>, LaunchShape<64, 3, true>}},
+        {{LaunchShape<128, 2, false>, LaunchShape<128, 2, true>},
+         {LaunchShape<128, 3, false>, LaunchShape<128, 3, true>}}};
+    const Launch launch =
+        kLaunch[a.shape.head_dim == 128][knobs.stages == 3][knobs.pingpong];
     CPFILL_RETURN_IF_ERROR(launch(p, ctas, stream));
   }
   return absl::OkStatus();

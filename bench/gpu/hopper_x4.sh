@@ -31,6 +31,18 @@ prefill() {  # prefill TAG NP ARGS...: one cpfill prefill run, its TTFT line int
   [ $rc -eq 0 ] || tail -4 "$out/$tag.log"
 }
 
+small_gpu_tests() {  # the small cases of the kernel tests on the Hopper kernel
+  timeout 150 .gpu-carry/attention_cuda_test --gtest_filter='*Small*' > "$out/gpu_tests.log" 2>&1
+  note "gpu tests (hopper kernel): rc $? $(grep -E 'PASSED|FAILED' "$out/gpu_tests.log" | head -3)"
+}
+
+model_vs_transformers() {  # issue 5 on one GPU: the 8B geometry cut to 2 layers, same call
+  for t in 8192 32768 131072; do prefill "cp1-2l-$t" 1 --layers 2 --prompt-lens $t; done
+  python3 bench/gpu/hf_prefill_peer.py --layers 2 --lens 8192,32768,131072 \
+    > "$out/hf_peer.log" 2>&1
+  note "transformers: $(grep -h '^{\|^\[' "$out/hf_peer.log" | tail -3)"
+}
+
 cp_vs_torch() {  # 128K 16q:1kv, CP1 and CP4 on NVLink and sockets, cpfill and PyTorch CP
   for net in nvlink sockets; do
     envs=""; [ $net = sockets ] && envs=$sockets
@@ -60,28 +72,19 @@ if [ "$what" = cp4 ]; then
 fi
 
 if [ "$what" = cp ]; then
-  timeout 120 .gpu-carry/attention_cuda_test --gtest_filter='*Small*' > "$out/gpu_tests.log" 2>&1
-  note "gpu tests (hopper kernel): rc $? $(grep -E 'PASSED|FAILED' "$out/gpu_tests.log" | head -3)"
+  small_gpu_tests
   cp_vs_torch
-  # Issue 5 on one GPU: cpfill vs transformers, the 8B geometry cut to 2 layers.
-  for t in 8192 32768 131072; do prefill "cp1-2l-$t" 1 --layers 2 --prompt-lens $t; done
-  python3 bench/gpu/hf_prefill_peer.py --layers 2 --lens 8192,32768,131072 \
-    > "$out/hf_peer.log" 2>&1
-  note "transformers: $(grep -h '^{\|^\[' "$out/hf_peer.log" | tail -3)"
+  model_vs_transformers
 fi
 
 if [ "$what" = one ]; then
-  timeout 150 .gpu-carry/attention_cuda_test --gtest_filter='*Small*' > "$out/gpu_tests.log" 2>&1
-  note "gpu tests (hopper kernel): rc $? $(grep -E 'PASSED|FAILED' "$out/gpu_tests.log" | head -3)"
+  small_gpu_tests
   CPFILL_ATTENTION_KERNEL=mma timeout 150 .gpu-carry/attention_cuda_test --gtest_filter='*Small*' \
     > "$out/gpu_tests_mma.log" 2>&1
   note "gpu tests (mma kernel): rc $? $(grep -E 'PASSED|FAILED' "$out/gpu_tests_mma.log" | head -3)"
   timeout 200 bash tests/cli_test.sh cuda_backend_check "$cpfill" > "$out/cli_cuda.log" 2>&1
   note "cli cuda_backend_check: rc $? $(tail -1 "$out/cli_cuda.log")"
-  for t in 8192 32768 131072; do prefill "cp1-2l-$t" 1 --layers 2 --prompt-lens $t; done
-  python3 bench/gpu/hf_prefill_peer.py --layers 2 --lens 8192,32768,131072 \
-    > "$out/hf_peer.log" 2>&1
-  note "transformers: $(grep -h '^{\|^\[' "$out/hf_peer.log" | tail -3)"
+  model_vs_transformers
 fi
 
 if [ "$what" = model ]; then
