@@ -159,6 +159,16 @@ std::vector<int64_t> WorkingSlices(const CudaAttentionArgs& a) {
 
 int64_t KeyTiles(const SequenceSlice& s) { return (s.kv_len + BlockN() - 1) / BlockN(); }
 
+// The workspace: the key-tile summaries (sized for the mma.sync kernel's 64-key tiles, enough
+// for the Hopper kernel's 128), then the work-item counter of the persistent Hopper kernel's
+// scheduler, which each launch's pre-pass zeroes.
+size_t SummaryBytes(const CudaAttentionArgs& args) {
+  size_t tiles = 0;
+  for (int64_t i : WorkingSlices(args)) tiles += KeyTiles(args.slices[i]);
+  return tiles * sizeof(KeyTileSummary);
+}
+inline constexpr size_t kSchedulerCounterBytes = 16;
+
 }  // namespace
 
 bool SupportedHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
@@ -180,9 +190,8 @@ int DeviceCount() {
 }
 
 size_t AttentionWorkspaceBytes(const CudaAttentionArgs& args) {
-  size_t tiles = 0;
-  for (int64_t i : WorkingSlices(args)) tiles += KeyTiles(args.slices[i]);
-  return tiles * sizeof(KeyTileSummary);
+  const size_t summaries = SummaryBytes(args);
+  return summaries == 0 ? 0 : summaries + kSchedulerCounterBytes;
 }
 
 absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
@@ -231,7 +240,9 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
   // Hopper: the wgmma/TMA kernel (its 128-key tiles need fewer summaries than reserved here).
   if (internal::HopperAttentionUsable(a)) {
-    return internal::LaunchHopperAttention(a, work, summaries, stream);
+    int32_t* item_counter = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) +
+                                                       SummaryBytes(a));
+    return internal::LaunchHopperAttention(a, work, summaries, item_counter, stream);
   }
 #endif
   int64_t summary_offset = 0;
@@ -246,7 +257,7 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
         summaries + summary_offset, &p, p.slices, &extent));
     const int64_t q_tiles = extent.q_tiles, k_tiles = extent.k_tiles;
     KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
-        p, static_cast<int>(k_tiles), summaries + summary_offset);
+        p, static_cast<int>(k_tiles), summaries + summary_offset, nullptr);
     CPFILL_CUDA_CHECK(cudaGetLastError());
     if (dim == 128) {
       CPFILL_RETURN_IF_ERROR(

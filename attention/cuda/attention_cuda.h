@@ -60,7 +60,8 @@ inline constexpr int kSmsForCommunication = 4;
 // Head dimensions with compiled kernels.
 bool SupportedHeadDim(int head_dim);
 
-// Device workspace the launch needs (per-key-tile position summaries); 0 is possible.
+// Device workspace the launch needs (per-key-tile position summaries and the Hopper kernel's
+// work-item counter); 0 when no slice has work.
 size_t AttentionWorkspaceBytes(const CudaAttentionArgs& args);
 
 // InvalidArgument for bad shapes, unsupported head dims, slices out of range or overlapping in

@@ -174,6 +174,9 @@ void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<floa
                       .lse = dlse.get()};
   const size_t ws_bytes = AttentionWorkspaceBytes(a);
   DeviceArray<char> ws(ws_bytes);
+  // Workspace garbage too: the kernel must not trust what an earlier call left there (the Hopper
+  // scheduler's counter would read as "no items left" and CTAs would stop early).
+  if (ws_bytes > 0) ASSERT_CUDA(cudaMemset(ws.get(), 0x7f, ws_bytes));
   absl::Status s = PartialAttentionCuda(a, ws.get(), ws_bytes, nullptr);
   ASSERT_TRUE(s.ok()) << s;
   ASSERT_CUDA(cudaDeviceSynchronize());

@@ -63,12 +63,14 @@ absl::Status EncodeSliceMap(CUtensorMap* map, const __nv_bfloat16* base, int64_t
 // Measurement knobs, read once from the environment; the defaults are the measured best.
 //   CPFILL_HOPPER_PINGPONG=0     no ping-pong between the consumer warpgroups
 //   CPFILL_HOPPER_PERSISTENT=0   a CTA per work item instead of one per SM taking items in turn
-//   CPFILL_HOPPER_STAGES=3       a third K/V stage (225 KiB of dynamic shared memory at head_dim
-//                                128, just under the 227 KiB a block may have)
+//   CPFILL_HOPPER_Q_BUFFERS=1    one Q buffer: the next item's Q loads wait for this item's last
+//                                Q K^T instead of running a whole item ahead
 //   CPFILL_HOPPER_MAX_CTAS=N     at most N persistent CTAs (tests: many items per CTA)
+//   CPFILL_HOPPER_SCHEDULE=static  CTA b takes items b, b + grid, b + 2 grid, ... instead of the
+//                                next free item from a counter
 struct HopperKnobs {
-  bool pingpong = true, persistent = true;
-  int stages = 2, max_ctas = 0;
+  bool pingpong = true, persistent = true, dynamic_schedule = true;
+  int q_buffers = 2, max_ctas = 0;
 };
 const HopperKnobs& Knobs() {
   static const HopperKnobs knobs = [] {
@@ -79,7 +81,8 @@ const HopperKnobs& Knobs() {
     HopperKnobs k;
     k.pingpong = !is("CPFILL_HOPPER_PINGPONG", "0");
     k.persistent = !is("CPFILL_HOPPER_PERSISTENT", "0");
-    k.stages = is("CPFILL_HOPPER_STAGES", "3") ? 3 : 2;
+    k.q_buffers = is("CPFILL_HOPPER_Q_BUFFERS", "1") ? 1 : 2;
+    k.dynamic_schedule = !is("CPFILL_HOPPER_SCHEDULE", "static");
     const char* cap = std::getenv("CPFILL_HOPPER_MAX_CTAS");
     k.max_ctas = cap == nullptr ? 0 : std::max(0, std::atoi(cap));
     return k;
@@ -94,10 +97,14 @@ absl::StatusOr<int> SmCount() {
   return sms;
 }
 
-template <int kDim, int kStages, bool kPingPong>
+// Two K/V stages: a third was measured 0.5-2% slower (bench/RESULTS.md), and its shared memory
+// now holds the second Q buffer.
+inline constexpr int kStages = 2;
+
+template <int kDim, int kQBuffers, bool kPingPong>
 absl::Status LaunchShape(const HopperParams& params, int num_ctas, cudaStream_t stream) {
-  using Cfg = HopperConfig<kDim, kStages>;
-  auto kernel = HopperFlashKernel<kDim, kStages, kPingPong>;
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
+  auto kernel = HopperFlashKernel<kDim, kStages, kQBuffers, kPingPong>;
   static const cudaError_t attr = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   CPFILL_CUDA_CHECK(attr);
@@ -131,16 +138,28 @@ bool HopperAttentionUsable(const CudaAttentionArgs& a) {
 }
 
 absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const int64_t> work,
-                                   KeyTileSummary* summaries, cudaStream_t stream) {
+                                   KeyTileSummary* summaries, int32_t* item_counter,
+                                   cudaStream_t stream) {
+  // Longest slices first: the scheduler hands items out in order (within a slice the latest
+  // query tiles, the most causal work, come first), so a launch ends on short items and the
+  // SMs finish together. Slices never share query rows, so their order changes no result.
+  std::vector<int64_t> order(work.begin(), work.end());
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    const SequenceSlice &sx = a.slices[x], &sy = a.slices[y];
+    return sx.q_len * sx.kv_len > sy.q_len * sy.kv_len;
+  });
+  const std::span<const int64_t> sorted(order);
+  const HopperKnobs& knobs = Knobs();
   int64_t summary_offset = 0;
   // One launch per kMaxHopperSlices slices: a ring step of up to 48 sequences is one launch.
-  for (size_t first = 0; first < work.size(); first += kMaxHopperSlices) {
-    const size_t count = std::min<size_t>(kMaxHopperSlices, work.size() - first);
+  for (size_t first = 0; first < sorted.size(); first += kMaxHopperSlices) {
+    const size_t count = std::min<size_t>(kMaxHopperSlices, sorted.size() - first);
     HopperParams p{};  // about 14 KiB: the launch copies it into the parameter space
     LaunchExtent extent;
-    CPFILL_RETURN_IF_ERROR(PrepareLaunch(a, work.subspan(first, count), kHopperBlockM,
+    CPFILL_RETURN_IF_ERROR(PrepareLaunch(a, sorted.subspan(first, count), kHopperBlockM,
                                          kHopperBlockN, summaries + summary_offset, &p,
                                          p.slices, &extent));
+    p.item_counter = knobs.dynamic_schedule ? item_counter : nullptr;
     for (size_t i = 0; i < count; ++i) {
       const SliceDesc& s = p.slices[i];
       CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.k_maps[i], a.k, s.kv_begin, s.kv_len,
@@ -149,15 +168,15 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
                                             a.shape.num_kv_heads, a.shape.head_dim));
     }
     const int64_t q_tiles = extent.q_tiles, k_tiles = extent.k_tiles;
-    KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
-        p, static_cast<int>(k_tiles), summaries + summary_offset);
+    KeyTileSummaryKernel<<<static_cast<int>(std::max<int64_t>(1, (k_tiles + 127) / 128)), 128, 0,
+                           stream>>>(p, static_cast<int>(k_tiles), summaries + summary_offset,
+                                     p.item_counter);
     CPFILL_CUDA_CHECK(cudaGetLastError());
     p.num_q_tiles = static_cast<int32_t>(q_tiles);
     const int64_t items = q_tiles * a.shape.num_kv_heads;
     CPFILL_CHECK_ARG(items <= INT32_MAX, "one launch of ", items, " work items is too many");
     summary_offset += k_tiles;
     if (items == 0) continue;
-    const HopperKnobs& knobs = Knobs();
     int ctas = static_cast<int>(items);
     if (knobs.persistent) {
       CPFILL_ASSIGN_OR_RETURN(const int sms, SmCount());
@@ -167,14 +186,14 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
       if (knobs.max_ctas > 0) ctas = std::min(ctas, knobs.max_ctas);
     }
     using Launch = absl::Status (*)(const HopperParams&, int, cudaStream_t);
-    // [head_dim 128][3 stages][ping-pong]
+    // [head_dim 128][two Q buffers][ping-pong]
     static constexpr Launch kLaunch[2][2][2] = {
-        {{LaunchShape<64, 2, false>, LaunchShape<64, 2, true>},
-         {LaunchShape<64, 3, false>, LaunchShape<64, 3, true>}},
-        {{LaunchShape<128, 2, false>, LaunchShape<128, 2, true>},
-         {LaunchShape<128, 3, false>, LaunchShape<128, 3, true>}}};
+        {{LaunchShape<64, 1, false>, LaunchShape<64, 1, true>},
+         {LaunchShape<64, 2, false>, LaunchShape<64, 2, true>}},
+        {{LaunchShape<128, 1, false>, LaunchShape<128, 1, true>},
+         {LaunchShape<128, 2, false>, LaunchShape<128, 2, true>}}};
     const Launch launch =
-        kLaunch[a.shape.head_dim == 128][knobs.stages == 3][knobs.pingpong];
+        kLaunch[a.shape.head_dim == 128][knobs.q_buffers == 2][knobs.pingpong];
     CPFILL_RETURN_IF_ERROR(launch(p, ctas, stream));
   }
   return absl::OkStatus();

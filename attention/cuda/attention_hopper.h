@@ -19,8 +19,10 @@ bool HopperKernelOnThisDevice();
 bool HopperAttentionUsable(const CudaAttentionArgs& a);
 
 // Launches the key-tile pre-pass and the Hopper kernel over the slices `work` (indices into
-// a.slices, each with work to do). `summaries` holds at least one entry per 128 keys of each.
+// a.slices, each with work to do). `summaries` holds at least one entry per 128 keys of each;
+// `item_counter` is one int of device memory for the work-item scheduler.
 absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const int64_t> work,
-                                   KeyTileSummary* summaries, cudaStream_t stream);
+                                   KeyTileSummary* summaries, int32_t* item_counter,
+                                   cudaStream_t stream);
 
 }  // namespace cpfill::attention::cuda::internal

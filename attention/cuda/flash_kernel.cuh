@@ -188,8 +188,11 @@ __device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
 // Params: any launch parameter block with slices, num_slices, key_tile and k_pos.
 template <typename Params>
 __global__ void KeyTileSummaryKernel(const __grid_constant__ Params p, int total_k_tiles,
-                                     KeyTileSummary* out) {
+                                     KeyTileSummary* out, int32_t* item_counter) {
   const int tile = blockIdx.x * blockDim.x + threadIdx.x;
+  // The persistent Hopper kernel's scheduler counter, reset here: this pre-pass runs just
+  // before the kernel on the same stream, so the reset costs no launch of its own.
+  if (tile == 0 && item_counter != nullptr) *item_counter = 0;
   if (tile >= total_k_tiles) return;
   int s = 0;
   while (s + 1 < p.num_slices && tile >= p.slices[s + 1].k_tile_start) ++s;

@@ -6,19 +6,27 @@
 // changes how the work is done:
 //
 //   a work item = one (slice, kv head, query tile of 128 folded rows); a persistent CTA (one per
-//   SM) takes items in turn, with 3 warpgroups:
-//     warpgroup 0, the producer: gives its registers away (setmaxnreg); one thread issues the
-//       TMA loads of the visible K and V tiles (128 keys each) into a kStages-deep ring of
-//       shared-memory buffers, each guarded by a "full" and an "empty" mbarrier, running on
-//       from one item into the next; warps 1-3 load the next item's Q tile (cp.async) and
-//       positions while the consumers finish this one;
+//   SM) takes the next free item from a global counter when it needs one (the items are in
+//   longest-first order, so the SMs finish together), with 3 warpgroups:
+//     warpgroup 0, the producer: gives its registers away (setmaxnreg); warps 1-3 take the next
+//       item and publish it with its query positions and their range (the "item" slot, double
+//       buffered), then load its Q tile (cp.async) into one of kQBuffers Q buffers, so with
+//       two the next item's Q lands while the consumers work on this one; one thread of warp 0
+//       issues the TMA loads of the visible K and V tiles (128 keys each) into a kStages-deep
+//       ring of shared-memory buffers, each guarded by a "full" and an "empty" mbarrier, and
+//       tells the consumers each tile's class (masked or not, last of its item) in a word
+//       beside the stage. It needs only the item slot, not Q, so it runs on into the next item
+//       while the consumers still finish this one;
 //     warpgroups 1 and 2, the consumers: 64 query rows each. S = Q K^T by wgmma with both
 //       operands in shared memory; the online softmax in registers; O += P V by wgmma with P
 //       straight from the S accumulators (bf16 A fragments, never through shared memory).
 //
 // Within a consumer the next tile's Q K^T is issued before this tile's P V, so the softmax of
 // tile j+1 runs while the tensor cores still do P V of tile j (FlashAttention-3's intra-warpgroup
-// overlap); K is released as soon as Q K^T has read it, V after P V.
+// overlap); K is released as soon as Q K^T has read it, V after P V. The consumers' loop does no
+// global load and builds no descriptor: both showed up as its stalls under Nsight Compute
+// (bench/RESULTS.md), so tile classes come from the K/V thread and descriptors are moved by an
+// add.
 //
 // The K/V tensor maps are made per slice (base = the slice's first key row, height = its key
 // count), so rows past a slice are zero-filled by the copy engine, never read from a neighbour
@@ -46,7 +54,9 @@ struct HopperParams : LaunchCommon {
   CUtensorMap k_maps[kMaxHopperSlices];  // per slice: [kv_len rows, num_kv_heads * head_dim]
   CUtensorMap v_maps[kMaxHopperSlices];
   SliceDesc slices[kMaxHopperSlices];
-  int32_t num_q_tiles;  // work items: num_q_tiles x num_kv_heads
+  int32_t num_q_tiles;    // work items: num_q_tiles x num_kv_heads
+  int32_t* item_counter;  // the scheduler's next free item past the first wave, or null for
+                          // the static schedule (CTA b takes b, b + grid, ...)
 };
 static_assert(sizeof(HopperParams) <= 32764, "kernel parameters must fit 32764 bytes");
 
@@ -58,9 +68,14 @@ inline constexpr int kHopperThreads = 384;
 // compute the gather addresses of the next item's Q rows, and at 40 or 48 ptxas spilled them to
 // local memory; the consumers still fit 224 with no spill.
 inline constexpr int kProducerRegisters = 56;
+// A K/V stage's tile info: the key tile's index in its slice, and two flags.
+inline constexpr int kTileMasked = 1 << 30;  // partly visible: the element mask applies
+inline constexpr int kTileLast = 1 << 29;    // the item's last visible tile
+inline constexpr int kTileNone = 1 << 28;    // the item has no visible tile: the stage is empty
+inline constexpr int kTileIndex = kTileNone - 1;
 inline constexpr int kConsumerRegisters = 224;
 
-template <int kDim, int kStages>
+template <int kDim, int kStages, int kQBuffers>
 struct HopperConfig {
   static_assert(kDim == 64 || kDim == 128, "head_dim 64 or 128");
   static constexpr int kSlabs = kDim / 64;                      // 128-byte-wide column slabs
@@ -70,7 +85,7 @@ struct HopperConfig {
   static constexpr int kQBytes = 2 * kQBytesPerWarpgroup;
   static constexpr int kTileBytes = kSlabs * kSlabBytesKv;      // one K or V tile
   // + 1024: the dynamic buffer is re-aligned to the 1024-byte swizzle period at run time.
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kTileBytes + 1024;
+  static constexpr int kSmemBytes = kQBuffers * kQBytes + 2 * kStages * kTileBytes + 1024;
   // 227 KiB per block on sm_90, less about 1.2 KiB of static barriers and positions.
   static_assert(kSmemBytes <= 227 * 1024 - 2048, "K/V stages exceed shared memory");
 };
@@ -182,6 +197,13 @@ __device__ __forceinline__ uint64_t SmemDescriptor(uint32_t addr, uint32_t leadi
   return d;
 }
 
+// A descriptor `bytes` further on in shared memory: the address field (bits 0-13, in 16-byte
+// units) of a descriptor for an address below 256 KiB never carries into the next field, so
+// descriptors are built once and moved with one add instead of rebuilt for every wgmma.
+__device__ __forceinline__ uint64_t DescriptorPlus(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
 // Inline PTX has no loops: the operand lists are written out.
 // D (64 x 128, fp32) {=, +=} A (64 x 16, smem desc) * B (16 x 128, smem desc); both K-major.
 __device__ __forceinline__ void WgmmaSS_N128(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
@@ -261,40 +283,54 @@ __device__ __forceinline__ HopperItem LocateHopperItem(const HopperParams& p, in
 // ping-pong), so one warpgroup's softmax runs while the other's products keep the tensor cores
 // busy.
 //
-// Persistent: a CTA takes items blockIdx.x, blockIdx.x + gridDim.x, ... (the launcher sizes the
-// grid to the SMs; with gridDim.x = num_items every CTA takes one item, the non-persistent
-// schedule). The K/V ring runs on across items, and the next item's Q and positions are loaded
-// by producer warps 1-3 as soon as the consumers' last Q K^T of this item has read Q, i.e.
-// during this item's last P V and epilogue, so a short item no longer pays a cold Q load and
-// pipeline fill.
-template <int kDim, int kStages, bool kPingPong>
+// Persistent: CTA b takes item b first, then the next free one from p.item_counter (or b +
+// gridDim.x, ... with the static schedule); the launcher sizes the grid to the SMs, and with
+// gridDim.x = num_items every CTA takes one item, the non-persistent schedule. An item index
+// past the end tells every warp of the CTA to stop.
+//
+// Item n's slot (n & 1) holds its index, query positions and position range. Warps 1-3 fill it
+// as soon as item n - 2's readers have released it (the K/V thread and the 8 consumer warps
+// each arrive on item_free once they have read it); so the K/V thread learns item n + 1's
+// visible tiles while the consumers still work on item n, and a short item pays no cold
+// pipeline fill. Q is single-buffered: its loads for item n + 1 start once the consumers' last
+// Q K^T of item n has read Q, i.e. during the last P V and the epilogue.
+template <int kDim, int kStages, int kQBuffers, bool kPingPong>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     HopperFlashKernel(const __grid_constant__ HopperParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = HopperConfig<kDim, kStages>;
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
   constexpr int kBlockM = kHopperBlockM, kBlockN = kHopperBlockN;
   constexpr int kLoaderThreads = 96;  // producer warps 1-3
+  constexpr int kLoaderBarrier = 3;   // named barriers 1 and 2 are the consumers' turns
   extern __shared__ unsigned char smem_raw[];
-  // full K, full V, empty K, empty V per stage; then Q full and Q empty.
-  __shared__ __align__(8) uint64_t bars[4 * kStages + 2];
-  __shared__ int32_t s_qpos[2][kBlockM];    // [item parity][row]
-  __shared__ int32_t s_qstat[2][3][3];      // [item parity][loader warp][min, max, padding]
+  // full K, full V, empty K, empty V per stage; then Q full, Q empty, item ready x 2 and item
+  // free x 2.
+  __shared__ __align__(8) uint64_t bars[4 * kStages + 2 * kQBuffers + 4];
+  __shared__ int32_t s_item[2];             // [slot]: the item's index; >= num_items: stop
+  // [stage]: which key tile the stage holds, with kTileMasked and kTileLast; written by the K/V
+  // thread before it arrives on the stage's "full K" barrier, so the consumers learn the tile's
+  // class from shared memory instead of a chain of global loads of the summaries.
+  __shared__ int32_t s_tile_info[kStages];
+  __shared__ int32_t s_qpos[2][kBlockM];    // [slot][row]
+  __shared__ int32_t s_qstat[2][3][3];      // [slot][loader warp][min, max, padding]
   const uint32_t smem_base = (SmemAddr(smem_raw) + 1023u) & ~1023u;
   const uint32_t s_q = smem_base;
-  const uint32_t s_k = s_q + Cfg::kQBytes;
+  const uint32_t s_k = s_q + kQBuffers * Cfg::kQBytes;
   const uint32_t s_v = s_k + kStages * Cfg::kTileBytes;
   auto full_k = [&](int st) { return SmemAddr(&bars[st]); };
   auto full_v = [&](int st) { return SmemAddr(&bars[kStages + st]); };
   auto empty_k = [&](int st) { return SmemAddr(&bars[2 * kStages + st]); };
   auto empty_v = [&](int st) { return SmemAddr(&bars[3 * kStages + st]); };
-  const uint32_t q_full = SmemAddr(&bars[4 * kStages]);
-  const uint32_t q_empty = SmemAddr(&bars[4 * kStages + 1]);
+  // Item n's Q is in buffer n % kQBuffers; its barriers' phase is n / kQBuffers.
+  auto q_full = [&](int b) { return SmemAddr(&bars[4 * kStages + b]); };
+  auto q_empty = [&](int b) { return SmemAddr(&bars[4 * kStages + kQBuffers + b]); };
+  auto item_ready = [&](int slot) { return SmemAddr(&bars[4 * kStages + 2 * kQBuffers + slot]); };
+  auto item_free = [&](int slot) { return SmemAddr(&bars[4 * kStages + 2 * kQBuffers + 2 + slot]); };
 
   // Thread indices are read again after each setmaxnreg: a value live across it is spilled.
   const int warpgroup = threadIdx.x / 128;
   const int G = p.group;
   const int num_items = p.num_q_tiles * p.num_kv_heads;
-  auto item_at = [&](int n) { return static_cast<int>(blockIdx.x) + n * static_cast<int>(gridDim.x); };
 
   if (threadIdx.x == 0) {
     for (int st = 0; st < kStages; ++st) {
@@ -303,14 +339,22 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       MbarInit(empty_k(st), 8);  // one arrival per consumer warp
       MbarInit(empty_v(st), 8);
     }
-    MbarInit(q_full, kLoaderThreads);  // every loader thread, after its own copies landed
-    // Every consumer warp after its last Q K^T of an item, and the K/V thread once it has read
-    // the item's statistics (an item with no visible tiles is released by the consumers at once,
-    // and its loaders must not overwrite statistics the K/V thread has not read yet).
-    MbarInit(q_empty, 9);
+    for (int b = 0; b < kQBuffers; ++b) {
+      MbarInit(q_full(b), kLoaderThreads);  // every loader thread, after its own copies landed
+      MbarInit(q_empty(b), 8);              // every consumer warp, after its last Q K^T of an item
+    }
+    for (int slot = 0; slot < 2; ++slot) {
+      MbarInit(item_ready(slot), kLoaderThreads);  // every loader thread, after its writes
+      MbarInit(item_free(slot), 9);  // the 8 consumer warps and the K/V thread, having read it
+    }
   }
   __syncthreads();
 
+  // Item n's index once its slot is filled (num_items or more: stop).
+  auto wait_item = [&](int n) {
+    MbarWait(item_ready(n & 1), (n >> 1) & 1);
+    return s_item[n & 1];
+  };
   // The visible key tiles of an item, from the statistics its loaders left in slot n & 1.
   auto visible_tiles = [&](const SliceDesc& sl, int slot) {
     int32_t q_min = INT32_MAX, q_max = -1, q_pad = 0;
@@ -335,17 +379,37 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       // ---- producer, K/V: one thread issues the TMA loads of every item's visible tiles ----
       if (lane != 0) return;
       int g = 0;  // tiles issued so far by this CTA: the ring's stage and phase
-      for (int n = 0; item_at(n) < num_items; ++n) {
-        const HopperItem item = LocateHopperItem(p, item_at(n));
-        MbarWait(q_full, n & 1);  // the item's statistics are in place
-        const VisibleKeyTiles tiles = visible_tiles(item.tile.slice, n & 1);
-        MbarArrive(q_empty);
+      for (int n = 0;; ++n) {
+        const int slot = n & 1;
+        const int item_index = wait_item(n);
+        if (item_index >= num_items) return;
+        const HopperItem item = LocateHopperItem(p, item_index);
+        const VisibleKeyTiles tiles = visible_tiles(item.tile.slice, slot);
+        MbarArrive(item_free(slot));
         const CUtensorMap* kmap = &p.k_maps[item.tile.slice_index];
         const CUtensorMap* vmap = &p.v_maps[item.tile.slice_index];
-        for (int j = tiles.NextVisible(0); j < tiles.num_tiles; j = tiles.NextVisible(j + 1), ++g) {
+        int j = tiles.NextVisible(0);
+        if (j >= tiles.num_tiles) {
+          // No visible tile: one stage with no data tells the consumers (an arrival without
+          // bytes completes each barrier's phase), so they never read the summaries.
           const int st = g % kStages;
           const uint32_t free_parity = ((g / kStages) & 1) ^ 1;
           MbarWait(empty_k(st), free_parity);
+          s_tile_info[st] = kTileNone;
+          MbarArrive(full_k(st));
+          MbarWait(empty_v(st), free_parity);
+          MbarArrive(full_v(st));
+          ++g;
+          continue;
+        }
+        for (; j < tiles.num_tiles; ++g) {
+          const int j_next = tiles.NextVisible(j + 1);
+          const int info = j | (tiles.Classify(j) == 1 ? kTileMasked : 0) |
+                           (j_next >= tiles.num_tiles ? kTileLast : 0);
+          const int st = g % kStages;
+          const uint32_t free_parity = ((g / kStages) & 1) ^ 1;
+          MbarWait(empty_k(st), free_parity);
+          s_tile_info[st] = info;  // released by the arrive below
           MbarArriveExpectTx(full_k(st), Cfg::kTileBytes);
 #pragma unroll
           for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
@@ -359,19 +423,35 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
             TmaLoad2d(s_v + st * Cfg::kTileBytes + slab * Cfg::kSlabBytesKv, vmap,
                       item.kv_head * kDim + slab * 64, j * kBlockN, full_v(st));
           }
+          j = j_next;
         }
       }
       return;
     }
     // ---- producer, Q: warps 1-3 load each item's Q tile, positions and statistics ----
     const int t = tid - 32;
-    for (int n = 0; item_at(n) < num_items; ++n) {
-      if (n > 0) MbarWait(q_empty, (n - 1) & 1);  // the consumers are done reading Q
-      const HopperItem item = LocateHopperItem(p, item_at(n));
+    for (int n = 0;; ++n) {
+      const int slot = n & 1;
+      if (n >= 2) MbarWait(item_free(slot), ((n - 2) >> 1) & 1);  // item n - 2 was read
+      if (t == 0) {
+        int next = static_cast<int>(blockIdx.x);
+        if (n > 0) {
+          next = p.item_counter != nullptr
+                     ? static_cast<int>(gridDim.x) + atomicAdd(p.item_counter, 1)
+                     : static_cast<int>(blockIdx.x) + n * static_cast<int>(gridDim.x);
+        }
+        s_item[slot] = min(next, num_items);
+      }
+      NamedBarrierSync(kLoaderBarrier, kLoaderThreads);
+      const int item_index = s_item[slot];
+      if (item_index >= num_items) {
+        MbarArrive(item_ready(slot));  // the stop, to the K/V thread and the consumers
+        return;
+      }
+      const HopperItem item = LocateHopperItem(p, item_index);
       const SliceDesc& sl = item.tile.slice;
       const int64_t slice_rows = sl.q_len * G;
       const int64_t row0 = static_cast<int64_t>(item.tile.m_block) * kBlockM;
-      const int slot = n & 1;
       int32_t mn = INT32_MAX, mx = -1, pad = 0;
       for (int r = t; r < kBlockM; r += kLoaderThreads) {
         const int64_t row = row0 + r;
@@ -392,6 +472,10 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         s_qstat[slot][warp - 1][1] = mx;
         s_qstat[slot][warp - 1][2] = pad;
       }
+      MbarArrive(item_ready(slot));
+      // The consumers are done reading this buffer's last Q (item n - kQBuffers).
+      const int qb = n % kQBuffers;
+      if (n >= kQBuffers) MbarWait(q_empty(qb), ((n - kQBuffers) / kQBuffers) & 1);
       // Q rows into the swizzled layout; rows past the slice are zero-filled by the copy. A
       // thread keeps one 16-byte column chunk and walks rows 6 apart (96 threads, 16 chunks).
       static_assert(kLoaderThreads % (kDim / 8) == 0);
@@ -400,6 +484,9 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       const __nv_bfloat16* q_head =
           p.q + static_cast<int64_t>(item.kv_head) * G * kDim + c * 8;  // + token, + group
       const int64_t q_stride = static_cast<int64_t>(p.num_heads) * kDim;
+      // Not unrolled: the loads run an item ahead, off the critical path, and unrolled the
+      // row addresses outgrow the producer's 56 registers.
+#pragma unroll 1
       for (int r = t / (kDim / 8); r < kBlockM; r += kRowStep) {
         const int64_t row = row0 + r;
         const bool in = row < slice_rows;
@@ -407,13 +494,14 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         const __nv_bfloat16* src =
             in ? q_head + token * q_stride + static_cast<int64_t>(row - (row / G) * G) * kDim : p.q;
         const int wg = r / 64, rr = r % 64;
-        CpAsync16ZeroFill(s_q + wg * Cfg::kQBytesPerWarpgroup + slab * Cfg::kSlabBytesQ +
+        CpAsync16ZeroFill(s_q + qb * Cfg::kQBytes + wg * Cfg::kQBytesPerWarpgroup +
+                              slab * Cfg::kSlabBytesQ +
                               rr * 128 + ((cc ^ (rr & 7)) << 4),
                           src, in);
       }
       CpAsyncWaitAll();
       FenceProxyAsync();  // Q is read by wgmma (the async proxy)
-      MbarArrive(q_full);
+      MbarArrive(q_full(qb));
     }
     return;
   }
@@ -442,32 +530,37 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     if constexpr (kPingPong) NamedBarrierArrive(1 + (cw ^ 1), 256);
   };
   if (kPingPong && cw == 1) NamedBarrierArrive(1, 256);  // consumer 0 goes first
+  int qb = 0;  // the current item's Q buffer
   // This warp is done reading Q for the item: once all 8 are, the loaders may replace it.
   auto release_q = [&] {
     __syncwarp();
-    if (lane == 0) MbarArrive(q_empty);
+    if (lane == 0) MbarArrive(q_empty(qb));
   };
 
+  const uint64_t q_desc = SmemDescriptor(q_wg, 16, 1024);
+  uint64_t q_desc_item = q_desc;
+  const uint64_t k_desc = SmemDescriptor(s_k, 16, 1024);
+  const uint64_t v_desc = SmemDescriptor(s_v, Cfg::kSlabBytesKv, 1024);
   // S = Q K^T over head_dim in k-steps of 16: step kk is bytes 32 (kk % 4) of slab kk / 4.
   auto issue_qk = [&](int st) {
-    const uint32_t k_tile = s_k + st * Cfg::kTileBytes;
+    const uint64_t k_tile = DescriptorPlus(k_desc, st * Cfg::kTileBytes);
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < kDim / 16; ++kk) {
       const uint32_t off_q = (kk / 4) * Cfg::kSlabBytesQ + (kk % 4) * 32;
       const uint32_t off_k = (kk / 4) * Cfg::kSlabBytesKv + (kk % 4) * 32;
-      WgmmaSS_N128(reinterpret_cast<float(&)[64]>(*s_flat), SmemDescriptor(q_wg + off_q, 16, 1024),
-                   SmemDescriptor(k_tile + off_k, 16, 1024), kk > 0 ? 1 : 0);
+      WgmmaSS_N128(reinterpret_cast<float(&)[64]>(*s_flat), DescriptorPlus(q_desc_item, off_q),
+                   DescriptorPlus(k_tile, off_k), kk > 0 ? 1 : 0);
     }
     WgmmaCommit();
   };
   // O += P V over the tile's keys in k-steps of 16: step kk is rows 16 kk, 2048 bytes on.
   auto issue_pv = [&](int st) {
-    const uint32_t v_tile = s_v + st * Cfg::kTileBytes;
+    const uint64_t v_tile = DescriptorPlus(v_desc, st * Cfg::kTileBytes);
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t desc = SmemDescriptor(v_tile + kk * 16 * 128, Cfg::kSlabBytesKv, 1024);
+      const uint64_t desc = DescriptorPlus(v_tile, kk * 16 * 128);
       if constexpr (kDim == 128) {
         WgmmaRS_N128(reinterpret_cast<float(&)[64]>(*o_flat), p_frag[kk], desc);
       } else {
@@ -475,6 +568,15 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       }
     }
     WgmmaCommit();
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < kDim / 8; ++dt) {
+      o_acc[dt][0] *= alpha[0];
+      o_acc[dt][1] *= alpha[0];
+      o_acc[dt][2] *= alpha[1];
+      o_acc[dt][3] *= alpha[1];
+    }
   };
   auto pack_p = [&]() {
 #pragma unroll
@@ -489,16 +591,20 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   int g = 0;  // tiles consumed so far by this CTA: the ring's stage and phase
   auto stage = [&](int i) { return (g + i) % kStages; };
   auto phase = [&](int i) { return static_cast<uint32_t>(((g + i) / kStages) & 1); };
-  for (int n = 0; item_at(n) < num_items; ++n) {
-    const HopperItem item = LocateHopperItem(p, item_at(n));
+  for (int n = 0;; ++n) {
+    const int slot = n & 1;
+    const int item_index = wait_item(n);
+    if (item_index >= num_items) break;
+    const HopperItem item = LocateHopperItem(p, item_index);
     const SliceDesc sl = item.tile.slice;
     const int64_t slice_rows = sl.q_len * G;
     const int64_t row0 = static_cast<int64_t>(item.tile.m_block) * kBlockM;
-    const int slot = n & 1;
-    MbarWait(q_full, n & 1);
     const int32_t qp[2] = {s_qpos[slot][tile_row + group_id], s_qpos[slot][tile_row + group_id + 8]};
-    const VisibleKeyTiles tiles = visible_tiles(sl, slot);
-    const int num_k_tiles = tiles.num_tiles;
+    __syncwarp();
+    if (lane == 0) MbarArrive(item_free(slot));
+    qb = n % kQBuffers;
+    q_desc_item = DescriptorPlus(q_desc, qb * Cfg::kQBytes);
+    MbarWait(q_full(qb), (n / kQBuffers) & 1);
     const int32_t* kpos_base = p.k_pos + sl.kv_begin;
     const int kv_len = static_cast<int>(sl.kv_len);
 
@@ -520,30 +626,57 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         }
       }
     };
-    // Online softmax on S (FlashAttention-2's, as the mma.sync kernel): each row's alpha.
+    // Online softmax on S (FlashAttention-2's, as the mma.sync kernel): each row's alpha. Both
+    // rows at once, and each row's max and sum as four independent partial chains: one chain of
+    // 32 dependent operations per row left the warp waiting on every result (the softmax runs
+    // while the other warpgroup has the tensor cores, so its latency is what must be hidden).
     auto softmax = [&](float (&alpha)[2]) {
+      constexpr int kChains = 4;
+      float part[2][kChains];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = m_row[h];
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt) {
-          mx = fmaxf(mx, fmaxf(s_acc[nt][2 * h], s_acc[nt][2 * h + 1]));
+        for (int c = 0; c < kChains; ++c) part[h][c] = fmaxf(s_acc[c][2 * h], s_acc[c][2 * h + 1]);
+      }
+#pragma unroll
+      for (int nt = kChains; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          part[h][nt % kChains] =
+              fmaxf(part[h][nt % kChains], fmaxf(s_acc[nt][2 * h], s_acc[nt][2 * h + 1]));
         }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-        alpha[h] = FastExp2(m_row[h] * p.scale_log2 - m_scaled);
-        m_row[h] = mx;
-        float sum = 0.f;
+      }
+      float mx[2], m_scaled[2];
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], fmaxf(part[h][3], m_row[h])));
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m_scaled[h] = mx[h] == -INFINITY ? 0.f : mx[h] * p.scale_log2;
+        alpha[h] = FastExp2(m_row[h] * p.scale_log2 - m_scaled[h]);
+        m_row[h] = mx[h];
+#pragma unroll
+        for (int c = 0; c < kChains; ++c) part[h][c] = 0.f;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
           float& a = s_acc[nt][2 * h];
           float& b = s_acc[nt][2 * h + 1];
-          a = FastExp2(fmaf(a, p.scale_log2, -m_scaled));
-          b = FastExp2(fmaf(b, p.scale_log2, -m_scaled));
-          sum += a + b;
+          a = FastExp2(fmaf(a, p.scale_log2, -m_scaled[h]));
+          b = FastExp2(fmaf(b, p.scale_log2, -m_scaled[h]));
+          part[h][nt % kChains] += a + b;
         }
-        l_row[h] = l_row[h] * alpha[h] + sum;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        l_row[h] = l_row[h] * alpha[h] + ((part[h][0] + part[h][1]) + (part[h][2] + part[h][3]));
       }
     };
 
@@ -551,22 +684,32 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     for (int i = 0; i < kDim / 2; ++i) o_flat[i] = 0.f;
     m_row[0] = m_row[1] = -INFINITY;
     l_row[0] = l_row[1] = 0.f;
-    int j = tiles.NextVisible(0);
-    if (j >= num_k_tiles) {
+    // A stage's info is read before its K is released: the K/V thread rewrites it for the
+    // stage's next tile.
+    MbarWait(full_k(stage(0)), phase(0));
+    int info = s_tile_info[stage(0)];
+    if (info & kTileNone) {
+      // No visible key: the stage holds no data; both of its barriers are released (V after
+      // its phase completed, so no arrival can run ahead into the next phase).
+      MbarWait(full_v(stage(0)), phase(0));
+      __syncwarp();
+      if (lane == 0) {
+        MbarArrive(empty_k(stage(0)));
+        MbarArrive(empty_v(stage(0)));
+      }
       release_q();
+      g += 1;
     } else {
       // First tile: S, softmax, P.
-      MbarWait(full_k(stage(0)), phase(0));
       turn_begin();
       issue_qk(stage(0));
       turn_end();
-      int j_next = tiles.NextVisible(j + 1);
       WgmmaWait<0>();
       FenceRegisters(reinterpret_cast<float(&)[kBlockN / 2]>(*s_flat));
       __syncwarp();
       if (lane == 0) MbarArrive(empty_k(stage(0)));
-      if (j_next >= num_k_tiles) release_q();
-      if (tiles.Classify(j) == 1) mask_tile(j);
+      if (info & kTileLast) release_q();
+      if (info & kTileMasked) mask_tile(info & kTileIndex);
       float alpha[2];
       softmax(alpha);
       pack_p();
@@ -575,38 +718,29 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
       // shape (the last tile's P V is peeled off below), so the compiler can pair every wait
       // with its group and keep the wgmma pipeline unserialized.
       int it = 0;
-      while (j_next < num_k_tiles) {
+      while (!(info & kTileLast)) {
         const int st = stage(it), st_next = stage(it + 1);
         MbarWait(full_k(st_next), phase(it + 1));
+        const int info_next = s_tile_info[st_next];
         turn_begin();
         issue_qk(st_next);
         MbarWait(full_v(st), phase(it));
         issue_pv(st);
         turn_end();
-        // The tile after next, and whether the next one needs the mask, while the tensor
-        // cores work: the summaries are global loads, too slow to wait for at the loop's end.
-        const bool mask_next = tiles.Classify(j_next) == 1;
-        const int j_after = tiles.NextVisible(j_next + 1);
         WgmmaWait<1>();  // S of the next tile is ready; P V may still run
         FenceRegisters(reinterpret_cast<float(&)[kBlockN / 2]>(*s_flat));
         __syncwarp();
         if (lane == 0) MbarArrive(empty_k(st_next));
-        if (j_after >= num_k_tiles) release_q();  // that was the item's last Q K^T
-        if (mask_next) mask_tile(j_next);
+        if (info_next & kTileLast) release_q();  // that was the item's last Q K^T
+        if (info_next & kTileMasked) mask_tile(info_next & kTileIndex);
         softmax(alpha);
         WgmmaWait<0>();
         FenceRegisters(reinterpret_cast<float(&)[kDim / 2]>(*o_flat));
         __syncwarp();
         if (lane == 0) MbarArrive(empty_v(st));
-#pragma unroll
-        for (int dt = 0; dt < kDim / 8; ++dt) {
-          o_acc[dt][0] *= alpha[0];
-          o_acc[dt][1] *= alpha[0];
-          o_acc[dt][2] *= alpha[1];
-          o_acc[dt][3] *= alpha[1];
-        }
+        rescale_o(alpha);  // the next tile's alpha
         pack_p();
-        j_next = j_after;
+        info = info_next;
         ++it;
       }
       const int st = stage(it);

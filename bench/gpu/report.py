@@ -1,9 +1,40 @@
 #!/usr/bin/env python3
 """Joins cpfill's Google Benchmark JSON with the PyTorch peer's JSON into one table (TFLOP/s and
-ratios), printed as Markdown for bench/RESULTS.md. Usage: report.py cpfill.json peer.json"""
+ratios), printed as Markdown for bench/RESULTS.md.
+  report.py cpfill.json peer.json
+  report.py --variants peer.json NAME=cpfill.json [NAME=cpfill.json ...]   (A/B of kernel knobs
+      run in one call: one TFLOP/s column per variant, each against cuDNN)"""
 import json
 import re
 import sys
+
+
+def tflops(b):
+    t = b.get("TFLOPs", 0)
+    return t / 1e12 if t > 1e6 else t
+
+
+def variants(peer_path, named):
+    runs = []
+    for arg in named:
+        label, path = arg.split("=", 1)
+        runs.append((label, {b["name"]: b for b in json.load(open(path))["benchmarks"]}))
+    cudnn = {e["name"]: e.get("tflops") for e in json.load(open(peer_path))
+             if e["backend"] == "cudnn"}
+    labels = [label for label, _ in runs]
+    print("| shape | " + " | ".join(f"{l} TFLOP/s" for l in labels) + " | cuDNN | " +
+          " | ".join(f"{l} / cuDNN" for l in labels) + " |")
+    print("|---|" + "---:|" * (2 * len(labels) + 1))
+    for name in runs[0][1]:
+        m = re.match(r"BM_Attention(Mixed)?/(.*)/manual_time", name)
+        if not m:
+            continue
+        shape = m.group(2) if not m.group(1) else "mixed " + m.group(2)
+        rates = [tflops(r.get(name, {})) for _, r in runs]
+        cu = cudnn.get(m.group(2)) if not m.group(1) else None
+        cells = [f"{x:.0f}" for x in rates] + [f"{cu:.0f}" if cu else ""]
+        cells += [f"{x / cu:.3f}" if cu and x else "" for x in rates]
+        print(f"| {shape} | " + " | ".join(cells) + " |")
 
 
 def main(cpfill_path, peer_path):
@@ -39,4 +70,7 @@ def main(cpfill_path, peer_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--variants":
+        variants(sys.argv[2], sys.argv[3:])
+    else:
+        main(sys.argv[1], sys.argv[2])

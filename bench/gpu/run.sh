@@ -2,9 +2,11 @@
 # One device call: GPU tests (plus compute-sanitizer), the CUDA benchmark and the PyTorch peer on
 # the same GPU, then the table. Run from the repository root on a GPU host, with the binaries
 # built here and carried in .gpu-carry/ (bench/gpu/build-carry.sh makes it).
-#   bash bench/gpu/run.sh [tests|bench|sanitizer|all|persistent-ab]
-# persistent-ab: the small tests on every schedule, then the benchmark with the Hopper kernel's
-# persistent schedule on and off (CPFILL_HOPPER_PERSISTENT=0) beside one run of the peer.
+#   bash bench/gpu/run.sh [tests|bench|sanitizer|all]
+#   bash bench/gpu/run.sh ab VAR=value[,VAR=value] ...   the benchmark on the default and on each
+#       knob setting, beside one run of the peer (the small tests pass on every setting first);
+#       BENCH_FILTER narrows the shapes
+#   bash bench/gpu/run.sh profile BENCH_FILTER    Nsight Compute on one launch of one shape
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-/tmp/cpfill-out}
@@ -33,26 +35,46 @@ if [ "$what" = sanitizer ] || [ "$what" = all ]; then
     --gtest_filter='*Small*' > "$out/sanitizer.log" 2>&1 || rc=1
   grep -E "ERROR SUMMARY|clean|SKIPPED|FAILED" "$out/sanitizer.log" | tail -5
 fi
-if [ "$what" = persistent-ab ]; then
-  for env in "" CPFILL_HOPPER_MAX_CTAS=3 CPFILL_HOPPER_PERSISTENT=0 CPFILL_ATTENTION_KERNEL=mma; do
-    env $env timeout 90 "$carry/attention_cuda_test" --gtest_filter='*Small*' \
-      > "$out/small-${env:-default}.log" 2>&1 || rc=1
-    echo "small tests ${env:-(default)}: rc $rc $(grep -E '^\[  (PASSED|FAILED)' \
-      "$out/small-${env:-default}.log" | head -2)"
-    [ $rc -eq 0 ] || { tail -20 "$out/small-${env:-default}.log"; exit 1; }
+if [ "$what" = ab ]; then
+  # Knob A/B in one call: "$@" are environment settings (VAR=value[,VAR=value]) to compare with
+  # the default; the small tests pass on each first.
+  shift
+  variants=(default "$@")
+  for v in "${variants[@]}" CPFILL_HOPPER_MAX_CTAS=3 CPFILL_HOPPER_MAX_CTAS=3,CPFILL_HOPPER_SCHEDULE=static \
+           CPFILL_HOPPER_PERSISTENT=0 CPFILL_ATTENTION_KERNEL=mma; do
+    log="$out/small-$(echo "$v" | tr -c 'A-Za-z0-9_.\n-' '_').log"
+    env $( [ "$v" = default ] || echo "${v//,/ }") timeout 90 "$carry/attention_cuda_test" \
+      --gtest_filter='*Small*' > "$log" 2>&1 || rc=1
+    echo "small tests $v: rc $rc $(grep -E '^\[  (PASSED|FAILED)' "$log" | head -2)"
+    [ $rc -eq 0 ] || { tail -20 "$log"; exit 1; }
   done
   timeout 200 "$carry/attention_cuda_test" > "$out/gpu_tests.log" 2>&1 || rc=1
   echo "all gpu tests (default): $(grep -E '^\[  (PASSED|FAILED)' "$out/gpu_tests.log" | head -3)"
-  for mode in persistent single; do
-    env $([ $mode = single ] && echo CPFILL_HOPPER_PERSISTENT=0) "$carry/attention_cuda_bench" \
-      --benchmark_out="$out/cpfill_$mode.json" --benchmark_out_format=json \
-      --benchmark_min_time=0.3 > /dev/null 2>&1 || rc=1
+  named=()
+  for i in "${!variants[@]}"; do
+    v=${variants[$i]}
+    env $( [ "$v" = default ] || echo "${v//,/ }") "$carry/attention_cuda_bench" \
+      --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/cpfill_v$i.json" \
+      --benchmark_out_format=json --benchmark_min_time=0.2 > /dev/null 2>&1 || rc=1
+    named+=("v$i=$out/cpfill_v$i.json")
+    echo "v$i: $v"
   done
   python3 bench/gpu/sdpa_peer.py "$out/sdpa_peer.json" > "$out/sdpa_peer.log" 2>&1
-  for mode in persistent single; do
-    echo "== Hopper kernel, $mode schedule"
-    python3 bench/gpu/report.py "$out/cpfill_$mode.json" "$out/sdpa_peer.json" |
-      tee "$out/table_$mode.md"
-  done
+  python3 bench/gpu/report.py --variants "$out/sdpa_peer.json" "${named[@]}" | tee "$out/ab.md"
+fi
+if [ "$what" = profile ]; then
+  # Nsight Compute on one kernel launch of one benchmark shape ($2, a benchmark filter): the
+  # details page to stdout, the per-SASS-instruction stall samples to $OUT/source_<n>.csv.
+  filter=$2
+  tag=$(echo "$filter" | tr -c 'A-Za-z0-9\n' '_' | tail -c 40)
+  ncu --clock-control none --set full -k regex:HopperFlashKernel --launch-skip 3 \
+    --launch-count 1 -o "/tmp/prof_$tag" -f "$carry/attention_cuda_bench" \
+    --benchmark_filter="$filter" --benchmark_min_time=0.01 > "$out/ncu_run_$tag.log" 2>&1 || rc=1
+  tail -3 "$out/ncu_run_$tag.log"
+  ncu -i "/tmp/prof_$tag.ncu-rep" --page details --print-units base 2>&1 |
+    grep -vE '^ *-+ *$' | tee "$out/ncu_details_$tag.txt" | head -400
+  ncu -i "/tmp/prof_$tag.ncu-rep" --page source --csv --print-source sass \
+    > "$out/source_$tag.csv" 2>&1 || rc=1
+  wc -l "$out/source_$tag.csv"
 fi
 exit $rc
