@@ -240,8 +240,9 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
   // Hopper: the wgmma/TMA kernel (its 128-key tiles need fewer summaries than reserved here).
   if (internal::HopperAttentionUsable(a)) {
-    int32_t* item_counter = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) +
-                                                       SummaryBytes(a));
+    // The counter is the workspace's last bytes (AttentionWorkspaceBytes).
+    int32_t* item_counter = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + need -
+                                                       kSchedulerCounterBytes);
     return internal::LaunchHopperAttention(a, work, summaries, item_counter, stream);
   }
 #endif

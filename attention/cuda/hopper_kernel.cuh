@@ -388,43 +388,37 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
         MbarArrive(item_free(slot));
         const CUtensorMap* kmap = &p.k_maps[item.tile.slice_index];
         const CUtensorMap* vmap = &p.v_maps[item.tile.slice_index];
+        // Every visible tile fills one stage. An item with none still fills one, with no data
+        // (an arrival of 0 bytes completes each barrier's phase) and kTileNone, so the consumers
+        // learn it from the ring and never read the summaries.
         int j = tiles.NextVisible(0);
-        if (j >= tiles.num_tiles) {
-          // No visible tile: one stage with no data tells the consumers (an arrival without
-          // bytes completes each barrier's phase), so they never read the summaries.
-          const int st = g % kStages;
-          const uint32_t free_parity = ((g / kStages) & 1) ^ 1;
-          MbarWait(empty_k(st), free_parity);
-          s_tile_info[st] = kTileNone;
-          MbarArrive(full_k(st));
-          MbarWait(empty_v(st), free_parity);
-          MbarArrive(full_v(st));
-          ++g;
-          continue;
-        }
-        for (; j < tiles.num_tiles; ++g) {
-          const int j_next = tiles.NextVisible(j + 1);
-          const int info = j | (tiles.Classify(j) == 1 ? kTileMasked : 0) |
-                           (j_next >= tiles.num_tiles ? kTileLast : 0);
+        const bool none = j >= tiles.num_tiles;
+        const uint32_t bytes = none ? 0u : static_cast<uint32_t>(Cfg::kTileBytes);
+        do {
+          const int j_next = none ? j : tiles.NextVisible(j + 1);
+          const int info = none ? kTileNone
+                                : j | (tiles.Classify(j) == 1 ? kTileMasked : 0) |
+                                      (j_next >= tiles.num_tiles ? kTileLast : 0);
           const int st = g % kStages;
           const uint32_t free_parity = ((g / kStages) & 1) ^ 1;
           MbarWait(empty_k(st), free_parity);
           s_tile_info[st] = info;  // released by the arrive below
-          MbarArriveExpectTx(full_k(st), Cfg::kTileBytes);
+          // Key tile j of the item into the stage's K or V buffer, one TMA per 64-column slab.
+          auto load = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar) {
 #pragma unroll
-          for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
-            TmaLoad2d(s_k + st * Cfg::kTileBytes + slab * Cfg::kSlabBytesKv, kmap,
-                      item.kv_head * kDim + slab * 64, j * kBlockN, full_k(st));
-          }
+            for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
+              TmaLoad2d(dst + slab * Cfg::kSlabBytesKv, map, item.kv_head * kDim + slab * 64,
+                        j * kBlockN, bar);
+            }
+          };
+          MbarArriveExpectTx(full_k(st), bytes);
+          if (!none) load(s_k + st * Cfg::kTileBytes, kmap, full_k(st));
           MbarWait(empty_v(st), free_parity);
-          MbarArriveExpectTx(full_v(st), Cfg::kTileBytes);
-#pragma unroll
-          for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
-            TmaLoad2d(s_v + st * Cfg::kTileBytes + slab * Cfg::kSlabBytesKv, vmap,
-                      item.kv_head * kDim + slab * 64, j * kBlockN, full_v(st));
-          }
+          MbarArriveExpectTx(full_v(st), bytes);
+          if (!none) load(s_v + st * Cfg::kTileBytes, vmap, full_v(st));
           j = j_next;
-        }
+          ++g;
+        } while (!none && j < tiles.num_tiles);
       }
       return;
     }

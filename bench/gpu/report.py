@@ -52,7 +52,7 @@ def main(cpfill_path, peer_path):
         if not m:
             continue
         name = m.group(1)
-        tf = b.get("TFLOPs", 0) / 1e12 if b.get("TFLOPs", 0) > 1e6 else b.get("TFLOPs", 0)
+        tf = tflops(b)
         cells = []
         for backend in ("flash", "cudnn"):
             e = peer.get((name, backend), {})

@@ -40,10 +40,11 @@ if [ "$what" = ab ]; then
   # the default; the small tests pass on each first.
   shift
   variants=(default "$@")
+  knobs() { [ "$1" = default ] || echo "${1//,/ }"; }  # a setting as env arguments
   for v in "${variants[@]}" CPFILL_HOPPER_MAX_CTAS=3 CPFILL_HOPPER_MAX_CTAS=3,CPFILL_HOPPER_SCHEDULE=static \
            CPFILL_HOPPER_PERSISTENT=0 CPFILL_ATTENTION_KERNEL=mma; do
     log="$out/small-$(echo "$v" | tr -c 'A-Za-z0-9_.\n-' '_').log"
-    env $( [ "$v" = default ] || echo "${v//,/ }") timeout 90 "$carry/attention_cuda_test" \
+    env $(knobs "$v") timeout 90 "$carry/attention_cuda_test" \
       --gtest_filter='*Small*' > "$log" 2>&1 || rc=1
     echo "small tests $v: rc $rc $(grep -E '^\[  (PASSED|FAILED)' "$log" | head -2)"
     [ $rc -eq 0 ] || { tail -20 "$log"; exit 1; }
@@ -53,7 +54,7 @@ if [ "$what" = ab ]; then
   named=()
   for i in "${!variants[@]}"; do
     v=${variants[$i]}
-    env $( [ "$v" = default ] || echo "${v//,/ }") "$carry/attention_cuda_bench" \
+    env $(knobs "$v") "$carry/attention_cuda_bench" \
       --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/cpfill_v$i.json" \
       --benchmark_out_format=json --benchmark_min_time=0.2 > /dev/null 2>&1 || rc=1
     named+=("v$i=$out/cpfill_v$i.json")
