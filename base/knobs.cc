@@ -1,0 +1,151 @@
+#include "base/knobs.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace cpfill::knobs {
+namespace {
+
+// The registry. Defaults are the measured best (bench/RESULTS.md); a knob that stops mattering
+// is removed here, and the compiler then finds every reader.
+constexpr KnobSpec kKnobs[] = {
+    {kAttentionKernel, KnobType::kChoice, "auto", "auto|hopper|mma",
+     "CUDA attention kernel: auto takes the Hopper wgmma kernel on sm_90, else the mma.sync one"},
+    {kAttentionVariant, KnobType::kInt, "3", "0..3",
+     "tile variant of the mma.sync kernel (3: 128 rows x 64 keys, fastest measured)"},
+    {kHopperPingPong, KnobType::kBool, "1", "0|1",
+     "Hopper kernel: the two consumer warpgroups alternate GEMMs and softmax (ping-pong)"},
+    {kHopperPersistent, KnobType::kBool, "1", "0|1",
+     "Hopper kernel: one CTA per SM taking items in turn (0: a CTA per work item)"},
+    {kHopperQBuffers, KnobType::kInt, "2", "1..2",
+     "Hopper kernel: Q buffers; 2 loads the next item's Q while this item runs"},
+    {kHopperMaxCtas, KnobType::kInt, "0", "0..1000000",
+     "Hopper kernel: at most N persistent CTAs (0: one per SM); tests walk many items per CTA"},
+    {kHopperSchedule, KnobType::kChoice, "dynamic", "dynamic|static",
+     "Hopper kernel: items from a global counter, longest first (static: round-robin)"},
+    {kRanksPerNode, KnobType::kInt, "0", "0..1000000",
+     "ranks per emulated node when --ranks-per-node is not given (0: the ranks of each host)"},
+    {kTestExitRank, KnobType::kInt, "-1", "-1..1000000",
+     "tests only: this world rank exits abruptly just before the ring starts"},
+    {kTestStallRank, KnobType::kInt, "-1", "-1..1000000",
+     "tests only: this world rank stops answering just before the ring starts"},
+    {kLocalRanks, KnobType::kInt, "1", "1..1000000",
+     "set by Open MPI: ranks on this host, which share its cores", /*external=*/true},
+};
+
+const KnobSpec& Find(std::string_view name) {
+  for (const KnobSpec& k : kKnobs) {
+    if (k.name == name) return k;
+  }
+  std::fprintf(stderr, "cpfill: internal error: knob %.*s is not declared in base/knobs.cc\n",
+               static_cast<int>(name.size()), name.data());
+  std::abort();
+}
+
+// The checked value of `spec` from `text`; an error names the knob and what it allows.
+absl::Status Check(const KnobSpec& spec, std::string_view text) {
+  const auto bad = [&] {
+    return absl::InvalidArgumentError(absl::StrCat("environment variable ", spec.name, "='", text,
+                                                   "' is not valid: allowed ", spec.allowed,
+                                                   " (", spec.why, ")"));
+  };
+  switch (spec.type) {
+    case KnobType::kBool:
+      return text == "0" || text == "1" ? absl::OkStatus() : bad();
+    case KnobType::kInt: {
+      std::vector<std::string_view> range = absl::StrSplit(spec.allowed, "..");
+      int64_t v = 0, lo = 0, hi = 0;
+      if (!absl::SimpleAtoi(text, &v) || !absl::SimpleAtoi(range[0], &lo) ||
+          !absl::SimpleAtoi(range[1], &hi) || v < lo || v > hi) {
+        return bad();
+      }
+      return absl::OkStatus();
+    }
+    case KnobType::kChoice:
+      for (std::string_view choice : absl::StrSplit(spec.allowed, '|')) {
+        if (choice == text) return absl::OkStatus();
+      }
+      return bad();
+  }
+  return bad();
+}
+
+std::mutex& CacheMutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<std::string_view, std::string>& Cache() {
+  static std::map<std::string_view, std::string> cache;
+  return cache;
+}
+
+// The value in effect as text: the environment's when valid, else the default.
+const std::string& Text(const KnobSpec& spec) {
+  std::lock_guard<std::mutex> lock(CacheMutex());
+  auto [it, inserted] = Cache().try_emplace(spec.name);
+  if (inserted) {
+    const char* env = std::getenv(std::string(spec.name).c_str());
+    it->second = env != nullptr && Check(spec, env).ok() ? std::string(env)
+                                                         : std::string(spec.default_value);
+  }
+  return it->second;
+}
+
+const KnobSpec& Typed(std::string_view name, KnobType type) {
+  const KnobSpec& spec = Find(name);
+  if (spec.type != type) {
+    std::fprintf(stderr, "cpfill: internal error: knob %.*s read as the wrong type\n",
+                 static_cast<int>(name.size()), name.data());
+    std::abort();
+  }
+  return spec;
+}
+
+}  // namespace
+
+std::span<const KnobSpec> All() { return kKnobs; }
+
+bool Bool(std::string_view name) { return Text(Typed(name, KnobType::kBool)) == "1"; }
+
+int64_t Int(std::string_view name) {
+  int64_t v = 0;
+  const bool ok = absl::SimpleAtoi(Text(Typed(name, KnobType::kInt)), &v);
+  return ok ? v : 0;
+}
+
+std::string Choice(std::string_view name) { return Text(Typed(name, KnobType::kChoice)); }
+
+bool IsSet(std::string_view name) {
+  return std::getenv(std::string(Find(name).name).c_str()) != nullptr;
+}
+
+absl::Status Validate() {
+  for (const KnobSpec& k : kKnobs) {
+    const char* env = std::getenv(std::string(k.name).c_str());
+    if (env == nullptr) continue;
+    if (absl::Status s = Check(k, env); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<std::string, std::string>> InEffect() {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const KnobSpec& k : kKnobs) {
+    if (k.external && !IsSet(k.name)) continue;
+    out.emplace_back(std::string(k.name), Text(k));
+  }
+  return out;
+}
+
+void ResetCacheForTests() {
+  std::lock_guard<std::mutex> lock(CacheMutex());
+  Cache().clear();
+}
+
+}  // namespace cpfill::knobs

@@ -1,0 +1,74 @@
+// cpfill/base/knobs.h — every environment variable cpfill reads, declared once: name, type,
+// default, allowed values and one line of why. Nothing else in the tree calls getenv.
+//
+// Knobs are measurement and test switches (the defaults are the measured best); flags are the
+// user's interface. The registry lets `cpfill env` list them, every `--json` report record the
+// values in effect, and start-up refuse a malformed value (exit 2) instead of running with a
+// silent fallback.
+//
+//   if (knobs::Bool(knobs::kHopperPingPong)) ...;             // read once, cached
+//   const int64_t cap = knobs::Int(knobs::kHopperMaxCtas);
+//   CPFILL_RETURN_IF_ERROR(knobs::Validate());                 // at start-up, every rank
+//   for (const auto& [name, value] : knobs::InEffect()) ...    // for reports
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace cpfill::knobs {
+
+enum class KnobType { kBool, kInt, kChoice };
+
+struct KnobSpec {
+  std::string_view name;
+  KnobType type;
+  std::string_view default_value;
+  // kInt: "min..max" (inclusive); kChoice: values separated by '|'; kBool: "0|1".
+  std::string_view allowed;
+  std::string_view why;
+  bool external = false;  // set by the launcher (Open MPI), not by the user
+};
+
+// The names; each is declared in knobs.cc's table (a unit test checks every one).
+inline constexpr std::string_view kAttentionKernel = "CPFILL_ATTENTION_KERNEL";
+inline constexpr std::string_view kAttentionVariant = "CPFILL_ATTENTION_VARIANT";
+inline constexpr std::string_view kHopperPingPong = "CPFILL_HOPPER_PINGPONG";
+inline constexpr std::string_view kHopperPersistent = "CPFILL_HOPPER_PERSISTENT";
+inline constexpr std::string_view kHopperQBuffers = "CPFILL_HOPPER_Q_BUFFERS";
+inline constexpr std::string_view kHopperMaxCtas = "CPFILL_HOPPER_MAX_CTAS";
+inline constexpr std::string_view kHopperSchedule = "CPFILL_HOPPER_SCHEDULE";
+inline constexpr std::string_view kRanksPerNode = "CPFILL_RANKS_PER_NODE";
+inline constexpr std::string_view kTestExitRank = "CPFILL_TEST_EXIT_RANK";
+inline constexpr std::string_view kTestStallRank = "CPFILL_TEST_STALL_RANK";
+inline constexpr std::string_view kLocalRanks = "OMPI_COMM_WORLD_LOCAL_SIZE";
+
+// Every declared knob, in the order `cpfill env` lists them.
+std::span<const KnobSpec> All();
+
+// The value in effect (the environment's if set and valid, else the default), read on first
+// use and cached. Asking for an undeclared name, or for the wrong type, is a programming error
+// and aborts with the name.
+bool Bool(std::string_view name);
+int64_t Int(std::string_view name);
+std::string Choice(std::string_view name);
+// True when the environment sets the knob (to anything).
+bool IsSet(std::string_view name);
+
+// InvalidArgument naming the first knob whose environment value is malformed or out of range,
+// with the allowed values. Launch calls it on every rank before any work.
+absl::Status Validate();
+
+// (name, value in effect) for every knob the environment sets, plus every non-external knob at
+// its default: what a report records.
+std::vector<std::pair<std::string, std::string>> InEffect();
+
+// Test hook: forget cached values so a test that changes the environment sees the change.
+void ResetCacheForTests();
+
+}  // namespace cpfill::knobs
