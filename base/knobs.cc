@@ -12,6 +12,10 @@
 namespace cpfill::knobs {
 namespace {
 
+// Debian's Abseil is built with its own absl::string_view (ABSL_OPTION_USE_STD_STRING_VIEW 0),
+// which StrCat, StrSplit and SimpleAtoi cannot take from a std::string_view directly.
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
 // The registry. Defaults are the measured best (bench/RESULTS.md); a knob that stops mattering
 // is removed here, and the compiler then finds every reader.
 constexpr KnobSpec kKnobs[] = {
@@ -51,25 +55,25 @@ const KnobSpec& Find(std::string_view name) {
 // The checked value of `spec` from `text`; an error names the knob and what it allows.
 absl::Status Check(const KnobSpec& spec, std::string_view text) {
   const auto bad = [&] {
-    return absl::InvalidArgumentError(absl::StrCat("environment variable ", spec.name, "='", text,
-                                                   "' is not valid: allowed ", spec.allowed,
-                                                   " (", spec.why, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("environment variable ", Sv(spec.name), "='",
+                                                   Sv(text), "' is not valid: allowed ",
+                                                   Sv(spec.allowed), " (", Sv(spec.why), ")"));
   };
   switch (spec.type) {
     case KnobType::kBool:
       return text == "0" || text == "1" ? absl::OkStatus() : bad();
     case KnobType::kInt: {
-      std::vector<std::string_view> range = absl::StrSplit(spec.allowed, "..");
+      std::vector<absl::string_view> range = absl::StrSplit(Sv(spec.allowed), "..");
       int64_t v = 0, lo = 0, hi = 0;
-      if (!absl::SimpleAtoi(text, &v) || !absl::SimpleAtoi(range[0], &lo) ||
+      if (!absl::SimpleAtoi(Sv(text), &v) || !absl::SimpleAtoi(range[0], &lo) ||
           !absl::SimpleAtoi(range[1], &hi) || v < lo || v > hi) {
         return bad();
       }
       return absl::OkStatus();
     }
     case KnobType::kChoice:
-      for (std::string_view choice : absl::StrSplit(spec.allowed, '|')) {
-        if (choice == text) return absl::OkStatus();
+      for (absl::string_view choice : absl::StrSplit(Sv(spec.allowed), '|')) {
+        if (choice == Sv(text)) return absl::OkStatus();
       }
       return bad();
   }
@@ -115,7 +119,7 @@ bool Bool(std::string_view name) { return Text(Typed(name, KnobType::kBool)) == 
 
 int64_t Int(std::string_view name) {
   int64_t v = 0;
-  const bool ok = absl::SimpleAtoi(Text(Typed(name, KnobType::kInt)), &v);
+  const bool ok = absl::SimpleAtoi(Sv(Text(Typed(name, KnobType::kInt))), &v);
   return ok ? v : 0;
 }
 
