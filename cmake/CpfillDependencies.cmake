@@ -15,6 +15,9 @@ cpfill_require(MPI_CXX_FOUND "Open MPI (mpi.h, mpirun)" "libopenmpi-dev openmpi-
 find_package(absl CONFIG QUIET)
 cpfill_require(absl_FOUND "Abseil" "libabsl-dev")
 
+find_package(nlohmann_json 3 CONFIG QUIET)
+cpfill_require(nlohmann_json_FOUND "nlohmann-json (nlohmann/json.hpp)" "nlohmann-json3-dev")
+
 find_package(ucx CONFIG QUIET)
 cpfill_require(ucx_FOUND "UCX" "libucx-dev")
 

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -15,7 +14,8 @@
 #include "absl/strings/str_join.h"
 #include "attention/attention.h"
 #include "base/bfloat16.h"
-#include "base/json.h"
+#include "base/json_io.h"
+#include "base/knobs.h"
 #include "base/status.h"
 #include "base/thread_pool.h"
 #include "launch/backend.h"
@@ -118,12 +118,10 @@ CheckResult Compare(const std::vector<float>& o, const std::vector<float>& lse,
 // CPFILL_TEST_EXIT_RANK=r makes world rank r exit abruptly, CPFILL_TEST_STALL_RANK=r makes it
 // stop answering, both just before the ring starts.
 void InjectFaultForTests(int world_rank) {
-  auto is_me = [&](const char* var) {
-    const char* v = std::getenv(var);
-    return v != nullptr && *v != '\0' && std::atoi(v) == world_rank;
-  };
-  if (is_me("CPFILL_TEST_EXIT_RANK")) std::_Exit(9);
-  if (is_me("CPFILL_TEST_STALL_RANK")) std::this_thread::sleep_for(std::chrono::hours(1));
+  if (knobs::Int(knobs::kTestExitRank) == world_rank) std::_Exit(9);
+  if (knobs::Int(knobs::kTestStallRank) == world_rank) {
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
 }
 
 std::string Ms(double s) { return absl::StrFormat("%.2f", s * 1e3); }
@@ -135,30 +133,28 @@ std::string Bytes(int64_t b) {
   return absl::StrCat(b, " B");
 }
 
-json::Value TimingsJson(const parallel::RingTimings& t, double flops_per_pair) {
-  json::Value steps = json::Value::Array();
+nlohmann::ordered_json TimingsJson(const parallel::RingTimings& t, double flops_per_pair) {
+  nlohmann::ordered_json steps = nlohmann::ordered_json::array();
   for (const auto& s : t.steps) {
-    steps.Push(json::Value::Object()
-                   .Set("step", s.step)
-                   .Set("source_cp_rank", s.source_cp_rank)
-                   .Set("exchange_bytes", s.exchange_bytes)
-                   .Set("transfer_ms", s.transfer_s * 1e3)
-                   .Set("compute_ms", s.compute_s * 1e3)
-                   .Set("exposed_wait_ms", s.wait_s * 1e3)
-                   .Set("visible_pairs", s.visible_pairs)
-                   .Set("chunk_pairs", s.chunk_pairs)
-                   .Set("chunk_pairs_hidden_skipped", s.chunk_pairs_hidden));
+    steps.push_back({{"step", s.step},
+                     {"source_cp_rank", s.source_cp_rank},
+                     {"exchange_bytes", s.exchange_bytes},
+                     {"transfer_ms", s.transfer_s * 1e3},
+                     {"compute_ms", s.compute_s * 1e3},
+                     {"exposed_wait_ms", s.wait_s * 1e3},
+                     {"visible_pairs", s.visible_pairs},
+                     {"chunk_pairs", s.chunk_pairs},
+                     {"chunk_pairs_hidden_skipped", s.chunk_pairs_hidden}});
   }
-  return json::Value::Object()
-      .Set("algorithm", std::string(parallel::RingAlgorithmName(t.algorithm)))
-      .Set("steps", std::move(steps))
-      .Set("pack_ms", t.pack_s * 1e3)
-      .Set("all_gather_ms", t.all_gather_s * 1e3)
-      .Set("all_to_all_ms", t.all_to_all_s * 1e3)
-      .Set("all_to_all_bytes", t.all_to_all_bytes)
-      .Set("merge_ms", t.merge_s * 1e3)
-      .Set("total_ms", t.total_s * 1e3)
-      .Set("gflop", t.visible_pairs * flops_per_pair / 1e9);
+  return {{"algorithm", parallel::RingAlgorithmName(t.algorithm)},
+          {"steps", std::move(steps)},
+          {"pack_ms", t.pack_s * 1e3},
+          {"all_gather_ms", t.all_gather_s * 1e3},
+          {"all_to_all_ms", t.all_to_all_s * 1e3},
+          {"all_to_all_bytes", t.all_to_all_bytes},
+          {"merge_ms", t.merge_s * 1e3},
+          {"total_ms", t.total_s * 1e3},
+          {"gflop", t.visible_pairs * flops_per_pair / 1e9}};
 }
 
 int Run(int argc, char** argv) {
@@ -414,53 +410,44 @@ int Run(int argc, char** argv) {
     session->Print("saved q, k, v, o, lse to %s\n", f.save_file);
   }
   if (session->is_root() && !f.json_file.empty()) {
-    auto sel_json = json::Parse(selection.ToJson());
-    json::Value report = json::Value::Object();
-    report.Set("command", "attention")
-        .Set("seq_lens",
-             [&] {
-               json::Value a = json::Value::Array();
-               for (int64_t x : f.seq_lens) a.Push(x);
-               return a;
-             }())
-        .Set("cached_lens",
-             [&] {
-               json::Value a = json::Value::Array();
-               for (const auto& r : requests) a.Push(r.cached_tokens);
-               return a;
-             }())
-        .Set("heads", f.heads)
-        .Set("kv_heads", f.kv_heads)
-        .Set("head_dim", f.head_dim)
-        .Set("causal", !f.non_causal)
-        .Set("world_size", grid.world_size)
-        .Set("tp", grid.tp_size)
-        .Set("cp", grid.cp_size)
-        .Set("nodes", grid.num_nodes)
-        .Set("threads_per_rank", threads)
-        .Set("backend", backend.name())
-        .Set("algorithm", std::string(parallel::RingAlgorithmName(algo)))
-        .Set("algorithm_source", choice.auto_algorithm ? "selector" : "--algo")
-        .Set("selection", sel_json.ok() ? *sel_json : json::Value())
-        .Set("padding_new_slots", plan.NewTokenPadding())
-        .Set("padding_kv_slots", plan.KvPadding());
-    json::Value rj = json::Value::Array();
+    std::vector<int64_t> cached_lens;
+    for (const auto& r : requests) cached_lens.push_back(r.cached_tokens);
+    nlohmann::ordered_json report = {
+        {"command", "attention"},
+        {"seq_lens", f.seq_lens},
+        {"cached_lens", cached_lens},
+        {"heads", f.heads},
+        {"kv_heads", f.kv_heads},
+        {"head_dim", f.head_dim},
+        {"causal", !f.non_causal},
+        {"world_size", grid.world_size},
+        {"tp", grid.tp_size},
+        {"cp", grid.cp_size},
+        {"nodes", grid.num_nodes},
+        {"threads_per_rank", threads},
+        {"backend", backend.name()},
+        {"algorithm", parallel::RingAlgorithmName(algo)},
+        {"algorithm_source", choice.auto_algorithm ? "selector" : "--algo"},
+        {"selection", selection.ToJson()},
+        {"padding_new_slots", plan.NewTokenPadding()},
+        {"padding_kv_slots", plan.KvPadding()}};
+    nlohmann::ordered_json rj = nlohmann::ordered_json::array();
     for (size_t i = 0; i < runs.size(); ++i) {
-      rj.Push(TimingsJson(runs[i], flops_per_pair).Set("slowest_rank_total_ms", slowest[i] * 1e3));
+      rj.push_back(TimingsJson(runs[i], flops_per_pair));
+      rj.back()["slowest_rank_total_ms"] = slowest[i] * 1e3;
     }
-    report.Set("runs", std::move(rj)).Set("median_slowest_rank_total_ms", median * 1e3);
+    report["runs"] = std::move(rj);
+    report["median_slowest_rank_total_ms"] = median * 1e3;
     if (f.check) {
-      report.Set("check", json::Value::Object()
-                              .Set("max_abs_o", check.max_abs_o)
-                              .Set("rel_fro_o", check.rel_fro_o)
-                              .Set("max_abs_lse", check.max_abs_lse)
-                              .Set("lse_inf_mismatches", check.lse_inf_mismatch)
-                              .Set("tolerance", f.tolerance)
-                              .Set("pass", check.pass));
+      nlohmann::ordered_json& c = report["check"];
+      c["max_abs_o"] = check.max_abs_o;
+      c["rel_fro_o"] = check.rel_fro_o;
+      c["max_abs_lse"] = check.max_abs_lse;
+      c["lse_inf_mismatches"] = check.lse_inf_mismatch;
+      c["tolerance"] = f.tolerance;
+      c["pass"] = check.pass;
     }
-    std::ofstream out(f.json_file);
-    out << report.Dump(2) << "\n";
-    if (!out) session->Fail(absl::InternalError("cannot write --json file " + f.json_file));
+    session->WriteReport(f.json_file, std::move(report));
   }
   if (f.check && !check.pass) return kExitCheckFailed;
   return kExitOk;

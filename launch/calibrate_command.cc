@@ -6,13 +6,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "base/json.h"
+#include "base/json_io.h"
 #include "base/status.h"
 #include "base/thread_pool.h"
 #include "launch/backend.h"
@@ -228,33 +227,32 @@ int Run(int argc, char** argv) {
       picks_kv[r].push_back(sel.ok() && sel->choice == RingAlgorithm::kPassKV);
     }
   }
-  json::Value report = json::Value::Object();
-  report.Set("grid", grid.Describe())
-      .Set("backend", backend.name())
-      .Set("tflops", tflops)
-      .Set("gbps", gbps)
-      .Set("a", file.fitted.a)
-      .Set("b", file.fitted.b)
-      .Set("c", file.fitted.c);
-  json::Value jpoints = json::Value::Array();
+  nlohmann::ordered_json report;
+  report["grid"] = grid.Describe();
+  report["backend"] = backend.name();
+  report["tflops"] = tflops;
+  report["gbps"] = gbps;
+  report["a"] = file.fitted.a;
+  report["b"] = file.fitted.b;
+  report["c"] = file.fitted.c;
+  nlohmann::ordered_json jpoints = nlohmann::ordered_json::array();
   for (size_t i = 0; i < points.size(); ++i) {
-    json::Value jp = json::Value::Object();
-    jp.Set("new_tokens", points[i].new_tokens)
-        .Set("cached_tokens", points[i].cached_tokens)
-        .Set("pass_kv_ms", points[i].pass_kv_s * 1e3)
-        .Set("pass_q_ms", points[i].pass_q_s * 1e3);
+    nlohmann::ordered_json jp = {{"new_tokens", points[i].new_tokens},
+                                 {"cached_tokens", points[i].cached_tokens},
+                                 {"pass_kv_ms", points[i].pass_kv_s * 1e3},
+                                 {"pass_q_ms", points[i].pass_q_s * 1e3}};
     for (size_t r = 0; r < rules.size(); ++r) {
-      jp.Set("choice_" + std::string(parallel::SelectorRuleName(rules[r])),
-             picks_kv[r][i] ? "pass-kv" : "pass-q");
+      jp["choice_" + std::string(parallel::SelectorRuleName(rules[r]))] =
+          picks_kv[r][i] ? "pass-kv" : "pass-q";
     }
-    jpoints.Push(std::move(jp));
+    jpoints.push_back(std::move(jp));
   }
-  report.Set("points", std::move(jpoints));
-  json::Value jregret = json::Value::Object();
+  report["points"] = std::move(jpoints);
+  nlohmann::ordered_json jregret = nlohmann::ordered_json::object();
   std::vector<int64_t> totals = f.context_lens;
   totals.push_back(0);  // 0: the whole grid
   for (int64_t total : totals) {
-    json::Value per_rule = json::Value::Object();
+    nlohmann::ordered_json per_rule = nlohmann::ordered_json::object();
     for (size_t r = 0; r < rules.size(); ++r) {
       double best = 0, chosen = 0;
       int wrong = 0, count = 0;
@@ -268,18 +266,16 @@ int Run(int argc, char** argv) {
       }
       if (best <= 0) continue;
       const double regret = chosen / best - 1;
-      per_rule.Set(std::string(parallel::SelectorRuleName(rules[r])), regret);
+      per_rule[std::string(parallel::SelectorRuleName(rules[r]))] = regret;
       session->Print("  %-6s regret %6.2f%% (%d of %d points not the faster) on %s\n",
                      parallel::SelectorRuleName(rules[r]), 100 * regret, wrong, count,
                      total == 0 ? std::string("the whole grid") : absl::StrCat("T + P = ", total));
     }
-    jregret.Set(total == 0 ? std::string("all") : absl::StrCat(total), std::move(per_rule));
+    jregret[total == 0 ? std::string("all") : absl::StrCat(total)] = std::move(per_rule);
   }
-  report.Set("regret", std::move(jregret));
+  report["regret"] = std::move(jregret);
   if (session->is_root() && !f.json_file.empty()) {
-    std::ofstream out(f.json_file);
-    out << report.Dump(2) << "\n";
-    if (!out) session->Fail(absl::InternalError("cannot write --json file " + f.json_file));
+    session->WriteReport(f.json_file, std::move(report));
   }
   if (session->is_root()) {
     if (absl::Status s = parallel::WriteCalibrationFile(f.out, file); !s.ok()) session->Fail(s);

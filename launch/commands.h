@@ -2,7 +2,7 @@
 //
 // Each takes the full argv (argv[1] is the subcommand name) and returns the process exit code:
 // 0 success, 1 a failed check, 2 bad input (flags, config). Distributed subcommands start MPI
-// themselves; `select` needs no MPI and runs anywhere.
+// themselves; `select`, `export` and `env` need no MPI and run anywhere.
 #pragma once
 
 namespace cpfill::launch {
@@ -12,6 +12,7 @@ int RunSelectCommand(int argc, char** argv);
 int RunCalibrateCommand(int argc, char** argv);
 int RunPrefillCommand(int argc, char** argv);
 int RunExportCommand(int argc, char** argv);
+int RunEnvCommand(int argc, char** argv);
 
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitCheckFailed = 1;

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <string>
 
+#include "base/knobs.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
 #include "runtime/model_config.h"
@@ -32,6 +33,7 @@ int RunExportCommand(int argc, char** argv) {
     std::fputs(flags.Usage().c_str(), stdout);
     return kExitOk;
   }
+  if (absl::Status s = knobs::Validate(); !s.ok()) return fail(s);
   if (!runtime::IsPreset(model)) {
     return fail(
         absl::InvalidArgumentError("--model: export writes presets only, got '" + model + "'"));

@@ -5,6 +5,7 @@
 //                 --cached-tokens 121600
 //   mpirun -np 4 cpfill calibrate --out fit.json
 //   mpirun -np 4 cpfill prefill --model tiny --tp 2 --prompt-lens 4096,1000 --check
+//   cpfill env
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -24,7 +25,8 @@ constexpr char kUsage[] =
     "              rate and link bandwidth, fit the selector; writes the JSON --fit reads\n"
     "  prefill     prefill a Llama-3 family model, TP inside nodes and CP across (under\n"
     "              mpirun); first tokens and time to first token; --check against one rank\n"
-    "  export      write a preset's synthetic weights as a Hugging Face checkpoint directory\n";
+    "  export      write a preset's synthetic weights as a Hugging Face checkpoint directory\n"
+    "  env         list the environment variables cpfill reads, their defaults and values\n";
 
 }  // namespace
 
@@ -41,6 +43,7 @@ int main(int argc, char** argv) {
   if (command == "calibrate") return RunCalibrateCommand(argc, argv);
   if (command == "prefill") return RunPrefillCommand(argc, argv);
   if (command == "export") return RunExportCommand(argc, argv);
+  if (command == "env") return RunEnvCommand(argc, argv);
   std::fprintf(stderr, "cpfill: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return kExitBadInput;
 }

@@ -3,15 +3,16 @@
 // --check compares with a one-rank run of the same model.
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <functional>
+#include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "base/json.h"
+#include "base/json_io.h"
 #include "base/random.h"
 #include "base/status.h"
 #include "launch/backend.h"
@@ -66,18 +67,21 @@ std::vector<runtime::PrefillRequest> SyntheticPrompts(const std::vector<int64_t>
 }
 
 absl::StatusOr<std::vector<runtime::PrefillRequest>> ReadTokensFile(const std::string& path) {
-  CPFILL_ASSIGN_OR_RETURN(json::Value v, json::ParseFile(path));
-  CPFILL_CHECK_ARG(v.is_array() && !v.items().empty(), path,
+  CPFILL_ASSIGN_OR_RETURN(nlohmann::json v, json::ReadFile(path));
+  CPFILL_CHECK_ARG(v.is_array() && !v.empty(), path,
                    ": --tokens wants a JSON list of lists of token ids");
   std::vector<runtime::PrefillRequest> out;
-  for (size_t s = 0; s < v.items().size(); ++s) {
-    const json::Value& seq = v.items()[s];
+  for (size_t s = 0; s < v.size(); ++s) {
+    const nlohmann::json& seq = v[s];
     CPFILL_CHECK_ARG(seq.is_array(), path, ": sequence ", s, " is not a list");
     runtime::PrefillRequest r;
-    for (const json::Value& id : seq.items()) {
-      CPFILL_CHECK_ARG(id.is_number() && id.as_number() == std::floor(id.as_number()), path,
-                       ": sequence ", s, " holds something that is not an integer token id");
-      r.tokens.push_back(static_cast<int32_t>(id.as_number()));
+    for (const nlohmann::json& id : seq) {
+      const std::optional<int64_t> token = json::AsInt64(id);
+      CPFILL_CHECK_ARG(token.has_value() && *token >= std::numeric_limits<int32_t>::min() &&
+                           *token <= std::numeric_limits<int32_t>::max(),
+                       path, ": sequence ", s, " holds ", json::Show(id),
+                       ", which is not an integer token id (int32)");
+      r.tokens.push_back(static_cast<int32_t>(*token));
     }
     out.push_back(std::move(r));
   }
@@ -341,39 +345,34 @@ int Run(int argc, char** argv) {
     session->Print("saved logits to %s\n", f.logits_file);
   }
   if (session->is_root() && !f.json_file.empty()) {
-    json::Value seqs = json::Value::Array();
+    nlohmann::ordered_json seqs = nlohmann::ordered_json::array();
     for (size_t s = 0; s < out->size(); ++s) {
-      seqs.Push(json::Value::Object()
-                    .Set("tokens", static_cast<int64_t>(batch[s].tokens.size()))
-                    .Set("first_token", (*out)[s].first_token));
+      seqs.push_back({{"tokens", static_cast<int64_t>(batch[s].tokens.size())},
+                      {"first_token", (*out)[s].first_token}});
     }
-    json::Value report = json::Value::Object();
-    report.Set("command", "prefill")
-        .Set("model", config.name)
-        .Set("layers", config.num_layers)
-        .Set("world_size", grid.world_size)
-        .Set("tp", grid.tp_size)
-        .Set("cp", grid.cp_size)
-        .Set("backend", f.backend)
-        .Set("algorithm", std::string(parallel::RingAlgorithmName(t.algorithm)))
-        .Set("sequences", std::move(seqs))
-        .Set("ttft_ms", slowest * 1e3)
-        .Set("gemm_ms", t.gemm_s * 1e3)
-        .Set("attention_ms", t.attention_s * 1e3)
-        .Set("allreduce_ms", t.allreduce_s * 1e3)
-        .Set("lm_head_ms", t.lm_head_s * 1e3)
-        .Set("other_ms", (t.other_s + t.embed_s) * 1e3)
-        .Set("tokens_per_s", total_tokens / slowest)
-        .Set("model_tflop", t.model_flops / 1e12);
+    nlohmann::ordered_json report = {{"command", "prefill"},
+                                     {"model", config.name},
+                                     {"layers", config.num_layers},
+                                     {"world_size", grid.world_size},
+                                     {"tp", grid.tp_size},
+                                     {"cp", grid.cp_size},
+                                     {"backend", f.backend},
+                                     {"algorithm", parallel::RingAlgorithmName(t.algorithm)},
+                                     {"sequences", std::move(seqs)},
+                                     {"ttft_ms", slowest * 1e3},
+                                     {"gemm_ms", t.gemm_s * 1e3},
+                                     {"attention_ms", t.attention_s * 1e3},
+                                     {"allreduce_ms", t.allreduce_s * 1e3},
+                                     {"lm_head_ms", t.lm_head_s * 1e3},
+                                     {"other_ms", (t.other_s + t.embed_s) * 1e3},
+                                     {"tokens_per_s", total_tokens / slowest},
+                                     {"model_tflop", t.model_flops / 1e12}};
     if (f.check) {
-      report.Set("check", json::Value::Object()
-                              .Set("max_abs_logit_diff", max_diff)
-                              .Set("first_token_mismatches", token_mismatches)
-                              .Set("pass", pass));
+      report["check"] = {{"max_abs_logit_diff", max_diff},
+                         {"first_token_mismatches", token_mismatches},
+                         {"pass", pass}};
     }
-    std::ofstream jf(f.json_file);
-    jf << report.Dump(2) << "\n";
-    if (!jf) session->Fail(absl::InternalError("cannot write --json file " + f.json_file));
+    session->WriteReport(f.json_file, std::move(report));
   }
   return f.check && !pass ? kExitCheckFailed : kExitOk;
 }

@@ -2,6 +2,8 @@
 #include <cstdio>
 #include <string>
 
+#include "base/json_io.h"
+#include "base/knobs.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
 #include "parallel/selector.h"
@@ -36,6 +38,10 @@ int RunSelectCommand(int argc, char** argv) {
     std::fputs(flags.Usage().c_str(), stdout);
     return kExitOk;
   }
+  if (absl::Status s = knobs::Validate(); !s.ok()) {
+    std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
+    return kExitBadInput;
+  }
   parallel::FittedCoefficients fitted = parallel::FittedCoefficients::Paper();
   if (!fit_file.empty()) {
     auto cal = parallel::ReadCalibrationFile(fit_file);
@@ -64,7 +70,12 @@ int RunSelectCommand(int argc, char** argv) {
     std::fprintf(stderr, "cpfill: error: %s\n", std::string(selection.status().message()).c_str());
     return kExitBadInput;
   }
-  std::printf("%s\n", selection->ToJson().c_str());
+  absl::StatusOr<std::string> text = json::Dump(selection->ToJson());
+  if (!text.ok()) {
+    std::fprintf(stderr, "cpfill: error: %s\n", std::string(text.status().message()).c_str());
+    return kExitRuntimeError;
+  }
+  std::printf("%s\n", text->c_str());
   return kExitOk;
 }
 

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "base/json_io.h"
+#include "base/knobs.h"
 #include "launch/commands.h"
 
 namespace cpfill::launch {
@@ -49,6 +51,12 @@ Started Session::Begin(int* argc, char*** argv, const FlagSet& flags, const absl
     started.exit_code = kExitOk;
     return started;
   }
+  // Every rank reads the same environment (mpirun -x): a malformed knob is bad input, refused
+  // before any work instead of running with the default in its place.
+  if (absl::Status knobs_ok = knobs::Validate(); !knobs_ok.ok()) {
+    started.exit_code = session.ConfigError(knobs_ok);
+    return started;
+  }
   auto grid = session.CreateGrid();
   if (!grid.ok()) {
     started.exit_code = session.Refuse(grid.status());
@@ -69,10 +77,21 @@ int Session::ThreadsPerRank(const parallel::ProcessGrid& grid) const {
   // The cores are shared by every rank on the host, which may hold several (emulated) nodes:
   // Open MPI says how many ranks it started here; the node size is the fallback.
   int host_ranks = grid.ranks_per_node;
-  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
-    host_ranks = std::max(host_ranks, std::atoi(env));
-  }
+  host_ranks = std::max(host_ranks, static_cast<int>(knobs::Int(knobs::kLocalRanks)));
   return std::max(1, cores / std::max(1, host_ranks));
+}
+
+void Session::WriteReport(const std::string& path, nlohmann::ordered_json report) {
+  report["knobs"] = KnobsJson();
+  if (absl::Status s = json::WriteFile(path, report); !s.ok()) {
+    Fail(absl::Status(s.code(), absl::StrCat("--json: ", s.message())));
+  }
+}
+
+nlohmann::ordered_json KnobsJson() {
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  for (const auto& [name, value] : knobs::InEffect()) out[name] = value;
+  return out;
 }
 
 int Session::ConfigError(const absl::Status& status) {

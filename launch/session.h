@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "launch/flags.h"
+#include "nlohmann/json.hpp"
 #include "parallel/grid.h"
 #include "parallel/mpi_communicator.h"
 
@@ -37,6 +38,9 @@ struct SessionFlags {
 void AddSessionFlags(FlagSet& flags, SessionFlags* session_flags);
 
 class Session;
+
+// {name: value as text} of knobs::InEffect(), for reports (every --json, `cpfill env --json`).
+nlohmann::ordered_json KnobsJson();
 
 // What Session::Begin hands a subcommand: the session and its grid, or an exit code to return
 // at once (bad input, already reported on rank 0; or --help, already printed).
@@ -74,6 +78,11 @@ class Session {
   // all-reduce) come from checks every rank makes alike (ConfigError, returns kExitBadInput);
   // anything else is Fail (no return).
   int Refuse(const absl::Status& status);
+
+  // Writes a --json report (call on the rank that built it) with "knobs": the environment's
+  // knobs in effect, so a measurement records the switches it ran under. A failure to write
+  // is a runtime failure (Fail).
+  void WriteReport(const std::string& path, nlohmann::ordered_json report);
 
   // printf on world rank 0 only, flushed (progress must show while work runs).
   template <typename... Args>

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build}
 
 packages=(cmake ninja-build g++ make pkg-config python3
-          libopenmpi-dev openmpi-bin libabsl-dev libucx-dev
+          libopenmpi-dev openmpi-bin libabsl-dev libucx-dev nlohmann-json3-dev
           libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev)
 missing=()
 for p in "${packages[@]}"; do

@@ -1,10 +1,9 @@
 #include "parallel/grid.h"
 
-#include <cstdlib>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/knobs.h"
 #include "base/status.h"
 
 namespace cpfill::parallel {
@@ -34,12 +33,8 @@ absl::StatusOr<ProcessGrid> CreateProcessGrid(MpiRuntime& mpi, GridOptions optio
 
   // Step 2: emulated nodes of R ranks inside each host.
   int r = options.ranks_per_node;
-  if (r == 0) {
-    if (const char* env = std::getenv("CPFILL_RANKS_PER_NODE"); env && *env) {
-      CPFILL_CHECK_ARG(absl::SimpleAtoi(env, &r) && r > 0,
-                       "CPFILL_RANKS_PER_NODE must be a positive integer, got '", env, "'");
-    }
-  }
+  // A malformed CPFILL_RANKS_PER_NODE is refused at start-up (knobs::Validate in launch).
+  if (r == 0) r = static_cast<int>(knobs::Int(knobs::kRanksPerNode));
   if (r == 0) r = host_ranks;
   CPFILL_CHECK_ARG(r > 0 && host_ranks % r == 0, "--ranks-per-node ", r, " does not divide the ",
                    host_ranks, " ranks on each host");

@@ -33,15 +33,13 @@
 #include "parallel/selector.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstdio>
 #include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "base/json.h"
+#include "base/json_io.h"
 #include "base/status.h"
 
 namespace cpfill::parallel {
@@ -78,8 +76,8 @@ absl::Status ValidateInputs(const SelectorInputs& in, bool need_system) {
 
 std::string Percent(double fraction) { return absl::StrFormat("%.2f%%", 100 * fraction); }
 
-json::Value NumberOrNull(double x, bool present) {
-  return present ? json::Value(x) : json::Value();
+nlohmann::ordered_json NumberOrNull(double x, bool present) {
+  return present ? nlohmann::ordered_json(x) : nlohmann::ordered_json();
 }
 
 }  // namespace
@@ -220,33 +218,33 @@ absl::StatusOr<Selection> Select(const SelectorInputs& in, SelectorRule rule,
 
 // Keys are always present so a reader can rely on them; those that do not apply to the rule
 // (h, a, b, c, coefficients_source for Alg. 1/5; the thresholds for the fitted rule) are null.
-std::string Selection::ToJson() const {
+nlohmann::ordered_json Selection::ToJson() const {
   const bool is_fitted = rule == SelectorRule::kFitted;
-  json::Value predicted_json = json::Value::Object();
-  predicted_json.Set("pass_kv_compute_s", predicted.pass_kv_compute_s)
-      .Set("pass_kv_exchange_s", predicted.pass_kv_exchange_s)
-      .Set("pass_kv_total_s", predicted.pass_kv_total_s)
-      .Set("pass_q_compute_s", predicted.pass_q_compute_s)
-      .Set("pass_q_exchange_s", predicted.pass_q_exchange_s)
-      .Set("pass_q_all_to_all_s", predicted.pass_q_all_to_all_s)
-      .Set("pass_q_total_s", predicted.pass_q_total_s);
-  json::Value v = json::Value::Object();
-  v.Set("choice", RingAlgorithmName(choice))
-      .Set("rule", SelectorRuleName(rule))
-      .Set("reason", reason)
-      .Set("miss_rate", miss_rate)
-      .Set("new_tokens", new_tokens)
-      .Set("cached_tokens", cached_tokens)
-      .Set("cp_size", cp_size)
-      .Set("new_tokens_threshold", NumberOrNull(new_tokens_threshold, !is_fitted))
-      .Set("miss_rate_threshold", NumberOrNull(miss_rate_threshold, !is_fitted))
-      .Set("h", NumberOrNull(h, is_fitted))
-      .Set("a", NumberOrNull(fitted.a, is_fitted))
-      .Set("b", NumberOrNull(fitted.b, is_fitted))
-      .Set("c", NumberOrNull(fitted.c, is_fitted))
-      .Set("coefficients_source", is_fitted ? json::Value(fitted.source) : json::Value())
-      .Set("predicted", std::move(predicted_json));
-  return v.Dump();
+  // Predict's NaN means "C or BW unknown", which null says; any other value is written as is.
+  const auto time = [](double s) { return NumberOrNull(s, !std::isnan(s)); };
+  return {{"choice", RingAlgorithmName(choice)},
+          {"rule", SelectorRuleName(rule)},
+          {"reason", reason},
+          {"miss_rate", miss_rate},
+          {"new_tokens", new_tokens},
+          {"cached_tokens", cached_tokens},
+          {"cp_size", cp_size},
+          {"new_tokens_threshold", NumberOrNull(new_tokens_threshold, !is_fitted)},
+          {"miss_rate_threshold", NumberOrNull(miss_rate_threshold, !is_fitted)},
+          {"h", NumberOrNull(h, is_fitted)},
+          {"a", NumberOrNull(fitted.a, is_fitted)},
+          {"b", NumberOrNull(fitted.b, is_fitted)},
+          {"c", NumberOrNull(fitted.c, is_fitted)},
+          {"coefficients_source",
+           is_fitted ? nlohmann::ordered_json(fitted.source) : nlohmann::ordered_json()},
+          {"predicted",
+           {{"pass_kv_compute_s", time(predicted.pass_kv_compute_s)},
+            {"pass_kv_exchange_s", time(predicted.pass_kv_exchange_s)},
+            {"pass_kv_total_s", time(predicted.pass_kv_total_s)},
+            {"pass_q_compute_s", time(predicted.pass_q_compute_s)},
+            {"pass_q_exchange_s", time(predicted.pass_q_exchange_s)},
+            {"pass_q_all_to_all_s", time(predicted.pass_q_all_to_all_s)},
+            {"pass_q_total_s", time(predicted.pass_q_total_s)}}}};
 }
 
 // Weighted, L2-regularized logistic regression by Newton's method with backtracking.
@@ -370,51 +368,51 @@ absl::StatusOr<FittedCoefficients> FitCoefficients(const std::vector<Calibration
 }
 
 absl::StatusOr<CalibrationFile> ReadCalibrationFile(const std::string& path) {
-  CPFILL_ASSIGN_OR_RETURN(json::Value v, json::ParseFile(path));  // errors name the path
+  CPFILL_ASSIGN_OR_RETURN(nlohmann::json v, json::ReadFile(path));  // errors name the path
   const std::string where = absl::StrCat("calibration file '", path, "': ");
   auto wrap = [&](const absl::Status& s, std::string_view context = "") {
     return absl::InvalidArgumentError(absl::StrCat(where, Sv(context), s.message()));
   };
   CPFILL_CHECK_ARG(v.is_object(), where, "not a JSON object");
-  if (const json::Value* rule = v.Find("rule"); rule != nullptr) {
-    CPFILL_CHECK_ARG(rule->is_string() && rule->as_string() == "fitted", where,
-                     "\"rule\" must be \"fitted\", got ", rule->Dump());
+  if (const nlohmann::json* rule = json::Find(v, "rule"); rule != nullptr) {
+    CPFILL_CHECK_ARG(rule->is_string() && rule->get_ref<const std::string&>() == "fitted", where,
+                     "\"rule\" must be \"fitted\", got ", json::Show(*rule));
   }
   CalibrationFile file;
   for (auto [key, field] : {std::pair<const char*, double*>{"a", &file.fitted.a},
                             {"b", &file.fitted.b},
                             {"c", &file.fitted.c}}) {
-    absl::StatusOr<double> x = v.GetNumber(key);
+    absl::StatusOr<double> x = json::GetNumber(v, key);
     if (!x.ok()) return wrap(x.status());
     *field = *x;
   }
   file.fitted.source = absl::StrCat("calibration file ", path);
-  if (v.Find("source") != nullptr) {
-    absl::StatusOr<std::string> s = v.GetString("source");
+  if (json::Find(v, "source") != nullptr) {
+    absl::StatusOr<std::string> s = json::GetString(v, "source");
     if (!s.ok()) return wrap(s.status());
     file.fitted.source = *s;
   }
   for (auto [key, field] :
        {std::pair<const char*, double*>{"tflops", &file.tflops}, {"gbps", &file.gbps}}) {
-    if (v.Find(key) == nullptr) continue;
-    absl::StatusOr<double> x = v.GetNumber(key);
+    if (json::Find(v, key) == nullptr) continue;
+    absl::StatusOr<double> x = json::GetNumber(v, key);
     if (!x.ok()) return wrap(x.status());
     *field = *x;
   }
-  if (const json::Value* points = v.Find("points"); points != nullptr) {
+  if (const nlohmann::json* points = json::Find(v, "points"); points != nullptr) {
     CPFILL_CHECK_ARG(points->is_array(), where, "\"points\" is not an array");
-    for (size_t i = 0; i < points->items().size(); ++i) {
-      const json::Value& p = points->items()[i];
+    for (size_t i = 0; i < points->size(); ++i) {
+      const nlohmann::json& p = (*points)[i];
       const std::string context = absl::StrCat("points[", i, "]: ");
       CPFILL_CHECK_ARG(p.is_object(), where, context, "not an object");
       CalibrationPoint point;
-      absl::StatusOr<int64_t> t = p.GetInt("new_tokens");
+      absl::StatusOr<int64_t> t = json::GetInt(p, "new_tokens");
       if (!t.ok()) return wrap(t.status(), context);
-      absl::StatusOr<int64_t> cached = p.GetInt("cached_tokens");
+      absl::StatusOr<int64_t> cached = json::GetInt(p, "cached_tokens");
       if (!cached.ok()) return wrap(cached.status(), context);
-      absl::StatusOr<double> kv = p.GetNumber("pass_kv_s");
+      absl::StatusOr<double> kv = json::GetNumber(p, "pass_kv_s");
       if (!kv.ok()) return wrap(kv.status(), context);
-      absl::StatusOr<double> q = p.GetNumber("pass_q_s");
+      absl::StatusOr<double> q = json::GetNumber(p, "pass_q_s");
       if (!q.ok()) return wrap(q.status(), context);
       point.new_tokens = *t;
       point.cached_tokens = *cached;
@@ -427,46 +425,19 @@ absl::StatusOr<CalibrationFile> ReadCalibrationFile(const std::string& path) {
 }
 
 absl::Status WriteCalibrationFile(const std::string& path, const CalibrationFile& file) {
-  json::Value points = json::Value::Array();
+  nlohmann::ordered_json points = nlohmann::ordered_json::array();
   for (const CalibrationPoint& p : file.points) {
-    json::Value pj = json::Value::Object();
-    pj.Set("new_tokens", p.new_tokens)
-        .Set("cached_tokens", p.cached_tokens)
-        .Set("pass_kv_s", p.pass_kv_s)
-        .Set("pass_q_s", p.pass_q_s);
-    points.Push(std::move(pj));
+    points.push_back({{"new_tokens", p.new_tokens},
+                      {"cached_tokens", p.cached_tokens},
+                      {"pass_kv_s", p.pass_kv_s},
+                      {"pass_q_s", p.pass_q_s}});
   }
-  json::Value v = json::Value::Object();
-  v.Set("rule", "fitted")
-      .Set("a", file.fitted.a)
-      .Set("b", file.fitted.b)
-      .Set("c", file.fitted.c)
-      .Set("source", file.fitted.source)
-      .Set("tflops", file.tflops)
-      .Set("gbps", file.gbps)
-      .Set("points", std::move(points));
-  const std::string text = v.Dump(2) + "\n";
-
-  // Write beside the target and rename, so a reader never sees half a file.
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("calibration file: cannot create '", tmp, "'"));
-  }
-  const bool wrote = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  const int write_err = errno;
-  const bool closed = std::fclose(f) == 0;
-  const int close_err = errno;
-  if (!wrote || !closed) {
-    std::remove(tmp.c_str());
-    return absl::ErrnoToStatus(!wrote ? write_err : close_err,
-                               absl::StrCat("calibration file: writing '", tmp, "'"));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    return absl::ErrnoToStatus(
-        err, absl::StrCat("calibration file: renaming '", tmp, "' to '", path, "'"));
+  const nlohmann::ordered_json v = {
+      {"rule", "fitted"},   {"a", file.fitted.a},           {"b", file.fitted.b},
+      {"c", file.fitted.c}, {"source", file.fitted.source}, {"tflops", file.tflops},
+      {"gbps", file.gbps},  {"points", std::move(points)}};
+  if (absl::Status s = json::WriteFile(path, v); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("calibration file: ", s.message()));
   }
   return absl::OkStatus();
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
 
 namespace cpfill::parallel {
 
@@ -91,7 +92,9 @@ struct Selection {
   double h = 0;                     // fitted rule only
   FittedCoefficients fitted;        // fitted rule only
   PredictedTimes predicted;
-  std::string ToJson() const;  // one JSON object with every field above
+  // One JSON object with every field above; null for what does not apply to the rule, and for
+  // predicted times when C or BW is unknown (Predict's NaN).
+  nlohmann::ordered_json ToJson() const;
 };
 
 // InvalidArgument for T <= 0, P < 0, N < 1, heads not positive or not divisible, C or BW <= 0

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "base/json.h"
+#include "base/json_io.h"
 #include "gtest/gtest.h"
 
 namespace cpfill::parallel {
@@ -234,42 +234,45 @@ TEST(SelectorPredict, UnknownSystemGivesNullPredictions) {
   const PredictedTimes p = Predict(Inputs(0, 0, 16, 1, 4, 3200, 124800));
   EXPECT_TRUE(std::isnan(p.pass_kv_total_s));
   const Selection s = MustSelect(Inputs(0, 0, 16, 1, 4, 3200, 124800), SelectorRule::kFitted);
-  EXPECT_NE(s.ToJson().find("\"pass_kv_total_s\":null"), std::string::npos) << s.ToJson();
+  EXPECT_TRUE(s.ToJson()["predicted"]["pass_kv_total_s"].is_null()) << s.ToJson();
+  EXPECT_NE(json::Dump(s.ToJson())->find("\"pass_kv_total_s\":null"), std::string::npos);
 }
 
 TEST(SelectorJson, HasEveryField) {
   const Selection s = MustSelect(Inputs(800, 3, 128, 8, 4, 6400, 121600), SelectorRule::kAlg5);
-  absl::StatusOr<json::Value> v = json::Parse(s.ToJson());
+  // Through text, as `cpfill select` prints it and a reader parses it.
+  absl::StatusOr<nlohmann::json> v = json::Parse(*json::Dump(s.ToJson()));
   ASSERT_TRUE(v.ok()) << v.status();
-  EXPECT_EQ(*v->GetString("choice"), "pass-q");
-  EXPECT_EQ(*v->GetString("rule"), "alg5");
-  EXPECT_EQ(*v->GetString("reason"), s.reason);
-  EXPECT_DOUBLE_EQ(*v->GetNumber("miss_rate"), 0.05);
-  EXPECT_EQ(*v->GetInt("new_tokens"), 6400);
-  EXPECT_EQ(*v->GetInt("cached_tokens"), 121600);
-  EXPECT_EQ(*v->GetInt("cp_size"), 4);
-  EXPECT_DOUBLE_EQ(*v->GetNumber("new_tokens_threshold"), s.new_tokens_threshold);
-  EXPECT_DOUBLE_EQ(*v->GetNumber("miss_rate_threshold"), s.miss_rate_threshold);
+  EXPECT_EQ(*json::GetString(*v, "choice"), "pass-q");
+  EXPECT_EQ(*json::GetString(*v, "rule"), "alg5");
+  EXPECT_EQ(*json::GetString(*v, "reason"), s.reason);
+  EXPECT_DOUBLE_EQ(*json::GetNumber(*v, "miss_rate"), 0.05);
+  EXPECT_EQ(*json::GetInt(*v, "new_tokens"), 6400);
+  EXPECT_EQ(*json::GetInt(*v, "cached_tokens"), 121600);
+  EXPECT_EQ(*json::GetInt(*v, "cp_size"), 4);
+  EXPECT_DOUBLE_EQ(*json::GetNumber(*v, "new_tokens_threshold"), s.new_tokens_threshold);
+  EXPECT_DOUBLE_EQ(*json::GetNumber(*v, "miss_rate_threshold"), s.miss_rate_threshold);
   for (const char* key : {"h", "a", "b", "c", "coefficients_source"}) {
-    ASSERT_NE(v->Find(key), nullptr) << key;
-    EXPECT_TRUE(v->Find(key)->is_null()) << key;
+    ASSERT_NE(json::Find(*v, key), nullptr) << key;
+    EXPECT_TRUE(json::Find(*v, key)->is_null()) << key;
   }
-  const json::Value* predicted = v->Find("predicted");
+  const nlohmann::json* predicted = json::Find(*v, "predicted");
   ASSERT_NE(predicted, nullptr);
-  EXPECT_EQ(predicted->members().size(), 7u);
-  EXPECT_DOUBLE_EQ(*predicted->GetNumber("pass_q_all_to_all_s"), s.predicted.pass_q_all_to_all_s);
-  EXPECT_DOUBLE_EQ(*predicted->GetNumber("pass_kv_total_s"), s.predicted.pass_kv_total_s);
+  EXPECT_EQ(predicted->size(), 7u);
+  EXPECT_DOUBLE_EQ(*json::GetNumber(*predicted, "pass_q_all_to_all_s"),
+                   s.predicted.pass_q_all_to_all_s);
+  EXPECT_DOUBLE_EQ(*json::GetNumber(*predicted, "pass_kv_total_s"), s.predicted.pass_kv_total_s);
 
   const Selection f = MustSelect(Inputs(800, 3, 128, 8, 4, 6400, 121600), SelectorRule::kFitted);
-  v = json::Parse(f.ToJson());
+  v = json::Parse(*json::Dump(f.ToJson()));
   ASSERT_TRUE(v.ok());
-  EXPECT_EQ(*v->GetString("rule"), "fitted");
-  EXPECT_DOUBLE_EQ(*v->GetNumber("h"), f.h);
-  EXPECT_DOUBLE_EQ(*v->GetNumber("a"), -1.059);
-  EXPECT_DOUBLE_EQ(*v->GetNumber("b"), 1.145);
-  EXPECT_DOUBLE_EQ(*v->GetNumber("c"), 12.112);
-  EXPECT_EQ(*v->GetString("coefficients_source"), "paper (App. D)");
-  EXPECT_TRUE(v->Find("new_tokens_threshold")->is_null());
+  EXPECT_EQ(*json::GetString(*v, "rule"), "fitted");
+  EXPECT_DOUBLE_EQ(*json::GetNumber(*v, "h"), f.h);
+  EXPECT_DOUBLE_EQ(*json::GetNumber(*v, "a"), -1.059);
+  EXPECT_DOUBLE_EQ(*json::GetNumber(*v, "b"), 1.145);
+  EXPECT_DOUBLE_EQ(*json::GetNumber(*v, "c"), 12.112);
+  EXPECT_EQ(*json::GetString(*v, "coefficients_source"), "paper (App. D)");
+  EXPECT_TRUE(json::Find(*v, "new_tokens_threshold")->is_null());
 }
 
 // Synthetic grid with a known boundary h* = -ln T + 1.2 ln m + 10: pass-KV is exp(h*) times
@@ -390,6 +393,15 @@ TEST(SelectorCalibrationFile, ErrorsNameThePathAndKey) {
   WriteText(path, R"({"a": "1", "b": 2, "c": 3})");
   f = ReadCalibrationFile(path);
   EXPECT_NE(f.status().message().find("\"a\" is a string, expected a number"), std::string::npos)
+      << f.status();
+  WriteText(path, R"({"a": 1, "b": 2, "c": 3, "a": 4})");  // which "a"? refused, not guessed
+  f = ReadCalibrationFile(path);
+  EXPECT_NE(f.status().message().find("\"a\" appears twice"), std::string::npos) << f.status();
+  WriteText(path, R"({"a": 1, "b": 2, "c": 3, "points": [{"new_tokens": 5.5, "cached_tokens": 0,
+                      "pass_kv_s": 1, "pass_q_s": 2}]})");
+  f = ReadCalibrationFile(path);
+  EXPECT_NE(f.status().message().find("points[0]: json: key \"new_tokens\" is 5.5"),
+            std::string::npos)
       << f.status();
   WriteText(path, R"({"a": 1, "b": 2, "c": 3,})");
   f = ReadCalibrationFile(path);

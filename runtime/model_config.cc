@@ -3,16 +3,19 @@
 // Key names and defaults follow transformers' LlamaConfig: num_key_value_heads defaults to
 // num_attention_heads, head_dim to hidden_size / num_attention_heads, rope_theta to 10000,
 // tie_word_embeddings to false; RoPE comes from "rope_parameters" (transformers 5) or from
-// "rope_theta" and "rope_scaling" (earlier versions). Everything else a Llama forward needs is required, so a
-// config.json of another family fails here, naming the key, instead of producing a wrong model.
+// "rope_theta" and "rope_scaling" (earlier versions). Everything else a Llama forward needs is
+// required, so a config.json of another family fails here, naming the key, instead of producing a
+// wrong model.
 #include "runtime/model_config.h"
 
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/json_io.h"
 #include "base/status.h"
 
 namespace cpfill::runtime {
@@ -64,7 +67,8 @@ std::optional<ModelConfig> Preset(const std::string& model) {
 // Readers for one config.json: every error names the key and the model.
 class ConfigReader {
  public:
-  ConfigReader(const json::Value& config, const std::string& name) : config_(config), name_(name) {}
+  ConfigReader(const nlohmann::json& config, const std::string& name)
+      : config_(config), name_(name) {}
 
   absl::Status Error(std::string_view key, std::string_view what) const {
     return absl::InvalidArgumentError(absl::StrCat("model config '", name_, "': key \"",
@@ -73,21 +77,23 @@ class ConfigReader {
 
   // Absent or null.
   bool Has(std::string_view key) const {
-    const json::Value* v = config_.Find(key);
+    const nlohmann::json* v = json::Find(config_, key);
     return v != nullptr && !v->is_null();
   }
 
   // A positive integer that fits in T, from `obj` (the config or a nested object, whose keys
   // errors spell with `prefix`, e.g. "rope_scaling.").
   template <typename T>
-  absl::StatusOr<T> PositiveInt(std::string_view key, const json::Value* obj = nullptr,
+  absl::StatusOr<T> PositiveInt(std::string_view key, const nlohmann::json* obj = nullptr,
                                 std::string_view prefix = "") const {
     if (obj == nullptr) obj = &config_;
     const std::string label = absl::StrCat(std::string(prefix), std::string(key));
-    const json::Value* v = obj->Find(key);
+    const nlohmann::json* v = json::Find(*obj, key);
     if (v == nullptr || v->is_null()) return Error(label, "is missing");
-    absl::StatusOr<int64_t> i = obj->GetInt(key);
-    if (!i.ok()) return Error(label, absl::StrCat("is ", v->Dump(), ", expected an integer"));
+    const std::optional<int64_t> i = json::AsInt64(*v);
+    if (!i.has_value()) {
+      return Error(label, absl::StrCat("is ", json::Show(*v), ", expected an integer"));
+    }
     if (*i <= 0 || *i > std::numeric_limits<T>::max()) {
       return Error(label, absl::StrCat("is ", *i, ", expected a positive integer up to ",
                                        std::numeric_limits<T>::max()));
@@ -95,28 +101,30 @@ class ConfigReader {
     return static_cast<T>(*i);
   }
 
-  // A number > 0 (JSON numbers are finite).
-  absl::StatusOr<double> PositiveNumber(std::string_view key, const json::Value* obj = nullptr,
+  // A number > 0 (the parser refuses numbers that overflow a double).
+  absl::StatusOr<double> PositiveNumber(std::string_view key, const nlohmann::json* obj = nullptr,
                                         std::string_view prefix = "") const {
     if (obj == nullptr) obj = &config_;
     const std::string label = absl::StrCat(std::string(prefix), std::string(key));
-    const json::Value* v = obj->Find(key);
+    const nlohmann::json* v = json::Find(*obj, key);
     if (v == nullptr || v->is_null()) return Error(label, "is missing");
-    if (!v->is_number() || !(v->as_number() > 0)) {
-      return Error(label, absl::StrCat("is ", v->Dump(), ", expected a positive number"));
+    if (!v->is_number() || !(v->get<double>() > 0) || !std::isfinite(v->get<double>())) {
+      return Error(label, absl::StrCat("is ", json::Show(*v), ", expected a positive number"));
     }
-    return v->as_number();
+    return v->get<double>();
   }
 
   absl::StatusOr<bool> Bool(std::string_view key, bool default_value) const {
     if (!Has(key)) return default_value;
-    const json::Value* v = config_.Find(key);
-    if (!v->is_bool()) return Error(key, absl::StrCat("is ", v->Dump(), ", expected true/false"));
-    return v->as_bool();
+    const nlohmann::json* v = json::Find(config_, key);
+    if (!v->is_boolean()) {
+      return Error(key, absl::StrCat("is ", json::Show(*v), ", expected true/false"));
+    }
+    return v->get<bool>();
   }
 
  private:
-  const json::Value& config_;
+  const nlohmann::json& config_;
   const std::string& name_;
 };
 
@@ -124,29 +132,30 @@ class ConfigReader {
 // rope_theta at the top level) or "rope_parameters" (transformers 5, which save_pretrained writes:
 // rope_type "default" or "llama3", rope_theta inside). Null when absent or "default".
 absl::StatusOr<std::optional<Llama3RopeScaling>> ParseRopeScaling(const ConfigReader& reader,
-                                                                  const json::Value& config,
+                                                                  const nlohmann::json& config,
                                                                   std::string_view key) {
-  const json::Value* v = config.Find(key);
+  const nlohmann::json* v = json::Find(config, key);
   if (v == nullptr || v->is_null()) return std::optional<Llama3RopeScaling>();
   const std::string prefix = absl::StrCat(std::string(key), ".");
   if (!v->is_object()) {
-    return reader.Error(key, absl::StrCat("is ", v->Dump(), ", expected null or an object"));
+    return reader.Error(key, absl::StrCat("is ", json::Show(*v), ", expected null or an object"));
   }
   // transformers renamed "type" to "rope_type" (4.43); both appear in published configs.
-  const json::Value* type = v->Find("rope_type");
+  const nlohmann::json* type = json::Find(*v, "rope_type");
   std::string type_key = absl::StrCat(prefix, "rope_type");
   if (type == nullptr) {
-    type = v->Find("type");
+    type = json::Find(*v, "type");
     type_key = absl::StrCat(prefix, "type");
   }
   if (type == nullptr || !type->is_string()) {
     return reader.Error(key, "has no string \"rope_type\" (or \"type\")");
   }
-  if (type->as_string() == "default") return std::optional<Llama3RopeScaling>();
-  if (type->as_string() != "llama3") {
-    return reader.Error(type_key,
-                        absl::StrCat("is \"", type->as_string(),
-                                     "\"; only \"default\" and \"llama3\" RoPE are supported"));
+  const std::string& type_name = type->get_ref<const std::string&>();
+  if (type_name == "default") return std::optional<Llama3RopeScaling>();
+  if (type_name != "llama3") {
+    return reader.Error(
+        type_key,
+        absl::StrCat("is \"", type_name, "\"; only \"default\" and \"llama3\" RoPE are supported"));
   }
   Llama3RopeScaling s;
   CPFILL_ASSIGN_OR_RETURN(s.factor, reader.PositiveNumber("factor", v, prefix));
@@ -208,7 +217,7 @@ absl::Status ModelConfig::ValidateForTp(int tp) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ModelConfig> ParseHfConfig(const json::Value& config, std::string name) {
+absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::string name) {
   if (!config.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat("model config '", name, "': config.json is not a JSON object"));
@@ -217,10 +226,10 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const json::Value& config, std::string
   c.name = std::move(name);
   const ConfigReader reader(config, c.name);
 
-  if (const json::Value* type = config.Find("model_type"); type != nullptr) {
-    if (!type->is_string() || type->as_string() != "llama") {
+  if (const nlohmann::json* type = json::Find(config, "model_type"); type != nullptr) {
+    if (!type->is_string() || type->get_ref<const std::string&>() != "llama") {
       return reader.Error("model_type",
-                          absl::StrCat("is ", type->Dump(), "; only \"llama\" is supported"));
+                          absl::StrCat("is ", json::Show(*type), "; only \"llama\" is supported"));
     }
   }
   CPFILL_ASSIGN_OR_RETURN(c.hidden_size, reader.PositiveInt<int>("hidden_size"));
@@ -247,12 +256,12 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const json::Value& config, std::string
   // transformers 5 writes "rope_parameters" (rope_theta and the scaling together) and no
   // top-level rope_theta or rope_scaling; earlier versions write those two. Reading only the old
   // keys would silently build RoPE with theta 10000 and no scaling.
-  const json::Value* rope_parameters = config.Find("rope_parameters");
+  const nlohmann::json* rope_parameters = json::Find(config, "rope_parameters");
   if (rope_parameters != nullptr && !rope_parameters->is_null()) {
     CPFILL_ASSIGN_OR_RETURN(c.rope_scaling, ParseRopeScaling(reader, config, "rope_parameters"));
-    if (rope_parameters->Find("rope_theta") != nullptr) {
-      CPFILL_ASSIGN_OR_RETURN(c.rope_theta, reader.PositiveNumber("rope_theta", rope_parameters,
-                                                                  "rope_parameters."));
+    if (json::Find(*rope_parameters, "rope_theta") != nullptr) {
+      CPFILL_ASSIGN_OR_RETURN(
+          c.rope_theta, reader.PositiveNumber("rope_theta", rope_parameters, "rope_parameters."));
     } else if (reader.Has("rope_theta")) {
       CPFILL_ASSIGN_OR_RETURN(c.rope_theta, reader.PositiveNumber("rope_theta"));
     } else {
@@ -283,7 +292,7 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model) {
     return absl::NotFoundError(absl::StrCat("'", model, "' is neither a preset (", kPresetNames,
                                             ") nor a directory with config.json"));
   }
-  CPFILL_ASSIGN_OR_RETURN(json::Value config, json::ParseFile(config_path.string()));
+  CPFILL_ASSIGN_OR_RETURN(nlohmann::json config, json::ReadFile(config_path.string()));
   return ParseHfConfig(config, model);
 }
 

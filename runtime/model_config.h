@@ -11,7 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "base/json.h"
+#include "nlohmann/json.hpp"
 
 namespace cpfill::runtime {
 
@@ -47,7 +47,7 @@ struct ModelConfig {
 
 // Parses a Hugging Face config.json of the Llama family (model_type "llama"). InvalidArgument
 // naming the key for a missing or malformed field or an unsupported rope_scaling type.
-absl::StatusOr<ModelConfig> ParseHfConfig(const json::Value& config, std::string name);
+absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::string name);
 
 // `model` is a preset name (tiny, llama3-8b, llama3-70b, llama3-405b) or a directory holding
 // config.json. NotFound when it is neither, naming both possibilities.

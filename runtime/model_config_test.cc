@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "base/json.h"
+#include "base/json_io.h"
 #include "gtest/gtest.h"
 
 namespace cpfill::runtime {
@@ -48,26 +48,27 @@ constexpr char kLlama31_8B[] = R"json({
   "vocab_size": 128256
 })json";
 
-json::Value Llama8BJson() {
-  absl::StatusOr<json::Value> v = json::Parse(kLlama31_8B);
+nlohmann::json Llama8BJson() {
+  absl::StatusOr<nlohmann::json> v = json::Parse(kLlama31_8B);
   EXPECT_TRUE(v.ok()) << v.status();
   return *v;
 }
 
-// `v` without `key` (json::Value has no erase).
-json::Value Without(const json::Value& v, const std::string& key) {
-  json::Value out = json::Value::Object();
-  for (const auto& [k, member] : v.members()) {
-    if (k != key) out.Set(k, member);
-  }
-  return out;
+// Copies of `v` without `key`, and with `key` set to `value`.
+nlohmann::json Without(nlohmann::json v, const std::string& key) {
+  v.erase(key);
+  return v;
+}
+nlohmann::json With(nlohmann::json v, const std::string& key, nlohmann::json value) {
+  v[key] = std::move(value);
+  return v;
 }
 
 bool Contains(const absl::Status& s, const std::string& text) {
   return std::string(s.message()).find(text) != std::string::npos;
 }
 
-void ExpectInvalid(const json::Value& config, const std::string& key_text) {
+void ExpectInvalid(const nlohmann::json& config, const std::string& key_text) {
   absl::StatusOr<ModelConfig> c = ParseHfConfig(config, "my-model");
   ASSERT_FALSE(c.ok()) << "expected an error naming " << key_text;
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
@@ -110,7 +111,7 @@ TEST(ParseHfConfig, ReadsLlama31_8B) {
 }
 
 TEST(ParseHfConfig, AppliesLlamaConfigDefaults) {
-  json::Value v =
+  nlohmann::json v =
       Without(Without(Without(Without(Without(Llama8BJson(), "num_key_value_heads"), "rope_theta"),
                               "rope_scaling"),
                       "tie_word_embeddings"),
@@ -125,7 +126,8 @@ TEST(ParseHfConfig, AppliesLlamaConfigDefaults) {
 
   // null means absent for the optional keys.
   v = Llama8BJson();
-  v.Set("rope_scaling", nullptr).Set("head_dim", nullptr);
+  v["rope_scaling"] = nullptr;
+  v["head_dim"] = nullptr;
   c = ParseHfConfig(v, "nulls");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_FALSE(c->rope_scaling.has_value());
@@ -134,9 +136,13 @@ TEST(ParseHfConfig, AppliesLlamaConfigDefaults) {
 
 TEST(ParseHfConfig, ExplicitHeadDimAndTiedEmbeddings) {
   // Llama-3.2-1B style: tied embeddings and an explicit head_dim.
-  json::Value v = Llama8BJson();
-  v.Set("hidden_size", 2048).Set("num_attention_heads", 32).Set("head_dim", 64);
-  v.Set("tie_word_embeddings", true).Set("num_hidden_layers", 16).Set("intermediate_size", 8192);
+  nlohmann::json v = Llama8BJson();
+  v.update({{"hidden_size", 2048},
+            {"num_attention_heads", 32},
+            {"head_dim", 64},
+            {"tie_word_embeddings", true},
+            {"num_hidden_layers", 16},
+            {"intermediate_size", 8192}});
   absl::StatusOr<ModelConfig> c = ParseHfConfig(v, "llama-3.2-1b");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->head_dim, 64);
@@ -145,17 +151,15 @@ TEST(ParseHfConfig, ExplicitHeadDimAndTiedEmbeddings) {
   EXPECT_NEAR(static_cast<double>(c->ParameterCount()), 1.2358e9, 0.001e9);
 
   // head_dim need not be hidden / heads when given explicitly.
-  v.Set("head_dim", 128);
+  v["head_dim"] = 128;
   c = ParseHfConfig(v, "wide-heads");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->head_dim, 128);
 }
 
 TEST(ParseHfConfig, AcceptsOldRopeScalingTypeKey) {
-  json::Value v = Llama8BJson();
-  json::Value scaling = Without(*v.Find("rope_scaling"), "rope_type");
-  scaling.Set("type", "llama3");
-  v.Set("rope_scaling", scaling);
+  nlohmann::json v = Llama8BJson();
+  v["rope_scaling"] = With(Without(v["rope_scaling"], "rope_type"), "type", "llama3");
   absl::StatusOr<ModelConfig> c = ParseHfConfig(v, "old-transformers");
   ASSERT_TRUE(c.ok()) << c.status();
   ASSERT_TRUE(c->rope_scaling.has_value());
@@ -172,49 +176,50 @@ TEST(ParseHfConfig, MissingKeyIsNamed) {
 }
 
 TEST(ParseHfConfig, MalformedValuesAreNamed) {
-  json::Value v = Llama8BJson();
-  ExpectInvalid(json::Value(v).Set("hidden_size", "4096"), "\"hidden_size\"");
-  ExpectInvalid(json::Value(v).Set("hidden_size", 4096.5), "\"hidden_size\"");
-  ExpectInvalid(json::Value(v).Set("num_key_value_heads", 0), "\"num_key_value_heads\"");
-  ExpectInvalid(json::Value(v).Set("vocab_size", -1), "\"vocab_size\"");
-  ExpectInvalid(json::Value(v).Set("vocab_size", 1e12), "\"vocab_size\"");  // overflows int
-  ExpectInvalid(json::Value(v).Set("rms_norm_eps", 0), "\"rms_norm_eps\"");
-  ExpectInvalid(json::Value(v).Set("rope_theta", "big"), "\"rope_theta\"");
-  ExpectInvalid(json::Value(v).Set("tie_word_embeddings", 1), "\"tie_word_embeddings\"");
-  ExpectInvalid(json::Value(v).Set("model_type", "mistral"), "\"model_type\"");
-  ExpectInvalid(json::Value(v).Set("rope_scaling", 8), "\"rope_scaling\"");
+  nlohmann::json v = Llama8BJson();
+  ExpectInvalid(With(v, "hidden_size", "4096"), "\"hidden_size\"");
+  ExpectInvalid(With(v, "hidden_size", 4096.5), "\"hidden_size\"");
+  ExpectInvalid(With(v, "num_key_value_heads", 0), "\"num_key_value_heads\"");
+  ExpectInvalid(With(v, "vocab_size", -1), "\"vocab_size\"");
+  ExpectInvalid(With(v, "vocab_size", int64_t{1} << 40), "\"vocab_size\"");  // overflows int
+  ExpectInvalid(With(v, "vocab_size", 1e3), "\"vocab_size\"");  // a float, not an integer
+  ExpectInvalid(With(v, "max_position_embeddings", uint64_t{1} << 63),
+                "\"max_position_embeddings\" is 9223372036854775808, expected an integer");
+  ExpectInvalid(With(v, "rms_norm_eps", 0), "\"rms_norm_eps\"");
+  ExpectInvalid(With(v, "rope_theta", "big"), "\"rope_theta\"");
+  ExpectInvalid(With(v, "tie_word_embeddings", 1), "\"tie_word_embeddings\"");
+  ExpectInvalid(With(v, "model_type", "mistral"), "\"model_type\"");
+  ExpectInvalid(With(v, "rope_scaling", 8), "\"rope_scaling\"");
   // Without head_dim, the heads must tile the hidden size.
-  ExpectInvalid(json::Value(v).Set("hidden_size", 4100), "\"head_dim\"");
+  ExpectInvalid(With(v, "hidden_size", 4100), "\"head_dim\"");
 
-  absl::StatusOr<ModelConfig> c = ParseHfConfig(json::Value::Array(), "not-an-object");
+  absl::StatusOr<ModelConfig> c = ParseHfConfig(nlohmann::json::array(), "not-an-object");
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ParseHfConfig, RejectsUnsupportedRopeScaling) {
-  json::Value v = Llama8BJson();
-  json::Value scaling = *v.Find("rope_scaling");
-  ExpectInvalid(json::Value(v).Set("rope_scaling", json::Value(scaling).Set("rope_type", "yarn")),
-                "\"yarn\"");
-  json::Value old = Without(scaling, "rope_type");
-  ExpectInvalid(json::Value(v).Set("rope_scaling", json::Value(old).Set("type", "dynamic")),
-                "\"dynamic\"");
-  ExpectInvalid(json::Value(v).Set("rope_scaling", old), "rope_type");
-  ExpectInvalid(json::Value(v).Set("rope_scaling", Without(scaling, "factor")),
+  nlohmann::json v = Llama8BJson();
+  const nlohmann::json scaling = v["rope_scaling"];
+  ExpectInvalid(With(v, "rope_scaling", With(scaling, "rope_type", "yarn")), "\"yarn\"");
+  const nlohmann::json old = Without(scaling, "rope_type");
+  ExpectInvalid(With(v, "rope_scaling", With(old, "type", "dynamic")), "\"dynamic\"");
+  ExpectInvalid(With(v, "rope_scaling", old), "rope_type");
+  ExpectInvalid(With(v, "rope_scaling", Without(scaling, "factor")),
                 "\"rope_scaling.factor\" is missing");
-  ExpectInvalid(
-      json::Value(v).Set("rope_scaling", Without(scaling, "original_max_position_embeddings")),
-      "\"rope_scaling.original_max_position_embeddings\" is missing");
-  ExpectInvalid(json::Value(v).Set("rope_scaling", json::Value(scaling).Set("high_freq_factor", 1)),
+  ExpectInvalid(With(v, "rope_scaling", Without(scaling, "original_max_position_embeddings")),
+                "\"rope_scaling.original_max_position_embeddings\" is missing");
+  ExpectInvalid(With(v, "rope_scaling", With(scaling, "high_freq_factor", 1)),
                 "\"rope_scaling.high_freq_factor\"");
 }
 
 // transformers 5's save_pretrained writes RoPE as one "rope_parameters" object (rope_theta
 // inside it) and no top-level rope_theta or rope_scaling.
-json::Value Transformers5Json() {
-  json::Value v = Without(Without(Without(Llama8BJson(), "rope_scaling"), "rope_theta"),
-                          "torch_dtype");
-  json::Value rope = json::Value(*Llama8BJson().Find("rope_scaling")).Set("rope_theta", 500000.0);
-  return v.Set("rope_parameters", rope).Set("dtype", "bfloat16");
+nlohmann::json Transformers5Json() {
+  nlohmann::json v =
+      Without(Without(Without(Llama8BJson(), "rope_scaling"), "rope_theta"), "torch_dtype");
+  v["rope_parameters"] = With(Llama8BJson()["rope_scaling"], "rope_theta", 500000.0);
+  v["dtype"] = "bfloat16";
+  return v;
 }
 
 TEST(ParseHfConfig, ReadsTransformers5RopeParameters) {
@@ -223,9 +228,9 @@ TEST(ParseHfConfig, ReadsTransformers5RopeParameters) {
   ExpectLlama31Rope(*c);
 
   // rope_type "default": rope_theta, no scaling.
-  json::Value plain = Transformers5Json().Set(
-      "rope_parameters",
-      json::Value::Object().Set("rope_type", "default").Set("rope_theta", 250000.0));
+  const nlohmann::json plain =
+      With(Transformers5Json(), "rope_parameters",
+           nlohmann::json{{"rope_type", "default"}, {"rope_theta", 250000.0}});
   c = ParseHfConfig(plain, "plain");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->rope_theta, 250000.0);
@@ -233,17 +238,17 @@ TEST(ParseHfConfig, ReadsTransformers5RopeParameters) {
 }
 
 TEST(ParseHfConfig, RejectsBadRopeParameters) {
-  const json::Value v = Transformers5Json();
-  const json::Value rope = *v.Find("rope_parameters");
-  ExpectInvalid(json::Value(v).Set("rope_parameters", json::Value(rope).Set("rope_type", "yarn")),
+  const nlohmann::json v = Transformers5Json();
+  const nlohmann::json rope = v.at("rope_parameters");
+  ExpectInvalid(With(v, "rope_parameters", With(rope, "rope_type", "yarn")),
                 "\"rope_parameters.rope_type\"");
-  ExpectInvalid(json::Value(v).Set("rope_parameters", Without(rope, "rope_theta")),
+  ExpectInvalid(With(v, "rope_parameters", Without(rope, "rope_theta")),
                 "\"rope_parameters.rope_theta\" is missing");
-  ExpectInvalid(json::Value(v).Set("rope_parameters", json::Value(rope).Set("rope_theta", -1)),
+  ExpectInvalid(With(v, "rope_parameters", With(rope, "rope_theta", -1)),
                 "\"rope_parameters.rope_theta\"");
-  ExpectInvalid(json::Value(v).Set("rope_parameters", Without(rope, "factor")),
+  ExpectInvalid(With(v, "rope_parameters", Without(rope, "factor")),
                 "\"rope_parameters.factor\" is missing");
-  ExpectInvalid(json::Value(v).Set("rope_parameters", 3), "\"rope_parameters\"");
+  ExpectInvalid(With(v, "rope_parameters", 3), "\"rope_parameters\"");
 }
 
 TEST(LoadModelConfig, PresetsAndDirectories) {

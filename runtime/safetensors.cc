@@ -21,7 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "base/json.h"
+#include "base/json_io.h"
 #include "base/status.h"
 
 namespace cpfill::runtime {
@@ -82,12 +82,11 @@ bool ByteSize(const std::vector<int64_t>& shape, int64_t elem_bytes, uint64_t& b
   return true;
 }
 
-// A JSON number that is a non-negative integer small enough to be exact in a double.
-bool AsIndex(const json::Value& v, uint64_t& out) {
-  if (!v.is_number()) return false;
-  const double d = v.as_number();
-  if (!(d >= 0) || d != std::trunc(d) || d >= 9007199254740992.0) return false;
-  out = static_cast<uint64_t>(d);
+// A JSON integer >= 0 within int64 (dimensions and offsets; the reference reader takes usize).
+bool AsIndex(const nlohmann::json& v, uint64_t& out) {
+  const std::optional<int64_t> i = json::AsInt64(v);
+  if (!i.has_value() || *i < 0) return false;
+  out = static_cast<uint64_t>(*i);
   return true;
 }
 
@@ -202,24 +201,28 @@ absl::Status SafetensorsWriter::Write(const std::string& path) const {
 
   // Step 2: the header, compact (as serde_json writes it), "__metadata__" first when present,
   // padded with spaces to a multiple of 8 so the data buffer starts aligned.
-  json::Value header = json::Value::Object();
+  // The entries are built in a vector and moved in whole: ordered_json's insertion by key scans
+  // the keys, which would make a header of thousands of tensors quadratic.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  auto& members = header.get_ref<nlohmann::ordered_json::object_t&>();
+  members.reserve(order.size() + 1);
   if (!metadata_.empty()) {
-    json::Value meta = json::Value::Object();
-    for (const auto& [k, v] : metadata_) meta.Set(k, v);
-    header.Set("__metadata__", std::move(meta));
+    members.emplace_back("__metadata__", nlohmann::ordered_json(metadata_));
   }
   uint64_t offset = 0;
   for (const Entry* e : order) {
-    json::Value shape = json::Value::Array();
-    for (const int64_t d : e->shape) shape.Push(d);
-    json::Value info = json::Value::Object();
-    info.Set("dtype", DTypeName(e->dtype))
-        .Set("shape", std::move(shape))
-        .Set("data_offsets", json::Value::Array().Push(offset).Push(offset + e->bytes));
-    header.Set(e->name, std::move(info));
+    nlohmann::ordered_json info = {{"dtype", DTypeName(e->dtype)},
+                                   {"shape", e->shape},
+                                   {"data_offsets", {offset, offset + e->bytes}}};
+    members.emplace_back(e->name, std::move(info));
     offset += e->bytes;
   }
-  std::string header_text = header.Dump();
+  absl::StatusOr<std::string> dumped = json::Dump(header);
+  if (!dumped.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("safetensors: header for '", path, "': ", dumped.status().message()));
+  }
+  std::string header_text = *std::move(dumped);
   header_text.append((8 - header_text.size() % 8) % 8, ' ');
   unsigned char length_le[8];
   const uint64_t n = header_text.size();
@@ -314,19 +317,22 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   file.data_ = bytes + 8 + header_bytes;
 
   // Step 2: the header JSON.
-  absl::StatusOr<json::Value> header =
-      json::Parse(std::string_view(reinterpret_cast<const char*>(bytes + 8), header_bytes));
+  // The parsed object is sorted by key; names() keeps the header's order, so take it too.
+  std::vector<std::string> header_order;
+  absl::StatusOr<nlohmann::json> header = json::Parse(
+      std::string_view(reinterpret_cast<const char*>(bytes + 8), header_bytes), &header_order);
   if (!header.ok()) return invalid("header is not valid JSON: ", header.status().message());
   if (!header->is_object()) return invalid("header is not a JSON object");
 
   // Step 3: every entry.
-  for (const auto& [name, entry] : header->members()) {
+  for (const std::string& name : header_order) {
+    const nlohmann::json& entry = *json::Find(*header, name);
     if (name == "__metadata__") {
       if (!entry.is_object()) return invalid("\"__metadata__\" is not an object");
-      for (const auto& [k, v] : entry.members()) {
+      for (const auto& [k, v] : entry.items()) {
         if (!v.is_string())
           return invalid("\"__metadata__\" value for \"", k, "\" is not a string");
-        file.metadata_[k] = v.as_string();
+        file.metadata_[k] = v.get<std::string>();
       }
       continue;
     }
@@ -335,29 +341,29 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     TensorInfo info;
     info.name = name;
 
-    const json::Value* dtype = entry.Find("dtype");
+    const nlohmann::json* dtype = json::Find(entry, "dtype");
     if (dtype == nullptr || !dtype->is_string()) return invalid(tensor, "missing string \"dtype\"");
-    absl::StatusOr<DType> parsed = ParseDType(dtype->as_string());
+    absl::StatusOr<DType> parsed = ParseDType(dtype->get_ref<const std::string&>());
     if (!parsed.ok()) return invalid(tensor, parsed.status().message());
     info.dtype = *parsed;
 
-    const json::Value* shape = entry.Find("shape");
+    const nlohmann::json* shape = json::Find(entry, "shape");
     if (shape == nullptr || !shape->is_array()) return invalid(tensor, "missing array \"shape\"");
-    for (const json::Value& d : shape->items()) {
+    for (const nlohmann::json& d : *shape) {
       uint64_t dim;
       if (!AsIndex(d, dim)) {
-        return invalid(tensor, "shape ", d.Dump(), " in ", shape->Dump(),
+        return invalid(tensor, "shape ", json::Show(d), " in ", json::Show(*shape),
                        " is not a non-negative integer");
       }
       info.shape.push_back(static_cast<int64_t>(dim));
     }
 
-    const json::Value* offsets = entry.Find("data_offsets");
+    const nlohmann::json* offsets = json::Find(entry, "data_offsets");
     uint64_t begin, end;
-    if (offsets == nullptr || !offsets->is_array() || offsets->items().size() != 2 ||
-        !AsIndex(offsets->items()[0], begin) || !AsIndex(offsets->items()[1], end)) {
+    if (offsets == nullptr || !offsets->is_array() || offsets->size() != 2 ||
+        !AsIndex((*offsets)[0], begin) || !AsIndex((*offsets)[1], end)) {
       return invalid(tensor, "\"data_offsets\" ",
-                     offsets == nullptr ? std::string("missing") : offsets->Dump(),
+                     offsets == nullptr ? std::string("missing") : json::Show(*offsets),
                      " is not two non-negative integers [begin, end]");
     }
     if (begin > end) return invalid(tensor, "data_offsets begin ", begin, " > end ", end);

@@ -7,10 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -21,7 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/bfloat16.h"
-#include "base/json.h"
+#include "base/json_io.h"
+#include "base/knobs.h"
 #include "base/random.h"
 #include "base/status.h"
 #include "base/thread_pool.h"
@@ -200,19 +199,19 @@ class Checkpoint {
     std::error_code ec;
     if (std::filesystem::exists(index, ec)) {
       ckpt.index_path_ = index.string();
-      CPFILL_ASSIGN_OR_RETURN(json::Value v, json::ParseFile(ckpt.index_path_));
-      const json::Value* map = v.Find("weight_map");
+      CPFILL_ASSIGN_OR_RETURN(nlohmann::json v, json::ReadFile(ckpt.index_path_));
+      const nlohmann::json* map = json::Find(v, "weight_map");
       if (map == nullptr || !map->is_object()) {
         return absl::InvalidArgumentError(
             absl::StrCat("weights: '", ckpt.index_path_, "': no \"weight_map\" object"));
       }
-      for (const auto& [tensor, file] : map->members()) {
-        if (!file.is_string() || file.as_string().empty()) {
+      for (const auto& [tensor, file] : map->items()) {
+        if (!file.is_string() || file.get_ref<const std::string&>().empty()) {
           return absl::InvalidArgumentError(
               absl::StrCat("weights: '", ckpt.index_path_, "': weight_map entry for tensor \"",
-                           tensor, "\" is ", file.Dump(), ", expected a file name"));
+                           tensor, "\" is ", json::Show(file), ", expected a file name"));
         }
-        ckpt.weight_map_[tensor] = file.as_string();
+        ckpt.weight_map_[tensor] = file.get<std::string>();
       }
       return ckpt;
     }
@@ -312,9 +311,8 @@ uint64_t NameHash(std::string_view name) {
 void ParallelRows(int64_t rows, const std::function<void(int64_t)>& fn) {
   static ThreadPool* pool = [] {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    const int ranks = local ? std::max(1, std::atoi(local)) : 1;
-    return new ThreadPool(std::max(1, cores / ranks));
+    const int64_t ranks = std::max<int64_t>(1, knobs::Int(knobs::kLocalRanks));
+    return new ThreadPool(static_cast<int>(std::max<int64_t>(1, cores / ranks)));
   }();
   constexpr int64_t kRowsPerItem = 64;
   pool->ParallelFor((rows + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
@@ -402,45 +400,37 @@ absl::Status SaveHfCheckpoint(const ModelConfig& config, const ModelWeights& wei
   }
 
   // Step 1: config.json with the keys transformers' LlamaConfig reads.
-  json::Value cfg = json::Value::Object();
-  cfg.Set("architectures", json::Value::Array().Push("LlamaForCausalLM"))
-      .Set("model_type", "llama")
-      .Set("hidden_act", "silu")
-      .Set("attention_bias", false)
-      .Set("mlp_bias", false)
-      .Set("hidden_size", config.hidden_size)
-      .Set("num_attention_heads", config.num_heads)
-      .Set("num_key_value_heads", config.num_kv_heads)
-      .Set("head_dim", config.head_dim)
-      .Set("intermediate_size", config.intermediate_size)
-      .Set("num_hidden_layers", config.num_layers)
-      .Set("vocab_size", config.vocab_size)
-      .Set("max_position_embeddings", config.max_position_embeddings)
-      .Set("rms_norm_eps", config.rms_norm_eps)
-      .Set("rope_theta", config.rope_theta);
+  nlohmann::ordered_json cfg = {
+      {"architectures", nlohmann::ordered_json::array({"LlamaForCausalLM"})},
+      {"model_type", "llama"},
+      {"hidden_act", "silu"},
+      {"attention_bias", false},
+      {"mlp_bias", false},
+      {"hidden_size", config.hidden_size},
+      {"num_attention_heads", config.num_heads},
+      {"num_key_value_heads", config.num_kv_heads},
+      {"head_dim", config.head_dim},
+      {"intermediate_size", config.intermediate_size},
+      {"num_hidden_layers", config.num_layers},
+      {"vocab_size", config.vocab_size},
+      {"max_position_embeddings", config.max_position_embeddings},
+      {"rms_norm_eps", config.rms_norm_eps},
+      {"rope_theta", config.rope_theta},
+      {"rope_scaling", nullptr}};
   if (config.rope_scaling.has_value()) {
     const Llama3RopeScaling& s = *config.rope_scaling;
-    cfg.Set("rope_scaling",
-            json::Value::Object()
-                .Set("rope_type", "llama3")
-                .Set("factor", s.factor)
-                .Set("low_freq_factor", s.low_freq_factor)
-                .Set("high_freq_factor", s.high_freq_factor)
-                .Set("original_max_position_embeddings", s.original_max_position_embeddings));
-  } else {
-    cfg.Set("rope_scaling", nullptr);
+    cfg["rope_scaling"] = {
+        {"rope_type", "llama3"},
+        {"factor", s.factor},
+        {"low_freq_factor", s.low_freq_factor},
+        {"high_freq_factor", s.high_freq_factor},
+        {"original_max_position_embeddings", s.original_max_position_embeddings}};
   }
-  cfg.Set("tie_word_embeddings", config.tie_word_embeddings)
-      .Set("torch_dtype", bf16 ? "bfloat16" : "float32");
+  cfg["tie_word_embeddings"] = config.tie_word_embeddings;
+  cfg["torch_dtype"] = bf16 ? "bfloat16" : "float32";
   const std::string config_path = (std::filesystem::path(dir) / "config.json").string();
-  {
-    std::ofstream out(config_path, std::ios::trunc);
-    out << cfg.Dump(2) << "\n";
-    out.close();
-    if (!out) {
-      return absl::InternalError(
-          absl::StrCat("SaveHfCheckpoint: writing '", config_path, "' failed"));
-    }
+  if (absl::Status s = json::WriteFile(config_path, cfg); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("SaveHfCheckpoint: ", s.message()));
   }
 
   // Step 2: model.safetensors. bf16 copies live until Write returns.

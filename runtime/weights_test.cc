@@ -3,13 +3,12 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/bfloat16.h"
-#include "base/json.h"
+#include "base/json_io.h"
 #include "base/random.h"
 #include "gtest/gtest.h"
 #include "runtime/safetensors.h"
@@ -186,10 +185,10 @@ TEST(Weights, Fp32RoundTripIsExactForEveryTp) {
     EXPECT_EQ(back->rms_norm_eps, c.rms_norm_eps);
     ASSERT_TRUE(back->rope_scaling.has_value());
     EXPECT_EQ(back->rope_scaling->high_freq_factor, c.rope_scaling->high_freq_factor);
-    absl::StatusOr<json::Value> raw = json::ParseFile(dir + "/config.json");
-    ASSERT_TRUE(raw.ok());
-    EXPECT_EQ(raw->GetString("torch_dtype").value_or(""), "float32");
-    EXPECT_EQ(raw->GetString("model_type").value_or(""), "llama");
+    absl::StatusOr<nlohmann::json> raw = json::ReadFile(dir + "/config.json");
+    ASSERT_TRUE(raw.ok()) << raw.status();
+    EXPECT_EQ(json::GetString(*raw, "torch_dtype").value_or(""), "float32");
+    EXPECT_EQ(json::GetString(*raw, "model_type").value_or(""), "llama");
 
     for (const int tp : {1, 2}) {
       for (int rank = 0; rank < tp; ++rank) {
@@ -207,9 +206,9 @@ TEST(Weights, Bf16RoundTripIsBf16Rounding) {
   const ModelWeights whole = Synthetic(c, 5, 0, 1);
   const std::string dir = TempDir("bf16");
   ASSERT_TRUE(SaveHfCheckpoint(c, whole, dir, /*bf16=*/true).ok());
-  absl::StatusOr<json::Value> raw = json::ParseFile(dir + "/config.json");
-  ASSERT_TRUE(raw.ok());
-  EXPECT_EQ(raw->GetString("torch_dtype").value_or(""), "bfloat16");
+  absl::StatusOr<nlohmann::json> raw = json::ReadFile(dir + "/config.json");
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  EXPECT_EQ(json::GetString(*raw, "torch_dtype").value_or(""), "bfloat16");
 
   // What a bf16 checkpoint holds: every tensor rounded to nearest bf16.
   ModelWeights rounded = whole;
@@ -309,21 +308,17 @@ TEST(Weights, LoadsShardedCheckpoint) {
   const std::string shard[2] = {"model-00001-of-00002.safetensors",
                                 "model-00002-of-00002.safetensors"};
   std::vector<const NamedTensor*> parts[2];
-  json::Value weight_map = json::Value::Object();
+  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   int64_t total_bytes = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     parts[i % 2].push_back(&tensors[i]);
-    weight_map.Set(tensors[i].name, shard[i % 2]);
+    weight_map[tensors[i].name] = shard[i % 2];
     total_bytes += static_cast<int64_t>(tensors[i].bytes.size());
   }
   for (int s = 0; s < 2; ++s) WriteSafetensors(dir + "/" + shard[s], parts[s]);
-  json::Value index = json::Value::Object();
-  index.Set("metadata", json::Value::Object().Set("total_size", total_bytes));
-  index.Set("weight_map", weight_map);
-  {
-    std::ofstream out(dir + "/model.safetensors.index.json");
-    out << index.Dump(2);
-  }
+  nlohmann::ordered_json index = {{"metadata", {{"total_size", total_bytes}}},
+                                  {"weight_map", weight_map}};
+  ASSERT_TRUE(json::WriteFile(dir + "/model.safetensors.index.json", index).ok());
   for (const int tp : {1, 2, 4}) {
     for (int rank = 0; rank < tp; ++rank) {
       SCOPED_TRACE(absl::StrCat("tp ", tp, " rank ", rank));
@@ -334,27 +329,19 @@ TEST(Weights, LoadsShardedCheckpoint) {
   }
 
   // An index that does not list a tensor: NotFound naming the tensor and the index.
-  json::Value partial = json::Value::Object();
-  for (const auto& [name, file] : weight_map.members()) {
-    if (name != "model.layers.1.mlp.down_proj.weight") partial.Set(name, file);
-  }
-  index.Set("weight_map", partial);
-  {
-    std::ofstream out(dir + "/model.safetensors.index.json", std::ios::trunc);
-    out << index.Dump(2);
-  }
+  nlohmann::ordered_json partial = weight_map;
+  ASSERT_EQ(partial.erase("model.layers.1.mlp.down_proj.weight"), 1u);
+  index["weight_map"] = partial;
+  ASSERT_TRUE(json::WriteFile(dir + "/model.safetensors.index.json", index).ok());
   absl::StatusOr<ModelWeights> bad = LoadWeights(c, dir, 0, 1);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound) << bad.status();
   EXPECT_TRUE(Contains(bad.status(), "model.layers.1.mlp.down_proj.weight")) << bad.status();
   EXPECT_TRUE(Contains(bad.status(), "model.safetensors.index.json")) << bad.status();
 
   // A shard the index names but that does not exist: NotFound naming the shard.
-  partial.Set("model.layers.1.mlp.down_proj.weight", "model-00003-of-00002.safetensors");
-  index.Set("weight_map", partial);
-  {
-    std::ofstream out(dir + "/model.safetensors.index.json", std::ios::trunc);
-    out << index.Dump(2);
-  }
+  partial["model.layers.1.mlp.down_proj.weight"] = "model-00003-of-00002.safetensors";
+  index["weight_map"] = partial;
+  ASSERT_TRUE(json::WriteFile(dir + "/model.safetensors.index.json", index).ok());
   bad = LoadWeights(c, dir, 0, 1);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound) << bad.status();
   EXPECT_TRUE(Contains(bad.status(), "model-00003-of-00002.safetensors")) << bad.status();

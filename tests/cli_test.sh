@@ -92,7 +92,9 @@ save_is_readable_outside)
   expect_exit 0 'OK' -- python3 "$here/verify_saved_attention.py" "$tmp/a.safetensors"
   ;;
 json_report)
-  expect_exit 0 'PASS' -- mpi 2 "$cpfill" attention --seq-lens 300,20 --heads 4 --kv-heads 1 \
+  # A knob set in the environment (no effect on the CPU backend) is recorded as set.
+  expect_exit 0 'PASS' -- env CPFILL_HOPPER_MAX_CTAS=5 mpirun -np 2 -x CPFILL_HOPPER_MAX_CTAS \
+    "$cpfill" attention --seq-lens 300,20 --heads 4 --kv-heads 1 \
     --head-dim 16 --repeat 2 --check --json "$tmp/r.json"
   python3 - "$tmp/r.json" <<'PY' || fail "JSON report incomplete"
 import json, sys
@@ -100,6 +102,9 @@ r = json.load(open(sys.argv[1]))
 assert r["check"]["pass"] is True, r["check"]
 assert len(r["runs"]) == 2 and r["runs"][0]["steps"], r["runs"]
 assert r["selection"]["choice"] in ("pass-kv", "pass-q"), r["selection"]
+k = r["knobs"]
+assert k["CPFILL_HOPPER_MAX_CTAS"] == "5" and k["CPFILL_ATTENTION_KERNEL"] == "auto", k
+assert k["OMPI_COMM_WORLD_LOCAL_SIZE"] == "2", k  # set by mpirun: ranks on this host
 print("json ok:", r["algorithm"], r["median_slowest_rank_total_ms"], "ms")
 PY
   ;;
@@ -128,7 +133,9 @@ stalled_rank_ends_job)
 calibrate_writes_fit)
   expect_exit 0 'wrote' -- mpi 2 "$cpfill" calibrate --heads 2 --kv-heads 1 --head-dim 16 \
     --context-lens 512 --miss-rates 0.02,0.1,0.5,1 --repeat 1 --compute-tokens 256 \
-    --bandwidth-bytes 1000000 --out "$tmp/fit.json"
+    --bandwidth-bytes 1000000 --out "$tmp/fit.json" --json "$tmp/cal.json"
+  python3 -c "import json; k=json.load(open('$tmp/cal.json'))['knobs']; assert k['CPFILL_HOPPER_SCHEDULE'] == 'dynamic', k" ||
+    fail "calibrate JSON lacks the knobs"
   expect_exit 0 '"choice"' -- "$cpfill" select --heads 2 --kv-heads 1 --cp 2 --new-tokens 100 \
     --cached-tokens 1000 --fit "$tmp/fit.json"
   ;;
@@ -180,7 +187,7 @@ prefill_check)
     --ranks-per-node 2 --prompt-lens 700,33,1 --check
   expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" prefill --model tiny --prompt-lens 1000 \
     --algo pass-q --check --json "$tmp/p.json"
-  python3 -c "import json,sys; r=json.load(open('$tmp/p.json')); assert r['check']['pass']" ||
+  python3 -c "import json,sys; r=json.load(open('$tmp/p.json')); assert r['check']['pass']; assert r['knobs']['CPFILL_TEST_EXIT_RANK'] == '-1'" ||
     fail "prefill JSON"
   ;;
 prefill_matches_hf_reference)
@@ -207,10 +214,42 @@ prefill_bad_input)
   expect_exit 2 'outside the vocabulary' -- mpi 2 "$cpfill" prefill --model tiny --tokens "$tmp/t.json"
   printf '[[1, 2,' > "$tmp/bad.json"
   expect_exit 2 'json' -- mpi 2 "$cpfill" prefill --model tiny --tokens "$tmp/bad.json"
+  printf '[[1, 2.5]]' > "$tmp/f.json"
+  expect_exit 2 'holds 2.5, which is not an integer token id' -- mpi 2 "$cpfill" prefill \
+    --model tiny --tokens "$tmp/f.json"
   expect_exit 2 'KV cache' -- mpi 2 "$cpfill" prefill --model tiny --prompt-lens 5000 \
     --kv-capacity-tokens 100
   mkdir -p "$tmp/ckpt" && printf '{"model_type": "llama", "hidden_size": 64}' > "$tmp/ckpt/config.json"
   expect_exit 2 'num_attention_heads' -- mpi 2 "$cpfill" prefill --model "$tmp/ckpt" --prompt-lens 5
+  # Duplicate keys: which value would win is refused, not guessed.
+  printf '{"model_type": "llama", "hidden_size": 64, "hidden_size": 128}' > "$tmp/ckpt/config.json"
+  expect_exit 2 'config.json: json: object key "hidden_size" appears twice' -- mpi 2 "$cpfill" \
+    prefill --model "$tmp/ckpt" --prompt-lens 5
+  ;;
+env_lists_knobs)
+  expect_exit 0 'CPFILL_HOPPER_MAX_CTAS=0  \(default; int, default 0, allowed 0\.\.1000000\)' -- \
+    "$cpfill" env
+  expect_exit 0 'CPFILL_HOPPER_MAX_CTAS=7  \(set in the environment' -- \
+    env CPFILL_HOPPER_MAX_CTAS=7 "$cpfill" env --json "$tmp/env.json"
+  python3 - "$tmp/env.json" <<'PY' || fail "env JSON"
+import json, sys
+r = json.load(open(sys.argv[1]))
+v = {x["name"]: x for x in r["variables"]}
+m = v["CPFILL_HOPPER_MAX_CTAS"]
+assert (m["default"], m["value"], m["set"], m["type"]) == ("0", "7", True, "int"), m
+assert v["CPFILL_HOPPER_SCHEDULE"]["allowed"] == "dynamic|static" and m["why"], v
+assert r["knobs"]["CPFILL_HOPPER_MAX_CTAS"] == "7", r["knobs"]
+PY
+  # A malformed knob is bad input for every command: exit 2 naming the variable, once.
+  expect_exit 2 "CPFILL_HOPPER_MAX_CTAS='abc' is not valid: allowed 0\.\.1000000" -- \
+    env CPFILL_HOPPER_MAX_CTAS=abc "$cpfill" select --heads 16 --kv-heads 1 --cp 4 --new-tokens 10
+  expect_exit 2 "CPFILL_HOPPER_MAX_CTAS='abc'" -- env CPFILL_HOPPER_MAX_CTAS=abc "$cpfill" env
+  expect_exit 2 "CPFILL_HOPPER_SCHEDULE='fifo' is not valid: allowed dynamic\|static" -- \
+    env CPFILL_HOPPER_SCHEDULE=fifo mpirun -np 2 -x CPFILL_HOPPER_SCHEDULE "$cpfill" attention \
+    --seq-lens 100
+  [ "$(grep -c 'CPFILL_HOPPER_SCHEDULE' "$tmp/out")" -eq 1 ] || fail "the message should print once"
+  expect_exit 2 "CPFILL_RANKS_PER_NODE='-3'" -- env CPFILL_RANKS_PER_NODE=-3 mpirun -np 2 \
+    -x CPFILL_RANKS_PER_NODE "$cpfill" prefill --model tiny --prompt-lens 5
   ;;
 *)
   fail "unknown test $name"
