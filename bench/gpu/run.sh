@@ -9,10 +9,7 @@
 #   bash bench/gpu/run.sh profile BENCH_FILTER    Nsight Compute on one launch of one shape
 set -uo pipefail
 what=${1:-all}
-out=${OUT:-/tmp/cpfill-out}
-mkdir -p "$out"
-carry=.gpu-carry
-export LD_LIBRARY_PATH=$PWD/$carry/lib:${LD_LIBRARY_PATH:-}
+source "$(dirname "$0")/lib.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Tables (Markdown) and plots (PNG) of the scaling and crossover runs of bench/gpu/scaling.sh.
+"""Tables (Markdown) and plots (PNG) of the GPU scripts' runs.
 
-  summarize.py scaling RUNS_DIR OUT_DIR   # runs/cp{N}-{T}[-{net}].json from `cpfill attention`
-  summarize.py table4 REPORT.json OUT_DIR # the --json report of `cpfill calibrate`
+  summarize.py scaling RUNS_DIR OUT_DIR   # cp_scaling.sh: runs/cp{N}-{T}[-{net}].json
+  summarize.py table4 REPORT.json OUT_DIR # selector_calibration.sh: `cpfill calibrate --json`
+  summarize.py regression OUT_DIR         # regression.sh: the short before/after table
 """
 import glob
 import json
@@ -116,5 +117,82 @@ def table4(report_path, out_dir):
     fig.savefig(os.path.join(out_dir, "table4.png"), dpi=110)
 
 
+def json_lines(path):
+    """The JSON lines a peer printed into its log (none if the log is missing)."""
+    if not os.path.exists(path):
+        return []
+    return [json.loads(l) for l in open(path) if l.startswith("{")]
+
+
+def kernel_rows(out_dir):
+    """The d128 shapes of the kernel grid from 8K to 32K and the mixed batch, against cuDNN."""
+    from report import tflops
+    ours_path = os.path.join(out_dir, "cpfill_cuda.json")
+    if not os.path.exists(ours_path):
+        return []
+    ours = {b["name"]: tflops(b) for b in json.load(open(ours_path))["benchmarks"]}
+    peer_path = os.path.join(out_dir, "sdpa_peer.json")
+    cudnn = {e["name"]: e.get("tflops") for e in
+             (json.load(open(peer_path)) if os.path.exists(peer_path) else [])
+             if e["backend"] == "cudnn"}
+    rows = []
+    for name, tf in ours.items():
+        m = re.match(r"BM_Attention/(heads:(\d+)/kv_heads:(\d+)/dim:128/tokens:(8192|16384|32768)"
+                     r"/causal:(\d))/manual_time", name)
+        if not m:
+            continue
+        cu = cudnn.get(m.group(1))
+        what = (f"kernel {m.group(2)}:{m.group(3)} {'causal' if m.group(5) == '1' else 'non-causal'}"
+                f" {int(m.group(4)) // 1024}K, TFLOP/s")
+        rows.append((what, f"{tf:.0f}", "cuDNN", f"{cu:.0f}" if cu else "n/a",
+                     f"{tf / cu:.3f}" if cu else "n/a"))
+    for heads, kv in ((16, 1), (32, 8)):
+        mixed = ours.get(f"BM_AttentionMixed/heads:{heads}/kv_heads:{kv}/mixed:1/manual_time")
+        one = ours.get(f"BM_AttentionMixed/heads:{heads}/kv_heads:{kv}/mixed:0/manual_time")
+        if mixed and one:
+            rows.append((f"kernel {heads}:{kv} mixed batch (12 sequences, 16K), TFLOP/s", f"{mixed:.0f}", "one sequence",
+                         f"{one:.0f}", f"{mixed / one:.3f}"))
+    return rows
+
+
+def model_rows(out_dir):
+    """The 2-layer 8B prefill (TTFT) against transformers; ratio = the peer's time / cpfill's."""
+    peer = {e["tokens"]: e.get("ms") for e in json_lines(os.path.join(out_dir, "hf_peer.log"))}
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "cp1-2l-*.json")),
+                       key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[-1])):
+        r = json.load(open(path))
+        tokens = r["sequences"][0]["tokens"]
+        ms, theirs = r["ttft_ms"], peer.get(tokens)
+        rows.append((f"8B 2 layers {tokens // 1024}K, TTFT ms (median of 3)", f"{ms:.1f}", "transformers",
+                     f"{theirs:.1f}" if theirs else "n/a", f"{theirs / ms:.3f}" if theirs else "n/a"))
+    return rows
+
+
+def ring_rows(out_dir):
+    """The 128K ring (median of the runs, slowest rank) against PyTorch CP; ratio = cpfill / peer."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "cpfill-cp*-*.json"))):
+        m = re.match(r"cpfill-cp(\d+)-(\w+)\.json", os.path.basename(path))
+        cp, net = int(m.group(1)), m.group(2)
+        ms = json.load(open(path))["median_slowest_rank_total_ms"]
+        log = "torch-cp1.log" if cp == 1 else f"torch-cp{cp}-{net}.log"
+        theirs = [e["ms"] for e in json_lines(os.path.join(out_dir, log))]
+        peer = theirs[-1] if theirs else None
+        rows.append((f"ring CP{cp} {net} 128K, ms (median of 5)", f"{ms:.2f}", "PyTorch CP",
+                     f"{peer:.2f}" if peer else "n/a", f"{ms / peer:.3f}" if peer else "n/a"))
+    return rows
+
+
+def regression(out_dir):
+    rows = kernel_rows(out_dir) + model_rows(out_dir) + ring_rows(out_dir)
+    print("| measurement | cpfill | peer | peer's | ratio |")
+    print("|---|---:|---|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print("\nratio: kernel cpfill / cuDNN (mixed: mixed / one sequence), 8B the peer's time / "
+          "cpfill's (above 1: cpfill faster), ring cpfill / peer (below 1: cpfill faster)")
+
+
 if __name__ == "__main__":
-    {"scaling": scaling, "table4": table4}[sys.argv[1]](*sys.argv[2:])
+    {"scaling": scaling, "table4": table4, "regression": regression}[sys.argv[1]](*sys.argv[2:])
