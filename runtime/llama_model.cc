@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -12,59 +11,143 @@ namespace cpfill::runtime {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using parallel::DataType;
-using parallel::ReduceOp;
 
 double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Adds `s` seconds since `t0` to `acc` and restarts the clock.
-void Lap(Clock::time_point& t0, double& acc) {
-  const auto now = Clock::now();
-  acc += std::chrono::duration<double>(now - t0).count();
-  t0 = now;
-}
-
-void AddInPlace(float* x, const float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
-}
+// The backend's scratch tensors of one prefill, by role.
+enum Slot {
+  kIds, kPositions, kX, kH, kQ, kK, kV, kKAll, kVAll, kAttn, kLse, kAttnCompute, kProj, kGate,
+  kUp, kLast, kNormed, kLogits
+};
 
 }  // namespace
 
-LlamaModel::LlamaModel(const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
-                       parallel::Communicator& cp, parallel::Communicator& world,
-                       PrefillOptions options)
-    : config_(config),
-      weights_(std::move(weights)),
-      tp_(tp),
-      cp_(cp),
-      world_(world),
-      options_(options),
-      pool_(options.threads),
-      kernels_(&pool_),
-      rope_(cpu::RopeTable::Make(config)) {
-  cpu::SetBlasThreads(pool_.num_threads());
+struct LlamaModel::Running {
+  BatchPlan b;
+  // Per request: the KV sequence it writes, the rows it held before (0 when new), and whether
+  // the sequence was made for this batch.
+  std::vector<KvCache::SeqId> seq;
+  std::vector<int64_t> rows_before;
+  std::vector<bool> made_here;
+  std::unique_ptr<LayerRing> ring;
+  Tensor ids, positions, x, h, q, k, v, k_all, v_all, attn, lse, attn_compute, proj, gate, up;
+  KvCache::Copy new_kv, all_kv;  // the KV copies of every layer, staged once
+};
+
+absl::StatusOr<KvCacheSpec> KvSpecFor(const ModelConfig& config, int tp_size, KvDtype dtype,
+                                      const PrefillOptions& options, int64_t free_bytes) {
+  KvCacheSpec spec{.num_layers = config.num_layers,
+                   .kv_heads = config.num_kv_heads / tp_size,
+                   .head_dim = config.head_dim,
+                   .block_tokens = options.kv_block_tokens,
+                   .capacity_tokens = options.kv_capacity_tokens,
+                   .dtype = dtype};
+  if (options.kv_capacity_tokens > 0) return spec;
+  CPFILL_CHECK_ARG(options.kv_memory_fraction > 0,
+                   "the KV cache needs a capacity: --kv-capacity-tokens or --kv-memory-fraction");
+  CPFILL_ASSIGN_OR_RETURN(spec.capacity_tokens,
+                          CapacityFromMemory(spec, options.kv_memory_fraction, free_bytes));
+  CPFILL_CHECK_ARG(spec.capacity_tokens > 0, "--kv-memory-fraction ", options.kv_memory_fraction,
+                   " of ", free_bytes, " free bytes holds no KV block of ", spec.block_bytes(),
+                   " bytes per layer");
+  return spec;
 }
 
+LlamaModel::LlamaModel(const ModelConfig& config, std::unique_ptr<ModelBackend> backend,
+                       parallel::Communicator& world, const PrefillOptions& options,
+                       std::unique_ptr<KvCache> kv)
+    : config_(config),
+      backend_(std::move(backend)),
+      world_(world),
+      options_(options),
+      kv_(std::move(kv)) {}
+
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
-    const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
-    parallel::Communicator& cp, parallel::Communicator& world, PrefillOptions options) {
-  CPFILL_RETURN_IF_ERROR(config.ValidateForTp(tp.size()));
-  CPFILL_CHECK_ARG(weights.tp_size == tp.size() && weights.tp_rank == tp.rank(),
-                   "weights are TP slice ", weights.tp_rank, " of ", weights.tp_size,
-                   ", this rank is TP rank ", tp.rank(), " of ", tp.size());
-  CPFILL_CHECK_ARG(static_cast<int>(weights.layers.size()) == config.num_layers, "weights have ",
-                   weights.layers.size(), " layers, the config ", config.num_layers);
-  CPFILL_CHECK_ARG(options.kv_capacity_tokens > 0, "KV capacity must be positive");
+    const ModelConfig& config, std::unique_ptr<ModelBackend> backend,
+    parallel::Communicator& world, const PrefillOptions& options) {
+  CPFILL_CHECK_ARG(backend != nullptr, "the model needs a backend");
+  const int tp = backend->tp().size();
+  CPFILL_RETURN_IF_ERROR(config.ValidateForTp(tp));
+  CPFILL_CHECK_ARG(static_cast<int>(backend->weights().layers.size()) == config.num_layers,
+                   "weights have ", backend->weights().layers.size(), " layers, the config ",
+                   config.num_layers);
+  int64_t free_bytes = 0;
+  if (options.kv_capacity_tokens <= 0) {
+    CPFILL_ASSIGN_OR_RETURN(free_bytes, backend->FreeMemoryBytes());
+  }
+  CPFILL_ASSIGN_OR_RETURN(KvCacheSpec spec,
+                          KvSpecFor(config, tp, backend->kv_dtype(), options, free_bytes));
+  CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv,
+                          KvCache::Create(spec, backend->MakeKvStorage()));
   return std::unique_ptr<LlamaModel>(
-      new LlamaModel(config, std::move(weights), tp, cp, world, options));
+      new LlamaModel(config, std::move(backend), world, options, std::move(kv)));
 }
 
 int64_t LlamaModel::kv_tokens_held() const {
   int64_t held = 0;
-  for (const auto& [name, s] : sessions_) held += s.where.layout.tokens(cp_.rank(), 0);
+  for (const auto& [name, s] : sessions_) held += kv_->length(s.seq);
   return held;
+}
+
+absl::Status LlamaModel::EndSession(const std::string& name) {
+  auto it = sessions_.find(name);
+  if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("no session '", name, "'"));
+  kv_->Release(it->second.seq);
+  sessions_.erase(it);
+  return absl::OkStatus();
+}
+
+// Step 0b: every request's KV rows on this rank get blocks, or the batch is refused on every
+// rank alike before any work.
+absl::Status LlamaModel::ReserveKv(Running& r) {
+  const sharding::LocalLayout& layout = r.b.layout;
+  const int n = r.b.plan.num_sequences();
+  int64_t blocks_needed = 0;
+  for (int s = 0; s < n; ++s) {
+    const int64_t rows_before = layout.kv_len[s] - layout.q_len[s];
+    const bool made_here = rows_before == 0 && !kv_->Contains(r.seq[s]);
+    CPFILL_CHECK_INTERNAL(made_here || kv_->length(r.seq[s]) == rows_before, "KV sequence ",
+                          r.seq[s], " holds ", kv_->length(r.seq[s]), " rows, the plan says ",
+                          rows_before);
+    r.rows_before.push_back(rows_before);
+    r.made_here.push_back(made_here);
+    blocks_needed += kv_->BlocksNeeded(r.seq[s], layout.kv_len[s]);
+  }
+  // Every rank refuses together, with the numbers of the fullest rank.
+  int64_t worst[2] = {blocks_needed - kv_->free_blocks(), blocks_needed};
+  CPFILL_RETURN_IF_ERROR(
+      world_.AllReduce(worst, 2, parallel::DataType::kInt64, parallel::ReduceOp::kMax));
+  if (worst[0] > 0) {
+    const KvCacheSpec& spec = kv_->spec();
+    const int64_t block_bytes = spec.block_bytes() * 2 * spec.num_layers;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV cache: the batch needs ", worst[1], " more blocks of ", spec.block_tokens,
+        " tokens (", worst[1] * block_bytes, " bytes) on its fullest rank, ", worst[0],
+        " more than are free; the capacity is ", kv_->usage().blocks_total * spec.block_tokens,
+        " tokens per rank (--kv-capacity-tokens / --kv-memory-fraction); ", n,
+        " request(s) refused, nothing was changed"));
+  }
+  for (int s = 0; s < n; ++s) {
+    absl::Status st = kv_->Reserve(r.seq[s], layout.kv_len[s]);
+    if (st.ok()) st = kv_->Append(r.seq[s], layout.q_len[s]);
+    if (!st.ok()) {
+      RollBackKv(r);
+      return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void LlamaModel::RollBackKv(const Running& r) {
+  for (size_t s = 0; s < r.made_here.size(); ++s) {
+    if (r.made_here[s]) {
+      kv_->Release(r.seq[s]);
+    } else {
+      kv_->Truncate(r.seq[s], r.rows_before[s]).IgnoreError();
+    }
+  }
 }
 
 absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
@@ -73,135 +156,211 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
   PrefillTimings local_t;
   PrefillTimings& t = timings ? *timings : local_t;
   t = PrefillTimings{};
+  backend_->ResetPhases();
   const auto t_start = Clock::now();
-  auto t0 = t_start;
+  parallel::Communicator& cp = backend_->cp();
+
+  // Step 0: the requests, their sessions and the plan; the KV blocks, agreed by every rank; the
+  // selector's choice for the whole batch (every rank computes the same).
+  Running r;
+  CPFILL_ASSIGN_OR_RETURN(
+      r.b, PlanBatch(config_, batch, cp.size(), cp.rank(),
+                     [&](const std::string& name) -> const SessionLayout* {
+                       auto it = sessions_.find(name);
+                       return it == sessions_.end() ? nullptr : &it->second.where;
+                     }));
+  for (const PrefillRequest& req : batch) {
+    auto it = sessions_.find(req.session);
+    r.seq.push_back(req.session.empty() || it == sessions_.end() ? next_seq_++ : it->second.seq);
+  }
+  CPFILL_RETURN_IF_ERROR(ReserveKv(r));
+
+  absl::Status status = ChooseAlgorithm(options_, config_, backend_->tp().size(), cp.size(), r.b, &t);
+  if (status.ok()) status = Forward(r, t, progress);
+  absl::StatusOr<std::vector<SequenceOutput>> out =
+      status.ok() ? LastLogits(r, t) : absl::StatusOr<std::vector<SequenceOutput>>(status);
+  if (!out.ok()) {
+    RollBackKv(r);
+    backend_->ResetPhases();
+    return out.status();
+  }
+  Commit(batch, r);
+  t.total_s = Since(t_start);
+  return out;
+}
+
+// Steps 1-2: the embedding and the layers, then one wait for the device.
+absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
+                                 const std::function<void(int)>& progress) {
+  ModelBackend& be = *backend_;
   const ModelConfig& c = config_;
-  const int tp = tp_.size(), n_cp = cp_.size(), me = cp_.rank();
+  const int tp = be.tp().size();
   const int hq = c.num_heads / tp, hkv = c.num_kv_heads / tp, hd = c.head_dim;
   const int64_t D = c.hidden_size, I = c.intermediate_size / tp;
-  const int64_t qw = static_cast<int64_t>(hq) * hd, kvw = static_cast<int64_t>(hkv) * hd;
-
-  // Step 0: the requests, their sessions and the plan; the capacity, agreed by every rank.
-  CPFILL_ASSIGN_OR_RETURN(
-      BatchPlan b,
-      PlanBatch(c, batch, n_cp, me, [&](const std::string& name) -> const SessionLayout* {
-        auto it = sessions_.find(name);
-        return it == sessions_.end() ? nullptr : &it->second.where;
-      }));
-  CPFILL_RETURN_IF_ERROR(
-      CheckKvCapacity(b, kv_tokens_held(), options_.kv_capacity_tokens, batch.size(), world_));
-  const sharding::ShardPlan& plan = b.plan;
-  const sharding::LocalLayout& layout = b.layout;
+  const sharding::LocalLayout& layout = r.b.layout;
   const int64_t T = layout.q_rows(), R = layout.kv_rows();
-
-  // The selector's choice for the whole batch (every rank computes the same).
-  CPFILL_RETURN_IF_ERROR(ChooseAlgorithm(options_, c, tp_.size(), n_cp, b, &t));
+  const ElemType f32 = ElemType::kF32, ct = be.compute_type();
 
   const attention::AttentionShape shape{.num_heads = hq,
                                         .num_kv_heads = hkv,
                                         .head_dim = hd,
                                         .softmax_scale = 1.0f / std::sqrt(float(hd)),
                                         .causal = true};
-  CPFILL_ASSIGN_OR_RETURN(auto ring, parallel::RingAttention::Create(cp_, plan, shape, &kernels_));
+  CPFILL_ASSIGN_OR_RETURN(r.ring, be.MakeRing(r.b.plan, shape));
 
-  // Step 1: the embedding of this rank's tokens.
-  const std::vector<int32_t>& ids = b.local_ids;
-  std::vector<float> x(T * D), h(T * D), q(T * qw), kn(T * kvw), vn(T * kvw), k_all(R * kvw),
-      v_all(R * kvw), attn(T * qw), lse(T * hq), proj(T * D), gate(T * I), up(T * I);
-  cpu::Embed(ids.data(), T, weights_.embedding.data(), D, x.data());
-  Lap(t0, t.embed_s);
-
-  // New cache rows of each session, committed only when the whole prefill succeeded.
-  std::vector<Session> pending(plan.num_sequences());
-  for (int s = 0; s < plan.num_sequences(); ++s) {
-    if (batch[s].session.empty()) continue;
-    pending[s].k.resize(c.num_layers);
-    pending[s].v.resize(c.num_layers);
+  // Buffers for this batch, kept by the backend and grown if this batch is the largest so far.
+  struct Want {
+    Tensor* t;
+    Slot slot;
+    ElemType type;
+    int64_t rows, cols;
+  };
+  for (const Want& w : {Want{&r.ids, kIds, ElemType::kI32, T, 1},
+                        {&r.positions, kPositions, ElemType::kI32, T, 1},
+                        {&r.x, kX, f32, T, D},
+                        {&r.h, kH, ct, T, D},
+                        {&r.q, kQ, ct, T, hq * hd},
+                        {&r.k, kK, ct, T, hkv * hd},
+                        {&r.v, kV, ct, T, hkv * hd},
+                        {&r.k_all, kKAll, ct, R, hkv * hd},
+                        {&r.v_all, kVAll, ct, R, hkv * hd},
+                        {&r.attn, kAttn, f32, T, hq * hd},
+                        {&r.lse, kLse, f32, T, hq},
+                        {&r.attn_compute, kAttnCompute, ct, T, hq * hd},
+                        {&r.proj, kProj, f32, T, D},
+                        {&r.gate, kGate, ct, T, I},
+                        {&r.up, kUp, ct, T, I}}) {
+    CPFILL_ASSIGN_OR_RETURN(*w.t, be.Scratch(w.slot, w.type, w.rows, w.cols));
   }
+  CPFILL_RETURN_IF_ERROR(be.Upload(r.b.local_ids.data(), &r.ids));
+  CPFILL_RETURN_IF_ERROR(be.Upload(layout.q_positions.data(), &r.positions));
 
-  // Step 2: the layers.
-  for (int l = 0; l < c.num_layers; ++l) {
-    const LayerWeights& w = weights_.layers[l];
-    cpu::RmsNorm(x.data(), w.input_norm.data(), T, D, c.rms_norm_eps, h.data(), &pool_);
-    Lap(t0, t.other_s);
-    cpu::Linear(h.data(), T, D, w.wq.data(), qw, q.data());
-    cpu::Linear(h.data(), T, D, w.wk.data(), kvw, kn.data());
-    cpu::Linear(h.data(), T, D, w.wv.data(), kvw, vn.data());
-    Lap(t0, t.gemm_s);
-    rope_.Apply(q.data(), layout.q_positions.data(), T, hq, hd);
-    rope_.Apply(kn.data(), layout.q_positions.data(), T, hkv, hd);
-    // K/V rows of every sequence in the local layout: its cached rows, then the new ones.
-    for (int s = 0; s < plan.num_sequences(); ++s) {
-      const int64_t dst = layout.kv_offset[s], n_new = layout.q_len[s];
-      const int64_t n_cached = layout.kv_len[s] - n_new;
-      if (n_cached > 0) {
-        const Session& old = sessions_.at(batch[s].session);
-        CPFILL_CHECK_INTERNAL(static_cast<int64_t>(old.k[l].size()) == n_cached * kvw, "session '",
-                              batch[s].session, "' holds ", old.k[l].size() / kvw,
-                              " rows on this rank, the plan says ", n_cached);
-        std::memcpy(&k_all[dst * kvw], old.k[l].data(), n_cached * kvw * sizeof(float));
-        std::memcpy(&v_all[dst * kvw], old.v[l].data(), n_cached * kvw * sizeof(float));
-      }
-      std::memcpy(&k_all[(dst + n_cached) * kvw], &kn[layout.q_offset[s] * kvw],
-                  n_new * kvw * sizeof(float));
-      std::memcpy(&v_all[(dst + n_cached) * kvw], &vn[layout.q_offset[s] * kvw],
-                  n_new * kvw * sizeof(float));
-      if (!batch[s].session.empty()) {
-        pending[s].k[l].assign(&k_all[dst * kvw], &k_all[(dst + layout.kv_len[s]) * kvw]);
-        pending[s].v[l].assign(&v_all[dst * kvw], &v_all[(dst + layout.kv_len[s]) * kvw]);
-      }
+  // Every layer copies the same rows: this batch's new K/V into each request's blocks (after the
+  // rows it held), then each request's whole K/V into the local layout for the ring.
+  std::vector<KvCache::Rows> new_rows, all_rows;
+  for (int s = 0; s < r.b.plan.num_sequences(); ++s) {
+    if (layout.q_len[s] > 0) {
+      new_rows.push_back({r.seq[s], r.rows_before[s], layout.q_len[s],
+                          r.k.Rows(layout.q_offset[s], 1).data,
+                          r.v.Rows(layout.q_offset[s], 1).data});
     }
-    Lap(t0, t.other_s);
-    parallel::RingTimings rt;
-    CPFILL_RETURN_IF_ERROR(
-        ring->Run(t.algorithm, q.data(), k_all.data(), v_all.data(), attn.data(), lse.data(), &rt));
-    Lap(t0, t.attention_s);
-    // o projection: row-parallel, partial sums of every TP rank add up.
-    cpu::Linear(attn.data(), T, qw, w.wo.data(), D, proj.data());
-    Lap(t0, t.gemm_s);
-    if (tp > 1)
-      CPFILL_RETURN_IF_ERROR(tp_.AllReduce(proj.data(), T * D, DataType::kFloat32, ReduceOp::kSum));
-    Lap(t0, t.allreduce_s);
-    AddInPlace(x.data(), proj.data(), T * D);
-    cpu::RmsNorm(x.data(), w.post_norm.data(), T, D, c.rms_norm_eps, h.data(), &pool_);
-    Lap(t0, t.other_s);
-    cpu::Linear(h.data(), T, D, w.w_gate.data(), I, gate.data());
-    cpu::Linear(h.data(), T, D, w.w_up.data(), I, up.data());
-    Lap(t0, t.gemm_s);
-    cpu::SwiGlu(gate.data(), up.data(), T * I, gate.data());
-    Lap(t0, t.other_s);
-    cpu::Linear(gate.data(), T, I, w.w_down.data(), D, proj.data());
-    Lap(t0, t.gemm_s);
-    if (tp > 1)
-      CPFILL_RETURN_IF_ERROR(tp_.AllReduce(proj.data(), T * D, DataType::kFloat32, ReduceOp::kSum));
-    Lap(t0, t.allreduce_s);
-    AddInPlace(x.data(), proj.data(), T * D);
-    Lap(t0, t.other_s);
+    if (layout.kv_len[s] > 0) {
+      all_rows.push_back({r.seq[s], 0, layout.kv_len[s], r.k_all.Rows(layout.kv_offset[s], 1).data,
+                          r.v_all.Rows(layout.kv_offset[s], 1).data});
+    }
+  }
+  CPFILL_ASSIGN_OR_RETURN(r.new_kv, kv_->PrepareWrite(KvCache::kSlotWrite, new_rows));
+  CPFILL_ASSIGN_OR_RETURN(r.all_kv, kv_->PrepareRead(KvCache::kSlotRead, all_rows));
+
+  CPFILL_RETURN_IF_ERROR(be.BeginPhase());
+  CPFILL_RETURN_IF_ERROR(be.Embed(r.ids, be.weights().embedding, &r.x));
+  CPFILL_RETURN_IF_ERROR(be.EndPhase(&t.embed_s));
+  for (int l = 0; l < c.num_layers; ++l) {
+    CPFILL_RETURN_IF_ERROR(Layer(l, r, t));
     if (progress) progress(l);
   }
+  return be.Finish();
+}
 
-  // Step 3: logits at the last positions (this TP rank's vocabulary slice), on world rank 0.
-  const int64_t V = c.vocab_size / tp;
-  const auto rows = LastPositionRows(b);
-  std::vector<float> logits(rows.size() * V), normed(D);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    cpu::RmsNorm(&x[rows[i].second * D], weights_.final_norm.data(), 1, D, c.rms_norm_eps,
-                 normed.data(), nullptr);
-    cpu::Linear(normed.data(), 1, D, weights_.lm_head.data(), V, &logits[i * V]);
-  }
-  CPFILL_ASSIGN_OR_RETURN(
-      std::vector<SequenceOutput> out,
-      GatherLastLogits(c, plan.num_sequences(), rows, logits, tp_.rank(), tp, world_));
-  Lap(t0, t.lm_head_s);
+// One decoder layer on this rank's rows, each phase timed on its own.
+absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
+  ModelBackend& be = *backend_;
+  const LayerTensors& w = be.weights().layers[l];
+  const double eps = config_.rms_norm_eps;
+  const int tp = be.tp().size();
+  const auto phase = [&](double& acc, const std::function<absl::Status()>& fn) -> absl::Status {
+    CPFILL_RETURN_IF_ERROR(be.BeginPhase());
+    CPFILL_RETURN_IF_ERROR(fn());
+    return be.EndPhase(&acc);
+  };
+  // Row-parallel outputs are partial sums over the TP group: add them up in fp32.
+  const auto all_reduce = [&]() -> absl::Status {
+    if (tp == 1) return absl::OkStatus();
+    return phase(t.allreduce_s, [&] {
+      return be.tp().AllReduce(r.proj.data, r.proj.numel(), parallel::DataType::kFloat32,
+                               parallel::ReduceOp::kSum);
+    });
+  };
 
-  // Step 4: the sessions' caches now hold this turn too.
-  for (int s = 0; s < plan.num_sequences(); ++s) {
-    if (batch[s].session.empty()) continue;
-    pending[s].where = SessionAfter(b, s);
-    sessions_[batch[s].session] = std::move(pending[s]);
+  // Attention block.
+  CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&] { return be.RmsNorm(r.x, w.input_norm, eps, &r.h); }));
+  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&]() -> absl::Status {
+    CPFILL_RETURN_IF_ERROR(be.Linear(r.h, w.wq, &r.q));
+    CPFILL_RETURN_IF_ERROR(be.Linear(r.h, w.wk, &r.k));
+    return be.Linear(r.h, w.wv, &r.v);
+  }));
+  CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
+    CPFILL_RETURN_IF_ERROR(be.Rope(r.positions, config_.num_heads / tp, &r.q));
+    CPFILL_RETURN_IF_ERROR(be.Rope(r.positions, config_.num_kv_heads / tp, &r.k));
+    CPFILL_RETURN_IF_ERROR(kv_->Run(r.new_kv, l));
+    return kv_->Run(r.all_kv, l);
+  }));
+  const bool convert = be.compute_type() != ElemType::kF32;
+  CPFILL_RETURN_IF_ERROR(phase(t.attention_s, [&]() -> absl::Status {
+    parallel::RingTimings rt;
+    CPFILL_RETURN_IF_ERROR(
+        r.ring->Run(t.algorithm, r.q, r.k_all, r.v_all, &r.attn, &r.lse, &rt));
+    return convert ? be.Convert(r.attn, &r.attn_compute) : absl::OkStatus();
+  }));
+  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&] {
+    return be.Linear(convert ? r.attn_compute : r.attn, w.wo, &r.proj);
+  }));
+  CPFILL_RETURN_IF_ERROR(all_reduce());
+
+  // MLP block.
+  CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
+    CPFILL_RETURN_IF_ERROR(be.Add(r.proj, &r.x));
+    return be.RmsNorm(r.x, w.post_norm, eps, &r.h);
+  }));
+  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&]() -> absl::Status {
+    CPFILL_RETURN_IF_ERROR(be.Linear(r.h, w.w_gate, &r.gate));
+    return be.Linear(r.h, w.w_up, &r.up);
+  }));
+  CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&] { return be.SwiGlu(r.up, &r.gate); }));
+  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&] { return be.Linear(r.gate, w.w_down, &r.proj); }));
+  CPFILL_RETURN_IF_ERROR(all_reduce());
+  return phase(t.other_s, [&] { return be.Add(r.proj, &r.x); });
+}
+
+// Step 3: logits at the last positions (this TP rank's vocabulary slice), on world rank 0.
+absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(const Running& r,
+                                                                   PrefillTimings& t) {
+  ModelBackend& be = *backend_;
+  const auto t0 = Clock::now();
+  const int64_t D = config_.hidden_size, V = config_.vocab_size / be.tp().size();
+  const auto rows = LastPositionRows(r.b);
+  std::vector<float> logits(rows.size() * V);
+  if (!rows.empty()) {
+    const int64_t n = static_cast<int64_t>(rows.size());
+    std::vector<int64_t> row_index;
+    for (const auto& [seq, row] : rows) row_index.push_back(row);
+    CPFILL_ASSIGN_OR_RETURN(Tensor last, be.Scratch(kLast, ElemType::kF32, n, D));
+    CPFILL_ASSIGN_OR_RETURN(Tensor normed, be.Scratch(kNormed, be.compute_type(), n, D));
+    CPFILL_ASSIGN_OR_RETURN(Tensor out, be.Scratch(kLogits, ElemType::kF32, n, V));
+    CPFILL_RETURN_IF_ERROR(be.GatherRows(r.x, row_index, &last));
+    CPFILL_RETURN_IF_ERROR(be.RmsNorm(last, be.weights().final_norm, config_.rms_norm_eps, &normed));
+    CPFILL_RETURN_IF_ERROR(be.Linear(normed, be.weights().lm_head, &out));
+    CPFILL_RETURN_IF_ERROR(be.Download(out, logits.data()));
   }
-  t.total_s = Since(t_start);
-  return out;
+  CPFILL_ASSIGN_OR_RETURN(std::vector<SequenceOutput> result,
+                          GatherLastLogits(config_, r.b.plan.num_sequences(), rows, logits,
+                                           be.tp().rank(), be.tp().size(), world_));
+  t.lm_head_s += Since(t0);
+  return result;
+}
+
+// Step 4: the sessions now hold this turn too; requests without one give their blocks back.
+void LlamaModel::Commit(const std::vector<PrefillRequest>& batch, const Running& r) {
+  for (int s = 0; s < r.b.plan.num_sequences(); ++s) {
+    if (batch[s].session.empty()) {
+      kv_->Release(r.seq[s]);
+      continue;
+    }
+    Session& session = sessions_[batch[s].session];
+    session.seq = r.seq[s];
+    session.where = SessionAfter(r.b, s);
+    session.tokens.insert(session.tokens.end(), batch[s].tokens.begin(), batch[s].tokens.end());
+  }
 }
 
 }  // namespace cpfill::runtime

@@ -1,16 +1,22 @@
 // cpfill/runtime/llama_model.h — whole-model prefill of a Llama-3 family model with tensor
-// parallelism inside a node and context parallelism across nodes (CPU backend, fp32).
+// parallelism inside a node and context parallelism across nodes, written once over a
+// ModelBackend (cpu/cpu_backend.h: fp32; cuda/cuda_backend.h: bf16 on GPUs).
 //
 // Every rank holds its TP slice of the weights and its CP share of the tokens (the shard plan's
 // local layout). Per layer: RMSNorm; q/k/v column-parallel; RoPE at the tokens' global
-// positions; ring attention over the CP group (pass-KV or pass-Q, chosen by the selector per
-// batch); o projection row-parallel and an all-reduce over the TP group; the SwiGLU MLP
-// column/row-parallel and an all-reduce. The LM head runs only at each sequence's last position.
-// A request may name a session: its KV cache (every layer's K and V, on the ranks the plans put
-// them) persists, and the session's next turn is a partial prefill on top of it.
+// positions; the new K/V rows into the KvCache, the sequence's whole K/V read back for ring
+// attention over the CP group (pass-KV or pass-Q, chosen by the selector per batch); o
+// projection row-parallel and an all-reduce over the TP group; the SwiGLU MLP column/row-parallel
+// and an all-reduce. The LM head runs only at each sequence's last position.
 //
-//   CPFILL_ASSIGN_OR_RETURN(auto model, LlamaModel::Create(config, std::move(weights), *grid.tp,
-//                                                          *grid.cp, *grid.world, options));
+// KV lives in one KvCache per rank, allocated at Create from a capacity in tokens or a fraction
+// of free memory, never per request. Every sequence of a batch holds blocks while it is
+// prefilled; a request that names a session keeps them, and its next turn is a partial prefill
+// on top.
+//
+//   CPFILL_ASSIGN_OR_RETURN(auto backend, cpu::MakeCpuBackend(config, std::move(w), tp, cp, 8));
+//   CPFILL_ASSIGN_OR_RETURN(auto model,
+//                           LlamaModel::Create(config, std::move(backend), world, options));
 //   CPFILL_ASSIGN_OR_RETURN(auto out, model->Prefill({{.tokens = ids, .session = "chat-1"}},
 //                                                    &timings, nullptr));
 //   out[0].first_token   // on world rank 0
@@ -24,75 +30,74 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "base/thread_pool.h"
 #include "parallel/communicator.h"
-#include "parallel/ring_attention.h"
-#include "parallel/selector.h"
-#include "runtime/cpu/layers.h"
+#include "runtime/kv_cache.h"
+#include "runtime/model_backend.h"
 #include "runtime/model_config.h"
 #include "runtime/prefill_batch.h"
-#include "runtime/weights.h"
-#include "sharding/plan.h"
 
 namespace cpfill::runtime {
 
-// A model that prefills batches: the CPU model here, the CUDA one in cuda/llama_model_cuda.h.
-class PrefillModel {
+class LlamaModel {
  public:
-  virtual ~PrefillModel() = default;
-  virtual absl::StatusOr<std::vector<SequenceOutput>> Prefill(
-      const std::vector<PrefillRequest>& batch, PrefillTimings* timings,
-      const std::function<void(int)>& progress) = 0;
-  virtual int64_t kv_tokens_held() const = 0;
-};
-
-class LlamaModel : public PrefillModel {
- public:
-  // `tp`, `cp` and `world` are this rank's groups (SelfCommunicators for a single rank).
-  static absl::StatusOr<std::unique_ptr<LlamaModel>> Create(
-      const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
-      parallel::Communicator& cp, parallel::Communicator& world, PrefillOptions options);
+  // `world` agrees on capacity and collects logits (MPI on every backend).
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> Create(const ModelConfig& config,
+                                                            std::unique_ptr<ModelBackend> backend,
+                                                            parallel::Communicator& world,
+                                                            const PrefillOptions& options);
 
   // Collective over the world. InvalidArgument for token ids outside the vocabulary or
   // malformed requests; ResourceExhausted (on every rank, before any work) when the batch does
-  // not fit the KV capacity of some rank. `progress(layer)` runs after each layer.
-  absl::StatusOr<std::vector<SequenceOutput>> Prefill(
-      const std::vector<PrefillRequest>& batch, PrefillTimings* timings,
-      const std::function<void(int)>& progress) override;
+  // not fit the KV cache of some rank. On any error the KV cache and the sessions are as they
+  // were. `progress(layer)` runs after each layer.
+  absl::StatusOr<std::vector<SequenceOutput>> Prefill(const std::vector<PrefillRequest>& batch,
+                                                      PrefillTimings* timings,
+                                                      const std::function<void(int)>& progress);
 
-  // Token slots this rank's KV cache holds (all sessions), and its capacity.
-  int64_t kv_tokens_held() const override;
-  int64_t kv_capacity_tokens() const { return options_.kv_capacity_tokens; }
+  // Forgets a session and frees its KV blocks (collective only in that every rank should call
+  // it). NotFound for an unknown name.
+  absl::Status EndSession(const std::string& name);
+
+  // Token rows this rank's KV cache holds for sessions, and the cache's figures.
+  int64_t kv_tokens_held() const;
+  KvUsage kv_usage() const { return kv_->usage(); }
   const ModelConfig& config() const { return config_; }
+  ModelBackend& backend() { return *backend_; }
 
  private:
-  // One session's cache on this rank: where every rank holds its tokens, and this rank's rows
-  // of every layer in that order (post-RoPE K, V: [rows, local KV heads, head_dim]).
+  // One conversation: its KV in the cache, where its tokens live across the CP ranks, and the
+  // tokens themselves (the next turn's positions start at tokens.size()).
   struct Session {
-    SessionLayout where;                   // cached tokens and the ranks that hold them
-    std::vector<std::vector<float>> k, v;  // [layer]: this rank's rows
+    KvCache::SeqId seq = 0;
+    SessionLayout where;
+    std::vector<int32_t> tokens;
   };
+  // A batch being prefilled: its plan and the KV sequence each request writes.
+  struct Running;
 
-  LlamaModel(const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
-             parallel::Communicator& cp, parallel::Communicator& world, PrefillOptions options);
+  LlamaModel(const ModelConfig& config, std::unique_ptr<ModelBackend> backend,
+             parallel::Communicator& world, const PrefillOptions& options,
+             std::unique_ptr<KvCache> kv);
 
-  absl::Status CheckCapacity(const sharding::ShardPlan& plan,
-                             const std::vector<PrefillRequest>& batch);
-  absl::StatusOr<std::vector<SequenceOutput>> GatherLogits(const sharding::ShardPlan& plan,
-                                                           const sharding::LocalLayout& layout,
-                                                           const std::vector<float>& x,
-                                                           PrefillTimings* t);
+  absl::Status ReserveKv(Running& r);
+  void RollBackKv(const Running& r);
+  absl::Status Forward(Running& r, PrefillTimings& t, const std::function<void(int)>& progress);
+  absl::Status Layer(int layer, Running& r, PrefillTimings& t);
+  absl::StatusOr<std::vector<SequenceOutput>> LastLogits(const Running& r, PrefillTimings& t);
+  void Commit(const std::vector<PrefillRequest>& batch, const Running& r);
 
   ModelConfig config_;
-  ModelWeights weights_;
-  parallel::Communicator& tp_;
-  parallel::Communicator& cp_;
+  std::unique_ptr<ModelBackend> backend_;
   parallel::Communicator& world_;
   PrefillOptions options_;
-  ThreadPool pool_;
-  parallel::CpuAttentionKernels kernels_;
-  cpu::RopeTable rope_;
+  std::unique_ptr<KvCache> kv_;
   std::map<std::string, Session> sessions_;
+  KvCache::SeqId next_seq_ = 1;
 };
+
+// The KV cache's shape for `config` on this rank, its capacity from `options`: tokens when
+// given, else a fraction of `free_bytes`.
+absl::StatusOr<KvCacheSpec> KvSpecFor(const ModelConfig& config, int tp_size, KvDtype dtype,
+                                      const PrefillOptions& options, int64_t free_bytes);
 
 }  // namespace cpfill::runtime

@@ -52,23 +52,14 @@ absl::StatusOr<BatchPlan> PlanBatch(
   return b;
 }
 
-absl::Status CheckKvCapacity(const BatchPlan& b, int64_t held, int64_t capacity, size_t requests,
-                             parallel::Communicator& world) {
-  // A sequence without a session needs its slots during the prefill too.
-  int64_t need = held + b.layout.q_rows();
-  int64_t worst[2] = {need, -need};
-  CPFILL_RETURN_IF_ERROR(
-      world.AllReduce(worst, 2, parallel::DataType::kInt64, parallel::ReduceOp::kMax));
-  // Every rank refuses together, before any work, with the same numbers.
-  if (worst[0] > capacity) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache: the batch needs ", worst[0],
-        " token slots on its fullest CP rank (what the "
-        "rank holds plus its share of the batch's new tokens), but a rank holds at most ",
-        capacity, " (--kv-capacity-tokens); ", requests,
-        " request(s) refused, nothing was changed"));
+int64_t KvTokensForBatch(const std::vector<PrefillRequest>& batch, int cp_size, int block_tokens) {
+  int64_t tokens = 0;
+  for (const PrefillRequest& r : batch) {
+    const int64_t n = static_cast<int64_t>(r.tokens.size());
+    const int64_t chunk = (n + 2 * cp_size - 1) / (2 * cp_size);  // two chunks per rank
+    tokens += 2 * chunk + block_tokens;
   }
-  return absl::OkStatus();
+  return tokens;
 }
 
 double ModelFlops(const ModelConfig& config, const std::vector<sharding::SequenceRequest>& seqs) {

@@ -1,8 +1,6 @@
-// cpfill/runtime/prefill_batch.h — what every model backend does around the layers of a
-// prefill: check the requests and plan the batch on top of the sessions' KV caches, agree on the
-// KV capacity, choose the ring algorithm, count the model FLOPs, and collect last-position
-// logits on world rank 0. The CPU model (llama_model.h) and the CUDA model
-// (cuda/llama_model_cuda.h) share it, so they plan and report identically.
+// cpfill/runtime/prefill_batch.h — the requests and results of a prefill and the planning around
+// its layers: check the requests and plan the batch on top of the sessions' KV, choose the ring
+// algorithm, count the model FLOPs, and collect last-position logits on world rank 0.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +32,12 @@ struct PrefillOptions {
   parallel::SelectorRule rule = parallel::SelectorRule::kAlg5;
   parallel::SystemSpec system{.tflops = 800, .gbps = 50, .elem_bytes = 2};
   parallel::FittedCoefficients fitted;
-  int64_t kv_capacity_tokens = int64_t{1} << 24;  // per rank, token slots of every layer's K/V
-  int threads = 1;                                // kernel threads per rank
+  // The KV cache, allocated once at model creation: a capacity in tokens per rank (every layer's
+  // K and V), or, when that is 0, this fraction of the rank's free memory.
+  int64_t kv_capacity_tokens = int64_t{1} << 16;
+  double kv_memory_fraction = 0;
+  int kv_block_tokens = 64;  // tokens per KV block (16..256)
+  int threads = 1;           // kernel threads per rank (CPU backend)
 };
 
 struct PrefillTimings {
@@ -66,10 +68,9 @@ absl::StatusOr<BatchPlan> PlanBatch(
     const ModelConfig& config, const std::vector<PrefillRequest>& batch, int cp_size, int cp_rank,
     const std::function<const SessionLayout*(const std::string&)>& session);
 
-// ResourceExhausted on every rank (agreed over `world`) when some rank would hold more than
-// `capacity` token slots: what it holds plus its share of the batch's new tokens.
-absl::Status CheckKvCapacity(const BatchPlan& b, int64_t held, int64_t capacity, size_t requests,
-                             parallel::Communicator& world);
+// KV token rows that any one of `cp_size` ranks needs for `batch` alone (every sequence's share
+// of 2N chunks rounded up, plus a partly filled block each): the capacity of a one-shot run.
+int64_t KvTokensForBatch(const std::vector<PrefillRequest>& batch, int cp_size, int block_tokens);
 
 // The model FLOPs of a batch: 2 x every layer's linear weights x new tokens, the LM head at each
 // sequence's last position, and causal attention (unmasked pairs only) in every layer.

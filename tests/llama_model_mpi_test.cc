@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "parallel/grid.h"
 #include "parallel/self_communicator.h"
+#include "runtime/cpu/cpu_backend.h"
 #include "runtime/llama_model.h"
 #include "runtime/model_config.h"
 #include "runtime/weights.h"
@@ -39,7 +40,7 @@ std::vector<runtime::SequenceOutput> OneRank(
   parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
   auto w = runtime::SyntheticWeights(c, 7, 0, 1);
   EXPECT_TRUE(w.ok()) << w.status();
-  auto model = runtime::LlamaModel::Create(c, std::move(*w), tp, cp, world, {});
+  auto model = runtime::cpu::CreateCpuModel(c, std::move(*w), tp, cp, world, {});
   EXPECT_TRUE(model.ok()) << model.status();
   std::vector<runtime::SequenceOutput> out;
   for (const auto& batch : turns) {
@@ -79,7 +80,7 @@ void CheckGrid(int tp, int ranks_per_node, runtime::PrefillOptions options) {
   auto w = runtime::SyntheticWeights(c, 7, grid->tp_rank, tp);
   ASSERT_TRUE(w.ok()) << w.status();
   auto model =
-      runtime::LlamaModel::Create(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
+      runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
   ASSERT_TRUE(model.ok()) << model.status();
   // Uneven prompts: one that does not divide by 2N, one of a single token.
   const std::vector<PrefillRequest> batch = {{.tokens = Prompt(301, c.vocab_size, 1)},
@@ -117,7 +118,7 @@ TEST(LlamaPrefill, TwoTurnSessionEqualsOneFullPrefill) {
   ASSERT_TRUE(w.ok());
   runtime::PrefillOptions options;
   auto model =
-      runtime::LlamaModel::Create(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
+      runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
   ASSERT_TRUE(model.ok());
   const std::vector<int32_t> whole = Prompt(377, c.vocab_size, 9);
   const std::vector<int32_t> first(whole.begin(), whole.begin() + 300),
@@ -149,7 +150,7 @@ TEST(LlamaPrefill, OverCapacityIsRefusedEverywhereAndChangesNothing) {
   runtime::PrefillOptions options;
   options.kv_capacity_tokens = 100;  // token slots per rank
   auto model =
-      runtime::LlamaModel::Create(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
+      runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
   ASSERT_TRUE(model.ok());
   ASSERT_TRUE(
       (*model)
@@ -168,6 +169,41 @@ TEST(LlamaPrefill, OverCapacityIsRefusedEverywhereAndChangesNothing) {
       (*model)
           ->Prefill({{.tokens = Prompt(10, c.vocab_size, 3), .session = "s"}}, nullptr, nullptr)
           .ok());
+}
+
+// The KV cache holds blocks only for sessions: a request without one gives its blocks back, a
+// session keeps them until it ends, and a refused batch leaves the figures as they were.
+TEST(LlamaPrefill, KvBlocksFollowSessions) {
+  auto& mpi = testing::Mpi();
+  const runtime::ModelConfig c = Tiny();
+  auto grid = parallel::CreateProcessGrid(mpi, {.tp = 1});
+  ASSERT_TRUE(grid.ok());
+  auto w = runtime::SyntheticWeights(c, 7, 0, 1);
+  ASSERT_TRUE(w.ok());
+  runtime::PrefillOptions options;
+  options.kv_capacity_tokens = 1024;
+  options.kv_block_tokens = 16;
+  auto model =
+      runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  runtime::LlamaModel& m = **model;
+  EXPECT_EQ(m.kv_usage().blocks_total, 1024 / 16);
+  ASSERT_TRUE(m.Prefill({{.tokens = Prompt(200, c.vocab_size, 1)}}, nullptr, nullptr).ok());
+  EXPECT_EQ(m.kv_usage().blocks_used, 0) << "a request without a session keeps nothing";
+  ASSERT_TRUE(
+      m.Prefill({{.tokens = Prompt(200, c.vocab_size, 1), .session = "a"}}, nullptr, nullptr).ok());
+  const runtime::KvUsage after_a = m.kv_usage();
+  EXPECT_GT(after_a.blocks_used, 0);
+  EXPECT_EQ(after_a.tokens_held, m.kv_tokens_held());
+  // Too large for what is left: refused on every rank, nothing changes.
+  auto refused = m.Prefill({{.tokens = Prompt(5000, c.vocab_size, 2), .session = "b"}}, nullptr,
+                           nullptr);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_EQ(m.kv_usage().blocks_used, after_a.blocks_used);
+  EXPECT_EQ(m.EndSession("b").code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(m.EndSession("a").ok());
+  EXPECT_EQ(m.kv_usage().blocks_used, 0);
+  EXPECT_EQ(m.kv_tokens_held(), 0);
 }
 
 }  // namespace

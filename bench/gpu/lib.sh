@@ -4,7 +4,7 @@
 # under $out and, where it says so, one line into $summary.
 out=${OUT:-/tmp/cpfill-out}
 mkdir -p "$out"
-carry=$PWD/.gpu-carry
+carry=$PWD/${CARRY:-.gpu-carry}  # CARRY: another carried build (a before/after pair)
 cpfill=$carry/cpfill
 export LD_LIBRARY_PATH=$carry/lib:${LD_LIBRARY_PATH:-}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

@@ -1,0 +1,82 @@
+#include "base/knobs.h"
+
+#include <cstdlib>
+#include <set>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace cpfill::knobs {
+namespace {
+
+class KnobsTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    for (const char* n : {"CPFILL_HOPPER_MAX_CTAS", "CPFILL_HOPPER_PINGPONG",
+                          "CPFILL_HOPPER_SCHEDULE"}) {
+      unsetenv(n);
+    }
+    ResetCacheForTests();
+  }
+};
+
+TEST_F(KnobsTest, EveryNameIsDeclaredOnceWithADefaultThatPassesItsOwnCheck) {
+  std::set<std::string_view> seen;
+  for (const KnobSpec& k : All()) {
+    EXPECT_TRUE(seen.insert(k.name).second) << k.name;
+    EXPECT_FALSE(k.why.empty()) << k.name;
+    setenv(std::string(k.name).c_str(), std::string(k.default_value).c_str(), 1);
+    EXPECT_TRUE(Validate().ok()) << k.name << ": " << Validate();
+    unsetenv(std::string(k.name).c_str());
+  }
+  for (std::string_view n : {kAttentionKernel, kAttentionVariant, kHopperPingPong,
+                             kHopperPersistent, kHopperQBuffers, kHopperMaxCtas, kHopperSchedule,
+                             kRanksPerNode, kTestExitRank, kTestStallRank, kLocalRanks}) {
+    EXPECT_TRUE(seen.count(n)) << n;
+  }
+}
+
+TEST_F(KnobsTest, DefaultsWhenUnsetAndEnvironmentWhenValid) {
+  EXPECT_EQ(Int(kHopperMaxCtas), 0);
+  EXPECT_TRUE(Bool(kHopperPingPong));
+  EXPECT_EQ(Choice(kHopperSchedule), "dynamic");
+  setenv("CPFILL_HOPPER_MAX_CTAS", "3", 1);
+  setenv("CPFILL_HOPPER_PINGPONG", "0", 1);
+  setenv("CPFILL_HOPPER_SCHEDULE", "static", 1);
+  EXPECT_EQ(Int(kHopperMaxCtas), 0) << "values are cached after the first read";
+  ResetCacheForTests();
+  EXPECT_EQ(Int(kHopperMaxCtas), 3);
+  EXPECT_FALSE(Bool(kHopperPingPong));
+  EXPECT_EQ(Choice(kHopperSchedule), "static");
+  EXPECT_TRUE(Validate().ok());
+}
+
+TEST_F(KnobsTest, MalformedValuesAreRefusedByName) {
+  for (const char* bad : {"-1", "abc", "", "1e3", "99999999999"}) {
+    setenv("CPFILL_HOPPER_MAX_CTAS", bad, 1);
+    const absl::Status s = Validate();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("CPFILL_HOPPER_MAX_CTAS"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("0..1000000"), std::string::npos) << s;
+  }
+  unsetenv("CPFILL_HOPPER_MAX_CTAS");
+  setenv("CPFILL_HOPPER_SCHEDULE", "fast", 1);
+  EXPECT_NE(Validate().message().find("dynamic|static"), std::string::npos);
+  setenv("CPFILL_HOPPER_PINGPONG", "yes", 1);
+  EXPECT_FALSE(Validate().ok());
+}
+
+TEST_F(KnobsTest, InEffectListsUserKnobsAtTheirValues) {
+  setenv("CPFILL_HOPPER_SCHEDULE", "static", 1);
+  bool found = false;
+  for (const auto& [name, value] : InEffect()) {
+    if (name == "CPFILL_HOPPER_SCHEDULE") {
+      found = true;
+      EXPECT_EQ(value, "static");
+    }
+  }
+  EXPECT_TRUE(found);
+}
+
+}  // namespace
+}  // namespace cpfill::knobs

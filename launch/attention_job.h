@@ -1,0 +1,89 @@
+// cpfill/launch/attention_job.h — one fused batch of synthetic context-parallel attention, as
+// the `attention` and `calibrate` commands run it: the batch and its shard plan, the selector's
+// decision, repeated timed runs agreed over the world, and the check against one rank.
+//
+//   CPFILL_ASSIGN_OR_RETURN(AttentionBatch batch, MakeAttentionBatch(spec, grid));
+//   CPFILL_ASSIGN_OR_RETURN(auto runner, backend.MakeRunner(batch.plan, batch.shape,
+//                                                         batch.inputs, batch.slice));
+//   CPFILL_ASSIGN_OR_RETURN(TimedRuns runs, RunTimed(*runner, *grid.world, algo, 5, 0, nullptr));
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attention/attention.h"
+#include "launch/backend.h"
+#include "parallel/grid.h"
+#include "parallel/ring_attention.h"
+#include "parallel/selector.h"
+#include "runtime/synthetic_attention.h"
+#include "sharding/plan.h"
+
+namespace cpfill::launch {
+
+struct AttentionSpec {
+  std::vector<int64_t> new_lens, cached_lens;  // cached_lens empty: full prefill
+  int heads = 16, kv_heads = 1, head_dim = 128;  // model totals (every TP rank together)
+  bool causal = true;
+  uint64_t seed = 1;
+};
+
+struct AttentionBatch {
+  std::vector<sharding::SequenceRequest> requests;
+  sharding::ShardPlan plan;
+  attention::AttentionShape shape;  // this rank's heads
+  parallel::ModelSpec model;        // this rank's heads, for the selector
+  runtime::SyntheticAttention inputs;
+  runtime::HeadSlice slice;
+  double flops_per_pair() const { return 4.0 * shape.head_dim * shape.num_heads; }
+};
+
+// InvalidArgument naming the flag when the spec is malformed or does not split over the grid.
+absl::StatusOr<AttentionBatch> MakeAttentionBatch(const AttentionSpec& spec,
+                                                  const parallel::ProcessGrid& grid);
+
+// The selector's decision for the whole batch, and for each sequence alone.
+struct BatchSelection {
+  parallel::Selection batch;
+  std::vector<parallel::RingAlgorithm> per_sequence;
+};
+absl::StatusOr<BatchSelection> SelectForBatch(const AttentionBatch& b, int cp_size,
+                                              const parallel::SystemSpec& system,
+                                              parallel::SelectorRule rule,
+                                              const parallel::FittedCoefficients& fitted);
+
+// `repeat` timed runs after `warmup` untimed ones, each started together (a barrier) and timed
+// on the slowest rank.
+struct TimedRuns {
+  std::vector<parallel::RingTimings> runs;  // this rank's
+  std::vector<double> slowest_s;            // per run, the slowest rank's total
+  double median_s = 0;
+};
+using RunProgress = std::function<void(int run, const parallel::RingStepTiming&, int steps)>;
+absl::StatusOr<TimedRuns> RunTimed(Runner& runner, parallel::Communicator& world,
+                                   parallel::RingAlgorithm algo, int repeat, int warmup,
+                                   const RunProgress& progress);
+
+// The gathered result against a single-rank computation of the same batch on world rank 0.
+struct AttentionCheck {
+  double max_abs_o = 0, rel_fro_o = 0, max_abs_lse = 0;
+  int64_t lse_inf_mismatch = 0;
+  bool pass = false;
+};
+// The whole batch in global token order: inputs (rounded to bf16 when the backend was) and the
+// gathered O and LSE. Collective; the vectors are filled on world rank 0 only.
+struct GlobalAttention {
+  std::vector<float> q, k, v, o, lse;
+};
+absl::StatusOr<GlobalAttention> GatherGlobal(Runner& runner, const AttentionBatch& b,
+                                             const parallel::ProcessGrid& grid, bool bf16);
+// On world rank 0: the single-rank reference (every core) and the comparison.
+absl::StatusOr<AttentionCheck> CheckAgainstOneRank(const AttentionBatch& b,
+                                                   const GlobalAttention& g, double tolerance);
+// q, k, v, o, lse as safetensors with the batch's description as metadata.
+absl::Status SaveAttention(const std::string& path, const AttentionBatch& b, const AttentionSpec& spec,
+                           const GlobalAttention& g, parallel::RingAlgorithm algo);
+
+}  // namespace cpfill::launch

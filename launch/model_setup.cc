@@ -1,0 +1,103 @@
+#include "launch/model_setup.h"
+
+#include <limits>
+#include <optional>
+
+#include "base/json_io.h"
+#include "base/random.h"
+#include "base/status.h"
+#include "runtime/cpu/cpu_backend.h"
+#if CPFILL_HAVE_CUDA
+#include "parallel/cuda/nccl_communicator.h"
+#include "runtime/cuda/cuda_backend.h"
+#endif
+
+namespace cpfill::launch {
+
+std::vector<runtime::PrefillRequest> SyntheticPrompts(const std::vector<int64_t>& lens, int vocab,
+                                                      uint64_t seed) {
+  std::vector<runtime::PrefillRequest> out;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    runtime::PrefillRequest r;
+    for (int64_t i = 0; i < lens[s]; ++i) {
+      r.tokens.push_back(static_cast<int32_t>(Mix64(Mix64(seed ^ 0x70ull) ^ (s << 40) ^ i) %
+                                              static_cast<uint64_t>(vocab)));
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<runtime::PrefillRequest>> ReadTokensFile(const std::string& path) {
+  CPFILL_ASSIGN_OR_RETURN(nlohmann::json v, json::ReadFile(path));
+  CPFILL_CHECK_ARG(v.is_array() && !v.empty(), path,
+                   ": --tokens wants a JSON list of lists of token ids");
+  std::vector<runtime::PrefillRequest> out;
+  for (size_t s = 0; s < v.size(); ++s) {
+    const nlohmann::json& seq = v[s];
+    CPFILL_CHECK_ARG(seq.is_array(), path, ": sequence ", s, " is not a list");
+    runtime::PrefillRequest r;
+    for (const nlohmann::json& id : seq) {
+      const std::optional<int64_t> token = json::AsInt64(id);
+      CPFILL_CHECK_ARG(token.has_value() && *token >= std::numeric_limits<int32_t>::min() &&
+                           *token <= std::numeric_limits<int32_t>::max(),
+                       path, ": sequence ", s, " holds ", json::Show(id),
+                       ", which is not an integer token id (int32)");
+      r.tokens.push_back(static_cast<int32_t>(*token));
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+absl::StatusOr<runtime::ModelWeights> MakeWeights(const runtime::ModelConfig& config,
+                                                  const std::string& model, uint64_t seed,
+                                                  int tp_rank, int tp_size) {
+  if (runtime::IsPreset(model)) return runtime::SyntheticWeights(config, seed, tp_rank, tp_size);
+  return runtime::LoadWeights(config, model, tp_rank, tp_size);
+}
+
+absl::StatusOr<runtime::ModelWeights> LoadWeightsAgreed(const runtime::ModelConfig& config,
+                                                        const std::string& model, uint64_t seed,
+                                                        const parallel::ProcessGrid& grid) {
+  auto weights = MakeWeights(config, model, seed, grid.tp_rank, grid.tp_size);
+  CPFILL_ASSIGN_OR_RETURN(bool all_ok, parallel::AllRanksOk(*grid.world, weights.ok()));
+  if (!weights.ok()) return weights.status();
+  if (!all_ok) return absl::AbortedError("another rank could not read its weights");
+  return weights;
+}
+
+LoadedModel::LoadedModel() = default;
+LoadedModel::LoadedModel(LoadedModel&&) noexcept = default;
+LoadedModel& LoadedModel::operator=(LoadedModel&&) noexcept = default;
+LoadedModel::~LoadedModel() {
+  model.reset();  // before the communicators it uses
+}
+
+absl::StatusOr<LoadedModel> BuildModel(const runtime::ModelConfig& config,
+                                       runtime::ModelWeights weights, const std::string& backend,
+                                       const parallel::ProcessGrid& grid,
+                                       parallel::CommOptions comm_options,
+                                       const runtime::PrefillOptions& options) {
+  LoadedModel m;
+  std::unique_ptr<runtime::ModelBackend> be;
+  if (backend == "cuda") {
+#if CPFILL_HAVE_CUDA
+    CPFILL_ASSIGN_OR_RETURN(parallel::NcclGrid nccl, parallel::CreateNcclGrid(grid, comm_options));
+    auto shared = std::make_shared<parallel::NcclGrid>(std::move(nccl));
+    m.device = shared;
+    CPFILL_ASSIGN_OR_RETURN(be, runtime::cuda::MakeCudaBackend(config, weights, *shared));
+    weights = runtime::ModelWeights{};  // on the GPU now: free the host's fp32 copy
+#else
+    return absl::FailedPreconditionError("this build has no CUDA backend");
+#endif
+  } else {
+    CPFILL_ASSIGN_OR_RETURN(be, runtime::cpu::MakeCpuBackend(config, std::move(weights), *grid.tp,
+                                                              *grid.cp, options.threads));
+  }
+  CPFILL_ASSIGN_OR_RETURN(m.model,
+                          runtime::LlamaModel::Create(config, std::move(be), *grid.world, options));
+  return m;
+}
+
+}  // namespace cpfill::launch

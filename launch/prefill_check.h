@@ -1,0 +1,36 @@
+// cpfill/launch/prefill_check.h — a distributed prefill's last-position logits against one rank
+// running the same batch on the fp32 CPU model.
+//
+//   CPFILL_ASSIGN_OR_RETURN(PrefillCheck c, CheckPrefillOnOneRank(config, weights, batch, out,
+//                                                                 options, bf16, 3e-2));
+#pragma once
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/model_config.h"
+#include "runtime/prefill_batch.h"
+#include "runtime/weights.h"
+
+namespace cpfill::launch {
+
+struct PrefillCheck {
+  double max_abs_diff = 0;  // max |logit - logit_1rank| over every sequence
+  double allowed = 0;       // the bound it was held to
+  int token_mismatches = 0, near_ties = 0;
+  bool pass = false;
+};
+
+// Runs on one process (world rank 0): prefills `batch` on a single-rank CPU model with `weights`
+// (the whole, TP 1) and compares with `out`. fp32 (`bf16` false): every logit within `tolerance`
+// and every first token equal. bf16: within `tolerance` relative to the logits' scale, and a
+// first token may differ only where the reference's top two logits are closer than twice the
+// error measured (a near tie).
+absl::StatusOr<PrefillCheck> CheckPrefillOnOneRank(const runtime::ModelConfig& config,
+                                                   runtime::ModelWeights weights,
+                                                   const std::vector<runtime::PrefillRequest>& batch,
+                                                   const std::vector<runtime::SequenceOutput>& out,
+                                                   runtime::PrefillOptions options, bool bf16,
+                                                   double tolerance);
+
+}  // namespace cpfill::launch

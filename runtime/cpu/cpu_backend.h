@@ -1,0 +1,34 @@
+// cpfill/runtime/cpu/cpu_backend.h — the model backend on the CPU: fp32 everywhere, OpenBLAS
+// GEMMs (layers.h), MPI communicators, the CPU attention kernel inside the ring, and the KV
+// cache in host memory. What CI runs and what the CUDA backend is checked against.
+//
+//   CPFILL_ASSIGN_OR_RETURN(auto backend,
+//                           MakeCpuBackend(config, std::move(weights), *grid.tp, *grid.cp, 8));
+//   CPFILL_ASSIGN_OR_RETURN(auto model,
+//                           LlamaModel::Create(config, std::move(backend), *grid.world, options));
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "parallel/communicator.h"
+#include "runtime/llama_model.h"
+#include "runtime/model_backend.h"
+#include "runtime/model_config.h"
+#include "runtime/weights.h"
+
+namespace cpfill::runtime::cpu {
+
+// `weights` is this rank's TP slice; `threads` the kernel threads of this rank (0: every core).
+absl::StatusOr<std::unique_ptr<ModelBackend>> MakeCpuBackend(const ModelConfig& config,
+                                                             ModelWeights weights,
+                                                             parallel::Communicator& tp,
+                                                             parallel::Communicator& cp,
+                                                             int threads);
+
+// The whole CPU model in one call: the backend above (options.threads) and LlamaModel::Create.
+absl::StatusOr<std::unique_ptr<LlamaModel>> CreateCpuModel(
+    const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
+    parallel::Communicator& cp, parallel::Communicator& world, const PrefillOptions& options);
+
+}  // namespace cpfill::runtime::cpu

@@ -1,0 +1,241 @@
+#include "runtime/cuda/cuda_backend.h"
+
+#include <cuda_bf16.h>
+
+#include <tuple>
+#include <vector>
+
+#include "attention/cuda/attention_cuda.h"
+#include "base/bfloat16.h"
+#include "base/status.h"
+#include "parallel/cuda/device_ring_attention.h"
+#include "runtime/cpu/layers.h"
+#include "runtime/cuda/gemm.h"
+#include "runtime/cuda/kv_storage_cuda.h"
+#include "runtime/cuda/layer_kernels.h"
+
+namespace cpfill::runtime::cuda {
+namespace {
+
+using Bf16 = __nv_bfloat16;
+using parallel::DeviceBuffer;
+
+// Phases timed with CUDA events on the compute stream, so phases need no host synchronization of
+// their own; Collect() adds each phase's GPU time once the stream is idle.
+class PhaseEvents {
+ public:
+  ~PhaseEvents() {
+    for (cudaEvent_t e : pool_) cudaEventDestroy(e);
+  }
+  absl::Status Begin(cudaStream_t stream) {
+    CPFILL_ASSIGN_OR_RETURN(open_, Next());
+    CPFILL_CUDA_CHECK(cudaEventRecord(open_, stream));
+    return absl::OkStatus();
+  }
+  absl::Status End(cudaStream_t stream, double* seconds) {
+    CPFILL_ASSIGN_OR_RETURN(cudaEvent_t end, Next());
+    CPFILL_CUDA_CHECK(cudaEventRecord(end, stream));
+    pending_.emplace_back(seconds, open_, end);
+    return absl::OkStatus();
+  }
+  void Collect() {
+    for (auto [seconds, begin, end] : pending_) {
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, begin, end) == cudaSuccess) *seconds += ms / 1e3;
+    }
+    Reset();
+  }
+  void Reset() {
+    pending_.clear();
+    used_ = 0;
+  }
+
+ private:
+  absl::StatusOr<cudaEvent_t> Next() {
+    if (used_ == pool_.size()) {
+      cudaEvent_t e;
+      CPFILL_CUDA_CHECK(cudaEventCreate(&e));
+      pool_.push_back(e);
+    }
+    return pool_[used_++];
+  }
+  std::vector<cudaEvent_t> pool_;
+  size_t used_ = 0;
+  cudaEvent_t open_ = nullptr;
+  std::vector<std::tuple<double*, cudaEvent_t, cudaEvent_t>> pending_;
+};
+
+class CudaRing : public LayerRing {
+ public:
+  explicit CudaRing(std::unique_ptr<parallel::DeviceRingAttention> ring) : ring_(std::move(ring)) {}
+  absl::Status Run(parallel::RingAlgorithm algorithm, const Tensor& q, const Tensor& k,
+                   const Tensor& v, Tensor* o, Tensor* lse,
+                   parallel::RingTimings* timings) override {
+    return ring_->Run(algorithm, q.As<Bf16>(), k.As<Bf16>(), v.As<Bf16>(), o->As<float>(),
+                      lse->As<float>(), timings);
+  }
+
+ private:
+  std::unique_ptr<parallel::DeviceRingAttention> ring_;
+};
+
+class CudaBackend : public ModelBackend {
+ public:
+  explicit CudaBackend(parallel::NcclGrid& nccl) : nccl_(nccl), stream_(nccl.compute.get()) {}
+
+  absl::Status Init(const ModelConfig& config, const ModelWeights& weights);
+
+  std::string_view name() const override { return "cuda"; }
+  ElemType compute_type() const override { return ElemType::kBf16; }
+  const ModelTensors& weights() const override { return tensors_; }
+  parallel::Communicator& tp() override { return *nccl_.tp; }
+  parallel::Communicator& cp() override { return *nccl_.cp; }
+
+  absl::StatusOr<Tensor> Scratch(int slot, ElemType type, int64_t rows, int64_t cols) override {
+    if (slot >= static_cast<int>(scratch_.size())) scratch_.resize(slot + 1);
+    Tensor t{nullptr, type, rows, cols};
+    CPFILL_RETURN_IF_ERROR(scratch_[slot].Reserve(std::max<size_t>(16, t.bytes())));
+    t.data = scratch_[slot].As<void>();
+    return t;
+  }
+  // Pageable host memory: the call returns once the bytes are staged, so the caller may reuse it.
+  absl::Status Upload(const void* host, Tensor* dst) override {
+    CPFILL_CUDA_CHECK(
+        cudaMemcpyAsync(dst->data, host, dst->bytes(), cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  }
+  absl::Status Download(const Tensor& src, void* host) override {
+    CPFILL_CUDA_CHECK(
+        cudaMemcpyAsync(host, src.data, src.bytes(), cudaMemcpyDeviceToHost, stream_));
+    CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return absl::OkStatus();
+  }
+
+  absl::Status Embed(const Tensor& ids, const Tensor& table, Tensor* x) override {
+    return EmbedToF32(ids.As<int32_t>(), ids.rows, table.As<Bf16>(), table.cols, x->As<float>(),
+                      stream_);
+  }
+  absl::Status RmsNorm(const Tensor& x, const Tensor& weight, double eps, Tensor* y) override {
+    CPFILL_CHECK_INTERNAL(y->type == ElemType::kBf16, "RMSNorm writes bf16 on the GPU");
+    return RmsNormToBf16(x.As<float>(), weight.As<Bf16>(), x.rows, x.cols, static_cast<float>(eps),
+                         y->As<Bf16>(), stream_);
+  }
+  absl::Status Linear(const Tensor& x, const Tensor& w, Tensor* y) override {
+    return gemm_.Linear(x.As<Bf16>(), x.rows, x.cols, w.As<Bf16>(), w.rows, y->data,
+                        y->type == ElemType::kF32 ? OutType::kFloat32 : OutType::kBfloat16);
+  }
+  absl::Status Rope(const Tensor& positions, int heads, Tensor* x) override {
+    return RopeBf16(x->As<Bf16>(), positions.As<int32_t>(), x->rows, heads, x->cols / heads,
+                    inv_freq_.As<double>(), stream_);
+  }
+  absl::Status SwiGlu(const Tensor& up, Tensor* gate) override {
+    return SwiGluBf16(gate->As<Bf16>(), up.As<Bf16>(), gate->numel(), gate->As<Bf16>(), stream_);
+  }
+  absl::Status Add(const Tensor& y, Tensor* x) override {
+    return AddF32(x->As<float>(), y.As<float>(), x->numel(), stream_);
+  }
+  absl::Status Convert(const Tensor& in, Tensor* out) override {
+    CPFILL_CHECK_INTERNAL(in.type == ElemType::kF32 && out->type == ElemType::kBf16,
+                          "the GPU converts fp32 to bf16 only");
+    return F32ToBf16(in.As<float>(), in.numel(), out->As<Bf16>(), stream_);
+  }
+  absl::Status GatherRows(const Tensor& x, std::span<const int64_t> rows, Tensor* out) override {
+    const size_t row_bytes = x.cols * ElemBytes(x.type);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      CPFILL_CUDA_CHECK(cudaMemcpyAsync(out->Rows(i, 1).data, x.Rows(rows[i], 1).data, row_bytes,
+                                        cudaMemcpyDeviceToDevice, stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<LayerRing>> MakeRing(
+      const sharding::ShardPlan& plan, const attention::AttentionShape& shape) override {
+    CPFILL_ASSIGN_OR_RETURN(auto ring, parallel::DeviceRingAttention::Create(
+                                           *nccl_.cp, plan, shape, stream_, &ring_scratch_));
+    return std::unique_ptr<LayerRing>(new CudaRing(std::move(ring)));
+  }
+  absl::Status BeginPhase() override { return phases_.Begin(stream_); }
+  absl::Status EndPhase(double* acc) override { return phases_.End(stream_, acc); }
+  // The TP communicator's Synchronize is the host wait with a deadline (NCCL errors included).
+  absl::Status Finish() override {
+    CPFILL_RETURN_IF_ERROR(nccl_.tp->Synchronize());
+    phases_.Collect();
+    return absl::OkStatus();
+  }
+  void ResetPhases() override { phases_.Reset(); }
+
+  std::unique_ptr<KvStorage> MakeKvStorage() override { return MakeDeviceKvStorage(stream_); }
+  absl::StatusOr<int64_t> FreeMemoryBytes() override { return FreeDeviceBytes(); }
+
+ private:
+  absl::StatusOr<Tensor> UploadWeight(const std::vector<float>& host, int64_t rows, int64_t cols);
+
+  parallel::NcclGrid& nccl_;
+  cudaStream_t stream_;
+  Gemm gemm_;
+  std::vector<DeviceBuffer> weight_buffers_;  // owns what tensors_ points at
+  ModelTensors tensors_;
+  DeviceBuffer inv_freq_;
+  std::vector<DeviceBuffer> scratch_;
+  parallel::DeviceRingScratch ring_scratch_;
+  PhaseEvents phases_;
+};
+
+absl::StatusOr<Tensor> CudaBackend::UploadWeight(const std::vector<float>& host, int64_t rows,
+                                                 int64_t cols) {
+  const std::vector<uint16_t> bits = ToBfloat16(host);
+  DeviceBuffer& dst = weight_buffers_.emplace_back();
+  CPFILL_RETURN_IF_ERROR(dst.Reserve(std::max<size_t>(16, bits.size() * 2)));
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(dst.As<void>(), bits.data(), bits.size() * 2,
+                                    cudaMemcpyHostToDevice, stream_));
+  CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `bits` is a temporary
+  return Tensor{dst.As<void>(), ElemType::kBf16, rows, cols};
+}
+
+absl::Status CudaBackend::Init(const ModelConfig& c, const ModelWeights& weights) {
+  CPFILL_RETURN_IF_ERROR(gemm_.Init(stream_));
+  const int tp = nccl_.tp->size();
+  const int64_t D = c.hidden_size, I = c.intermediate_size / tp, V = c.vocab_size / tp;
+  const int64_t qw = int64_t{c.num_heads / tp} * c.head_dim;
+  const int64_t kvw = int64_t{c.num_kv_heads / tp} * c.head_dim;
+  for (const LayerWeights& w : weights.layers) {
+    LayerTensors& t = tensors_.layers.emplace_back();
+    for (auto [dst, src, rows, cols] : {std::tuple{&t.input_norm, &w.input_norm, int64_t{1}, D},
+                                        {&t.wq, &w.wq, qw, D},
+                                        {&t.wk, &w.wk, kvw, D},
+                                        {&t.wv, &w.wv, kvw, D},
+                                        {&t.wo, &w.wo, D, qw},
+                                        {&t.post_norm, &w.post_norm, int64_t{1}, D},
+                                        {&t.w_gate, &w.w_gate, I, D},
+                                        {&t.w_up, &w.w_up, I, D},
+                                        {&t.w_down, &w.w_down, D, I}}) {
+      CPFILL_ASSIGN_OR_RETURN(*dst, UploadWeight(*src, rows, cols));
+    }
+  }
+  CPFILL_ASSIGN_OR_RETURN(tensors_.embedding, UploadWeight(weights.embedding, c.vocab_size, D));
+  CPFILL_ASSIGN_OR_RETURN(tensors_.final_norm, UploadWeight(weights.final_norm, 1, D));
+  CPFILL_ASSIGN_OR_RETURN(tensors_.lm_head, UploadWeight(weights.lm_head, V, D));
+  const cpu::RopeTable rope = cpu::RopeTable::Make(c);
+  CPFILL_RETURN_IF_ERROR(inv_freq_.Reserve(rope.inv_freq().size() * sizeof(double)));
+  CPFILL_CUDA_CHECK(cudaMemcpy(inv_freq_.As<void>(), rope.inv_freq().data(),
+                               rope.inv_freq().size() * sizeof(double), cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelBackend>> MakeCudaBackend(const ModelConfig& config,
+                                                              const ModelWeights& weights,
+                                                              parallel::NcclGrid& nccl) {
+  CPFILL_RETURN_IF_ERROR(config.ValidateForTp(nccl.tp->size()));
+  CPFILL_CHECK_ARG(weights.tp_size == nccl.tp->size() && weights.tp_rank == nccl.tp->rank(),
+                   "weights are TP slice ", weights.tp_rank, " of ", weights.tp_size,
+                   ", this rank is TP rank ", nccl.tp->rank(), " of ", nccl.tp->size());
+  CPFILL_CHECK_ARG(attention::cuda::SupportedHeadDim(config.head_dim), "head_dim ",
+                   config.head_dim, " has no CUDA attention kernel (64, 128)");
+  auto backend = std::make_unique<CudaBackend>(nccl);
+  CPFILL_RETURN_IF_ERROR(backend->Init(config, weights));
+  return std::unique_ptr<ModelBackend>(std::move(backend));
+}
+
+}  // namespace cpfill::runtime::cuda
