@@ -14,6 +14,7 @@
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
 #include "attention/cuda/attention_hopper.h"
 #endif
+#include "base/knobs.h"
 #include "base/status.h"
 
 namespace cpfill {
@@ -44,10 +45,7 @@ using internal::SliceDesc;
 //      128 it spills a few registers, reloaded outside the MMA loop's critical path)
 // Variants 0, 1 and 3 use 64-key tiles.
 int VariantFromEnv() {
-  static const int v = [] {
-    const char* e = std::getenv("CPFILL_ATTENTION_VARIANT");
-    return e ? std::atoi(e) : 3;
-  }();
+  static const int v = static_cast<int>(knobs::Int(knobs::kAttentionVariant));
   return v;
 }
 int BlockM() { return VariantFromEnv() == 1 ? 64 : 128; }

@@ -1,19 +1,21 @@
-// Launcher of the Hopper kernel (hopper_kernel.cuh). This file alone is compiled for sm_90a
-// (wgmma and setmaxnreg exist only there); attention_cuda.cu calls it on compute capability 9.0
-// devices and keeps the mma.sync kernel for every other GPU.
+// Launcher of the Hopper kernel (hopper_kernel.cuh): tensor maps, knobs, grid, and the kernel's
+// explicit instantiations (through kLaunch); no device code of its own. This file alone is
+// compiled for sm_90a (wgmma and setmaxnreg exist only there); attention_cuda.cu calls it on
+// compute capability 9.0 devices and keeps the mma.sync kernel for every other GPU.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/attention_hopper.h"
 #include "attention/cuda/hopper_kernel.cuh"
+#include "attention/cuda/hopper_params.h"
+#include "attention/cuda/hopper_tile_scheduler.cuh"
+#include "base/knobs.h"
 #include "base/status.h"
 
 namespace cpfill::attention::cuda::internal {
@@ -42,25 +44,24 @@ PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
 absl::Status EncodeSliceMap(CUtensorMap* map, const __nv_bfloat16* base, int64_t kv_begin,
                             int64_t kv_len, int num_kv_heads, int head_dim) {
   const int64_t row_elems = static_cast<int64_t>(num_kv_heads) * head_dim;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_elems),
-                              static_cast<cuuint64_t>(kv_len)};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_elems), static_cast<cuuint64_t>(kv_len)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_elems * 2)};
   const cuuint32_t box[2] = {64, kHopperBlockN};
   const cuuint32_t element_strides[2] = {1, 1};
   void* addr = const_cast<__nv_bfloat16*>(base + kv_begin * row_elems);
-  const CUresult r = TensorMapEncoder()(
-      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr, dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      TensorMapEncoder()(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr, dims, strides, box,
+                         element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     return absl::InternalError(absl::StrCat("cuTensorMapEncodeTiled failed (CUresult ", r,
-                                            ") for key rows [", kv_begin, ", ",
-                                            kv_begin + kv_len, ")"));
+                                            ") for key rows [", kv_begin, ", ", kv_begin + kv_len,
+                                            ")"));
   }
   return absl::OkStatus();
 }
 
-// Measurement knobs, read once from the environment; the defaults are the measured best.
+// Measurement knobs (base/knobs.h; the defaults are the measured best), read once:
 //   CPFILL_HOPPER_PINGPONG=0     no ping-pong between the consumer warpgroups
 //   CPFILL_HOPPER_PERSISTENT=0   a CTA per work item instead of one per SM taking items in turn
 //   CPFILL_HOPPER_Q_BUFFERS=1    one Q buffer: the next item's Q loads wait for this item's last
@@ -73,21 +74,16 @@ struct HopperKnobs {
   int q_buffers = 2, max_ctas = 0;
 };
 const HopperKnobs& Knobs() {
-  static const HopperKnobs knobs = [] {
-    auto is = [](const char* name, const char* value) {
-      const char* e = std::getenv(name);
-      return e != nullptr && std::strcmp(e, value) == 0;
-    };
+  static const HopperKnobs values = [] {
     HopperKnobs k;
-    k.pingpong = !is("CPFILL_HOPPER_PINGPONG", "0");
-    k.persistent = !is("CPFILL_HOPPER_PERSISTENT", "0");
-    k.q_buffers = is("CPFILL_HOPPER_Q_BUFFERS", "1") ? 1 : 2;
-    k.dynamic_schedule = !is("CPFILL_HOPPER_SCHEDULE", "static");
-    const char* cap = std::getenv("CPFILL_HOPPER_MAX_CTAS");
-    k.max_ctas = cap == nullptr ? 0 : std::max(0, std::atoi(cap));
+    k.pingpong = knobs::Bool(knobs::kHopperPingPong);
+    k.persistent = knobs::Bool(knobs::kHopperPersistent);
+    k.q_buffers = static_cast<int>(knobs::Int(knobs::kHopperQBuffers));
+    k.dynamic_schedule = knobs::Choice(knobs::kHopperSchedule) != "static";
+    k.max_ctas = static_cast<int>(knobs::Int(knobs::kHopperMaxCtas));
     return k;
   }();
-  return knobs;
+  return values;
 }
 
 absl::StatusOr<int> SmCount() {
@@ -97,16 +93,12 @@ absl::StatusOr<int> SmCount() {
   return sms;
 }
 
-// Two K/V stages: a third was measured 0.5-2% slower (bench/RESULTS.md), and its shared memory
-// now holds the second Q buffer.
-inline constexpr int kStages = 2;
-
 template <int kDim, int kQBuffers, bool kPingPong>
 absl::Status LaunchShape(const HopperParams& params, int num_ctas, cudaStream_t stream) {
-  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
-  auto kernel = HopperFlashKernel<kDim, kStages, kQBuffers, kPingPong>;
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  using Cfg = HopperConfig<kDim, kHopperStages, kQBuffers>;
+  auto kernel = HopperFlashKernel<kDim, kHopperStages, kQBuffers, kPingPong>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   CPFILL_CUDA_CHECK(attr);
   kernel<<<num_ctas, kHopperThreads, Cfg::kSmemBytes, stream>>>(params);
   CPFILL_CUDA_CHECK(cudaGetLastError());
@@ -118,8 +110,8 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }  // namespace
 
 bool HopperKernelOnThisDevice() {
-  const char* choice = std::getenv("CPFILL_ATTENTION_KERNEL");
-  if (choice != nullptr && std::strcmp(choice, "mma") == 0) return false;
+  // "hopper" asks for this kernel where it can run, which is what "auto" does already.
+  if (knobs::Choice(knobs::kAttentionKernel) == "mma") return false;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
@@ -140,16 +132,9 @@ bool HopperAttentionUsable(const CudaAttentionArgs& a) {
 absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const int64_t> work,
                                    KeyTileSummary* summaries, int32_t* item_counter,
                                    cudaStream_t stream) {
-  // Longest slices first: the scheduler hands items out in order (within a slice the latest
-  // query tiles, the most causal work, come first), so a launch ends on short items and the
-  // SMs finish together. Slices never share query rows, so their order changes no result.
-  std::vector<int64_t> order(work.begin(), work.end());
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    const SequenceSlice &sx = a.slices[x], &sy = a.slices[y];
-    return sx.q_len * sx.kv_len > sy.q_len * sy.kv_len;
-  });
+  const std::vector<int64_t> order = LongestSlicesFirst(a.slices, work);
   const std::span<const int64_t> sorted(order);
-  const HopperKnobs& knobs = Knobs();
+  const HopperKnobs& settings = Knobs();
   int64_t summary_offset = 0;
   // One launch per kMaxHopperSlices slices: a ring step of up to 48 sequences is one launch.
   for (size_t first = 0; first < sorted.size(); first += kMaxHopperSlices) {
@@ -157,9 +142,9 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
     HopperParams p{};  // about 14 KiB: the launch copies it into the parameter space
     LaunchExtent extent;
     CPFILL_RETURN_IF_ERROR(PrepareLaunch(a, sorted.subspan(first, count), kHopperBlockM,
-                                         kHopperBlockN, summaries + summary_offset, &p,
-                                         p.slices, &extent));
-    p.item_counter = knobs.dynamic_schedule ? item_counter : nullptr;
+                                         kHopperBlockN, summaries + summary_offset, &p, p.slices,
+                                         &extent));
+    p.item_counter = settings.dynamic_schedule ? item_counter : nullptr;
     for (size_t i = 0; i < count; ++i) {
       const SliceDesc& s = p.slices[i];
       CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.k_maps[i], a.k, s.kv_begin, s.kv_len,
@@ -178,12 +163,11 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
     summary_offset += k_tiles;
     if (items == 0) continue;
     int ctas = static_cast<int>(items);
-    if (knobs.persistent) {
+    if (settings.persistent) {
       CPFILL_ASSIGN_OR_RETURN(const int sms, SmCount());
-      // One CTA per SM (its shared memory and 384 threads), less the SMs an exchange in flight
-      // needs for its own kernel.
-      ctas = std::min(ctas, a.communication_in_flight ? sms - kSmsForCommunication : sms);
-      if (knobs.max_ctas > 0) ctas = std::min(ctas, knobs.max_ctas);
+      // Less the SMs an exchange in flight needs for its own kernel.
+      ctas = PersistentGridSize(ctas, a.communication_in_flight ? sms - kSmsForCommunication : sms,
+                                settings.max_ctas);
     }
     using Launch = absl::Status (*)(const HopperParams&, int, cudaStream_t);
     // [head_dim 128][two Q buffers][ping-pong]
@@ -193,7 +177,7 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
         {{LaunchShape<128, 1, false>, LaunchShape<128, 1, true>},
          {LaunchShape<128, 2, false>, LaunchShape<128, 2, true>}}};
     const Launch launch =
-        kLaunch[a.shape.head_dim == 128][knobs.q_buffers == 2][knobs.pingpong];
+        kLaunch[a.shape.head_dim == 128][settings.q_buffers == 2][settings.pingpong];
     CPFILL_RETURN_IF_ERROR(launch(p, ctas, stream));
   }
   return absl::OkStatus();

@@ -1,0 +1,222 @@
+// cpfill/attention/cuda/hopper_producer.cuh — warpgroup 0 of the Hopper attention kernel: it
+// finds the work, publishes it, and fills the consumers' shared memory.
+//
+//   warps 1-3, the Q loaders (RunQLoaders): take the CTA's next item (hopper_tile_scheduler.cuh),
+//     publish it in item slot n & 1 with its query positions and their range, then load its Q
+//     tile (cp.async) into Q buffer n % kQBuffers; with two buffers the next item's Q lands
+//     while the consumers work on this one.
+//   one thread of warp 0, the K/V thread (RunKvLoads): issues the TMA loads of each item's
+//     visible K and V tiles into the ring of kStages stages, with each tile's class in the
+//     stage's tile-info word. It needs only the item slot, not Q, so it runs on into the next
+//     item while the consumers still finish this one.
+//
+// The barriers and slots are HopperSmem's (hopper_shared_memory.cuh). Both run after the
+// warpgroup gave its registers away (kProducerRegisters).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/hopper_params.h"
+#include "attention/cuda/hopper_ptx.cuh"
+#include "attention/cuda/hopper_shared_memory.cuh"
+#include "attention/cuda/hopper_tile_scheduler.cuh"
+
+namespace cpfill::attention::cuda::internal {
+
+// ---- the K/V thread ---------------------------------------------------------------------
+
+// The visible key tiles of an item, from the statistics its loaders left in slot `slot`.
+template <int kDim, int kStages, int kQBuffers>
+__device__ __forceinline__ VisibleKeyTiles
+ItemVisibleTiles(const HopperParams& p, const HopperSmem<kDim, kStages, kQBuffers>& sm,
+                 const SliceDesc& sl, int slot) {
+  int32_t q_min = INT32_MAX, q_max = -1, q_pad = 0;
+#pragma unroll
+  for (int w = 0; w < 3; ++w) {
+    q_min = min(q_min, sm.qstat[slot][w][0]);
+    q_max = max(q_max, sm.qstat[slot][w][1]);
+    q_pad |= sm.qstat[slot][w][2];
+  }
+  return VisibleKeyTiles{p.key_tiles + sl.k_tile_start,
+                         static_cast<int>((sl.kv_len + kHopperBlockN - 1) / kHopperBlockN),
+                         q_min,
+                         q_max,
+                         q_pad,
+                         p.causal};
+}
+
+// Key tile j of the item into a stage's K or V buffer at `dst`, one TMA per 64-column slab.
+template <int kDim, int kStages, int kQBuffers>
+__device__ __forceinline__ void LoadKvTile(uint32_t dst, const CUtensorMap* map, int kv_head, int j,
+                                           uint32_t bar) {
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
+#pragma unroll
+  for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
+    TmaLoad2d(dst + slab * Cfg::kSlabBytesKv, map, kv_head * kDim + slab * 64, j * kHopperBlockN,
+              bar);
+  }
+}
+
+// Every visible tile of an item fills one stage. An item with none still fills one, with no
+// data (an arrival of 0 bytes completes each barrier's phase) and kTileNone, so the consumers
+// learn it from the ring and never read the summaries. `g` counts the CTA's tiles.
+template <int kDim, int kStages, int kQBuffers>
+__device__ __forceinline__ void LoadItemKv(const HopperParams& p,
+                                           const HopperSmem<kDim, kStages, kQBuffers>& sm,
+                                           const HopperItem& item, const VisibleKeyTiles& tiles,
+                                           int& g) {
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
+  const CUtensorMap* kmap = &p.k_maps[item.tile.slice_index];
+  const CUtensorMap* vmap = &p.v_maps[item.tile.slice_index];
+  int j = tiles.NextVisible(0);
+  const bool none = j >= tiles.num_tiles;
+  const uint32_t bytes = none ? 0u : static_cast<uint32_t>(Cfg::kTileBytes);
+  do {
+    const int j_next = none ? j : tiles.NextVisible(j + 1);
+    const int info = none ? kTileNone
+                          : j | (tiles.Classify(j) == 1 ? kTileMasked : 0) |
+                                (j_next >= tiles.num_tiles ? kTileLast : 0);
+    const int st = RingStage<kStages>(g);
+    const uint32_t free_parity = ((g / kStages) & 1) ^ 1;
+    // 1. Wait until the consumers released the stage's K (its previous tile's Q K^T).
+    MbarWait(sm.EmptyK(st), free_parity);
+    // 2. The tile's class, released to the consumers by the arrive on full_k below.
+    sm.tile_info[st] = info;
+    // 3. K: expect the bytes, then the copies complete them.
+    MbarArriveExpectTx(sm.FullK(st), bytes);
+    if (!none)
+      LoadKvTile<kDim, kStages, kQBuffers>(sm.k + st * Cfg::kTileBytes, kmap, item.kv_head, j,
+                                           sm.FullK(st));
+    // 4. V the same, once the stage's V is released (its previous tile's P V).
+    MbarWait(sm.EmptyV(st), free_parity);
+    MbarArriveExpectTx(sm.FullV(st), bytes);
+    if (!none)
+      LoadKvTile<kDim, kStages, kQBuffers>(sm.v + st * Cfg::kTileBytes, vmap, item.kv_head, j,
+                                           sm.FullV(st));
+    j = j_next;
+    ++g;
+  } while (!none && j < tiles.num_tiles);
+}
+
+// Lane 0 of warp 0: every item's K and V tiles, until the loaders publish the stop.
+template <int kDim, int kStages, int kQBuffers>
+__device__ __forceinline__ void RunKvLoads(const HopperParams& p,
+                                           const HopperSmem<kDim, kStages, kQBuffers>& sm,
+                                           int num_items) {
+  int g = 0;  // tiles issued so far by this CTA: the ring's stage and phase
+  for (int n = 0;; ++n) {
+    const int slot = n & 1;
+    const int item_index = sm.WaitItem(n);
+    if (item_index >= num_items) return;
+    const HopperItem item = LocateHopperItem(p, item_index);
+    const VisibleKeyTiles tiles = ItemVisibleTiles(p, sm, item.tile.slice, slot);
+    MbarArrive(sm.ItemFree(slot));
+    LoadItemKv(p, sm, item, tiles, g);
+  }
+}
+
+// ---- the Q loaders (warps 1-3) ----------------------------------------------------------
+
+// Each query row's position into the slot, and per loader warp the smallest and largest valid
+// position and whether any row is padding (the K/V thread's tile classes come from these).
+template <int kDim, int kStages, int kQBuffers>
+__device__ __forceinline__ void PublishQueryPositions(
+    const HopperParams& p, const HopperSmem<kDim, kStages, kQBuffers>& sm, const SliceDesc& sl,
+    int G, int64_t row0, int64_t slice_rows, int slot, int t, int warp, int lane) {
+  int32_t mn = INT32_MAX, mx = -1, pad = 0;
+  for (int r = t; r < kHopperBlockM; r += kLoaderThreads) {
+    const int64_t row = row0 + r;
+    const bool in = row < slice_rows;
+    const int32_t pos = in ? p.q_pos[sl.q_begin + row / G] : -1;
+    sm.qpos[slot][r] = pos;
+    if (in && pos >= 0) {
+      mn = min(mn, pos);
+      mx = max(mx, pos);
+    }
+    pad |= (in && pos < 0) ? 1 : 0;
+  }
+  mn = __reduce_min_sync(0xffffffffu, mn);
+  mx = __reduce_max_sync(0xffffffffu, mx);
+  pad = __reduce_or_sync(0xffffffffu, pad);
+  if (lane == 0) {
+    sm.qstat[slot][warp - 1][0] = mn;
+    sm.qstat[slot][warp - 1][1] = mx;
+    sm.qstat[slot][warp - 1][2] = pad;
+  }
+}
+
+// The item's Q rows (folded: row r is token r / G, head kv_head G + r % G) into Q buffer qb in
+// the swizzled layout; rows past the slice are zero-filled by the copy. A thread keeps one
+// 16-byte column chunk and walks rows 6 apart (96 threads, 16 chunks). Issues the copies only:
+// the caller waits for them.
+template <int kDim, int kStages, int kQBuffers>
+__device__ __forceinline__ void IssueQTileLoads(const HopperParams& p,
+                                                const HopperSmem<kDim, kStages, kQBuffers>& sm,
+                                                const HopperItem& item, const SliceDesc& sl, int G,
+                                                int64_t row0, int64_t slice_rows, int qb, int t) {
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
+  static_assert(kLoaderThreads % (kDim / 8) == 0);
+  constexpr int kRowStep = kLoaderThreads / (kDim / 8);
+  const int c = t % (kDim / 8), slab = c / 8, cc = c % 8;
+  const __nv_bfloat16* q_head =
+      p.q + static_cast<int64_t>(item.kv_head) * G * kDim + c * 8;  // + token, + group
+  const int64_t q_stride = static_cast<int64_t>(p.num_heads) * kDim;
+  // Not unrolled: the loads run an item ahead, off the critical path, and unrolled the row
+  // addresses outgrow the producer's 56 registers.
+#pragma unroll 1
+  for (int r = t / (kDim / 8); r < kHopperBlockM; r += kRowStep) {
+    const int64_t row = row0 + r;
+    const bool in = row < slice_rows;
+    const int64_t token = sl.q_begin + row / G;
+    const __nv_bfloat16* src =
+        in ? q_head + token * q_stride + static_cast<int64_t>(row - (row / G) * G) * kDim : p.q;
+    const int wg = r / 64, rr = r % 64;
+    CpAsync16ZeroFill(sm.q + qb * Cfg::kQBytes + wg * Cfg::kQBytesPerWarpgroup +
+                          slab * Cfg::kSlabBytesQ + rr * 128 + ((cc ^ (rr & 7)) << 4),
+                      src, in);
+  }
+}
+
+// Warps 1-3 (thread tid = warp * 32 + lane): for each of the CTA's items n, in order, until the
+// scheduler runs out.
+template <int kDim, int kStages, int kQBuffers>
+__device__ __forceinline__ void RunQLoaders(const HopperParams& p,
+                                            const HopperSmem<kDim, kStages, kQBuffers>& sm, int G,
+                                            int num_items, int tid, int warp, int lane) {
+  const int t = tid - 32;
+  for (int n = 0;; ++n) {
+    const int slot = n & 1;
+    // 1. Wait until item n - 2's readers (K/V thread, 8 consumer warps) released the slot.
+    if (n >= 2) MbarWait(sm.ItemFree(slot), ((n - 2) >> 1) & 1);
+    // 2. One thread claims the item; the loaders meet so all see its index.
+    if (t == 0) sm.item[slot] = ClaimItem(p, n, num_items);
+    NamedBarrierSync(kLoaderBarrier, kLoaderThreads);
+    const int item_index = sm.item[slot];
+    if (item_index >= num_items) {
+      MbarArrive(sm.ItemReady(slot));  // the stop, to the K/V thread and the consumers
+      return;
+    }
+    // 3. Publish the item's positions and their range: the K/V thread can start on its tiles.
+    const HopperItem item = LocateHopperItem(p, item_index);
+    const SliceDesc& sl = item.tile.slice;
+    const int64_t slice_rows = sl.q_len * G;
+    const int64_t row0 = static_cast<int64_t>(item.tile.m_block) * kHopperBlockM;
+    PublishQueryPositions(p, sm, sl, G, row0, slice_rows, slot, t, warp, lane);
+    MbarArrive(sm.ItemReady(slot));
+    // 4. Wait until the consumers are done reading this buffer's last Q (item n - kQBuffers).
+    const int qb = n % kQBuffers;
+    if (n >= kQBuffers) MbarWait(sm.QEmpty(qb), ((n - kQBuffers) / kQBuffers) & 1);
+    // 5. Q in, visible to wgmma (the async proxy), then announced.
+    IssueQTileLoads(p, sm, item, sl, G, row0, slice_rows, qb, t);
+    CpAsyncWaitAll();
+    FenceProxyAsync();
+    MbarArrive(sm.QFull(qb));
+  }
+}
+
+}  // namespace cpfill::attention::cuda::internal
