@@ -23,19 +23,22 @@ function(cpfill_test name)
   set_tests_properties(${name} PROPERTIES LABELS ${T_LABEL} TIMEOUT ${T_TIMEOUT})
 endfunction()
 
-# cpfill_mpi_test(NAME SOURCES ... LIBS ... RANKS 2 3 4): one CTest per rank count, each started
-# by mpirun. The binary provides its own main (MPI init, verdict agreed across ranks).
+# cpfill_mpi_test(NAME SOURCES ... LIBS ... RANKS 2 3 4 [LABEL mpi]): one CTest per rank count,
+# each started by mpirun. The binary provides its own main (MPI init, verdict agreed across ranks).
 function(cpfill_mpi_test name)
-  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;RANKS" ${ARGN})
+  cmake_parse_arguments(T "" "TIMEOUT;LABEL" "SOURCES;LIBS;RANKS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 600)
+  endif()
+  if(NOT T_LABEL)
+    set(T_LABEL mpi)
   endif()
   add_executable(${name} ${T_SOURCES})
   target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest)
   foreach(n IN LISTS T_RANKS)
     add_test(NAME ${name}_np${n}
              COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} $<TARGET_FILE:${name}>)
-    set_tests_properties(${name}_np${n} PROPERTIES LABELS mpi TIMEOUT ${T_TIMEOUT}
+    set_tests_properties(${name}_np${n} PROPERTIES LABELS ${T_LABEL} TIMEOUT ${T_TIMEOUT}
                          ENVIRONMENT "${CPFILL_MPI_TEST_ENV}" PROCESSORS ${n})
   endforeach()
 endfunction()

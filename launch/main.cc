@@ -1,8 +1,8 @@
 // cpfill — context-parallel prefill of long-context LLM requests.
 //
 //   mpirun -np 4 cpfill attention --seq-lens 32768,8192,1024 --heads 16 --kv-heads 1 --check
-//   cpfill select --heads 128 --kv-heads 8 --cp 4 --tflops 800 --gbps 3 --new-tokens 6400 \
-//                 --cached-tokens 121600
+//   cpfill select --heads 128 --kv-heads 8 --cp 4 --tflops 800 --gbps 3 --new-tokens 6400
+//       --cached-tokens 121600
 //   mpirun -np 4 cpfill calibrate --out fit.json
 //   mpirun -np 4 cpfill prefill --model tiny --tp 2 --prompt-lens 4096,1000 --check
 //   cpfill env

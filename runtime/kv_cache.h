@@ -1,33 +1,49 @@
 // cpfill/runtime/kv_cache.h — the per-rank KV store: a pool of fixed-size token blocks for every
-// layer's K and V, allocated once at start-up, and a block table per sequence.
+// layer's K and V, allocated once at start-up and never per request, and a block table per
+// sequence. The storage decides where the pool lives: host memory (CPU backend, fp32, here) or
+// device memory (CUDA backend, bf16, runtime/cuda/kv_storage_cuda.h).
 //
-// Memory layout (one allocation of `capacity_blocks * block_bytes * 2 * num_layers` bytes, in
-// the storage's memory space: host for the CPU backend, device for the CUDA one):
-//   block b of layer l, kind k (0 = K, 1 = V) at ((l * 2 + k) * num_blocks + b) * block_bytes,
-//   holding block_tokens rows of [kv_heads, head_dim] elements of `dtype`.
-// Each layer's K pool and V pool are contiguous, so the KV hand-off can register them whole.
-// Block ids and the bookkeeping (free list, reference counts, block tables) live on the host;
-// only Write/Read touch the storage, one batched copy per call.
+// Pool layout (one allocation of 2 * num_layers * num_blocks * block_bytes bytes, in the
+// storage's memory space):
+//   block b of layer l, kind k (0 = K, 1 = V) starts at byte
+//     ((l * 2 + k) * num_blocks + b) * block_bytes
+//   and holds block_tokens rows, each [kv_heads, head_dim] elements of `dtype` (row_bytes), token
+//   t of the block at byte t * row_bytes. So each layer's K pool and V pool is one contiguous
+//   range of num_blocks * block_bytes bytes (the KV hand-off registers it whole), and a block id
+//   names the same slot in every layer. Example, Llama-3-70B on TP8 (1 KV head x 128, bf16),
+//   64-token blocks: row_bytes = 256, block_bytes = 16 KiB, a block id across 80 layers' K and V
+//   = 2.5 MiB, 1M tokens = 40 GiB.
 //
-// A sequence may share its leading blocks with others (Fork): blocks carry reference counts and
-// are never written while shared, because a fork copies a partly filled last block.
+// Bookkeeping lives on the host, O(blocks touched) per call: a LIFO free list of block ids (the
+// most recently freed, warm block first), a reference count per block, and per sequence its
+// length, its reserved tokens and its block table. Only Write, Read, Fork and the copy-on-write
+// in Reserve touch the storage, one batched CopyRuns per call.
+//
+// Sharing: Fork gives a child the parent's full prefix blocks (reference counted) and a copy of a
+// partly filled last block, so no write ever lands in a shared block; Write refuses one that
+// would, and Reserve copies a shared last block first (left shared by a Truncate into a prefix).
+//
+// Not thread-safe: one thread (the rank's engine loop) owns a KvCache.
 //
 //   KvCacheSpec spec{.num_layers = 32, .kv_heads = 8, .head_dim = 128, .block_tokens = 64,
-//                    .capacity_tokens = 1 << 20, .dtype = KvDtype::kBfloat16};
+//                    .capacity_tokens = 1 << 20, .dtype = KvDtype::kFloat32};
 //   CPFILL_ASSIGN_OR_RETURN(auto kv, KvCache::Create(spec, MakeHostKvStorage()));
-//   CPFILL_RETURN_IF_ERROR(kv->Reserve(seq, 300));          // ResourceExhausted when full
-//   CPFILL_RETURN_IF_ERROR(kv->Append(seq, 300));
-//   CPFILL_RETURN_IF_ERROR(kv->Write(layer, {{{seq, 0, 300, k_rows, v_rows}}}));
-//   CPFILL_RETURN_IF_ERROR(kv->Read(layer, {{{seq, 0, 300, k_out, v_out}}}));
+//   CPFILL_RETURN_IF_ERROR(kv->Reserve(seq, 300));     // ResourceExhausted when full
+//   CPFILL_RETURN_IF_ERROR(kv->Append(seq, 300));      // length 300
+//   KvCache::Rows rows[] = {{seq, 0, 300, k_rows, v_rows}};
+//   CPFILL_RETURN_IF_ERROR(kv->Write(layer, rows));    // k_rows, v_rows: [300, 8, 128] fp32
 //   kv->Release(seq);
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace cpfill::runtime {
@@ -40,94 +56,107 @@ struct KvCacheSpec {
   int kv_heads = 0;  // this rank's KV heads (after TP)
   int head_dim = 0;
   int block_tokens = 64;        // 16..256
-  int64_t capacity_tokens = 0;  // rounded up to whole blocks
+  int64_t capacity_tokens = 0;  // rounded up to whole blocks by KvCache::Create
   KvDtype dtype = KvDtype::kFloat32;
 
-  // One token's K (or V) of one layer.
-  int64_t row_bytes() const { return int64_t{kv_heads} * head_dim * KvDtypeBytes(dtype); }
-  int64_t block_bytes() const { return block_tokens * row_bytes(); }
-  // K and V of every layer.
-  int64_t bytes_per_token() const { return 2 * int64_t{num_layers} * row_bytes(); }
+  // One token of K (or V) of one layer: kv_heads * head_dim elements.
+  int64_t row_bytes() const;
+  // block_tokens rows.
+  int64_t block_bytes() const;
+  // K and V of every layer: 2 * num_layers * row_bytes().
+  int64_t bytes_per_token() const;
 };
 
 // The capacity in tokens (whole blocks) that `fraction` (0 < f <= 1) of `free_bytes` holds.
+// InvalidArgument for a bad fraction, negative bytes or a bad geometry (capacity_tokens ignored).
 absl::StatusOr<int64_t> CapacityFromMemory(const KvCacheSpec& spec, double fraction,
                                            int64_t free_bytes);
 
-// One contiguous copy inside the storage's memory space.
+// One contiguous copy of `bytes` from src to dst, both in the storage's memory space.
 struct CopyRun {
   void* dst;
   const void* src;
   int64_t bytes;
 };
 
-// Where the pool lives and how copies run: host memory and memcpy, or device memory and one
-// kernel per batch of runs (asynchronous, on the storage's stream). A run list is staged once
-// into a numbered slot (on a GPU: uploaded) and executed any number of times, each time with
-// its destinations and sources shifted by a byte offset: one layer's copies are layer 0's
-// shifted by the layer's place in the pool, so a prefill uploads its lists once, not per layer.
+// Where the pool lives and how copies run. Host: page-aligned host memory, memcpy, synchronous.
+// Device: one cudaMalloc, one kernel per batch of runs on the storage's stream (asynchronous,
+// never synchronizes).
 class KvStorage {
  public:
   virtual ~KvStorage() = default;
-  virtual absl::Status Allocate(int64_t bytes) = 0;  // once; ResourceExhausted on failure
+  // Once; ResourceExhausted naming the bytes when the memory is not there.
+  virtual absl::Status Allocate(int64_t bytes) = 0;
   virtual char* base() const = 0;
   virtual bool on_device() const = 0;
-  virtual absl::Status Stage(int slot, std::span<const CopyRun> runs) = 0;
-  // Runs the list last staged into `slot` (`runs` is that same list, for the host).
-  virtual absl::Status Execute(int slot, std::span<const CopyRun> runs, int64_t dst_shift,
-                               int64_t src_shift) = 0;
+  // Runs of 0 bytes are skipped; InvalidArgument for a negative size or a null pointer.
+  virtual absl::Status CopyRuns(std::span<const CopyRun> runs) = 0;
+  // Sizes the buffers that carry a batch of `runs` runs up front, so CopyRuns does not grow them
+  // on the hot path (a batch larger still grows them). Nothing to do for the host storage.
+  virtual absl::Status ReserveRuns(int64_t runs) { return absl::OkStatus(); }
 };
-// Host memory mapped untouched: pages are committed as blocks are first written.
 std::unique_ptr<KvStorage> MakeHostKvStorage();
 
 struct KvUsage {
   int64_t blocks_total = 0, blocks_used = 0, blocks_shared = 0;  // shared: reference count > 1
   int64_t tokens_held = 0;                                       // sum of sequence lengths
-  int64_t bytes_total = 0, bytes_used = 0;
+  int64_t bytes_total = 0, bytes_used = 0;                       // every layer's K and V
   int sequences = 0;
-  double usage_ratio() const {
-    return blocks_total == 0 ? 0 : static_cast<double>(blocks_used) / blocks_total;
-  }
+  double usage_ratio() const;  // blocks_used / blocks_total
 };
 
 class KvCache {
  public:
   using SeqId = int64_t;
 
+  // Allocates spec.capacity_tokens (rounded up to whole blocks) of every layer's K and V, once.
+  // InvalidArgument for a bad spec: block_tokens outside 16..256, non-positive sizes, or a pool
+  // whose size does not fit in int64 or whose block ids do not fit in int32.
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(const KvCacheSpec& spec,
                                                          std::unique_ptr<KvStorage> storage);
+  ~KvCache();
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
 
-  // Room for `total_tokens` tokens of `seq` (created, length 0, if new). ResourceExhausted
-  // naming the tokens, the bytes needed and the bytes free when the pool is short; nothing
-  // changes then.
+  // Room for `total_tokens` tokens of `seq` (created, length 0, if new): grows its block table.
+  // ResourceExhausted naming the sequence, the tokens, the bytes needed and the bytes free when
+  // the free blocks do not suffice; nothing changes then.
   absl::Status Reserve(SeqId seq, int64_t total_tokens);
-  // Blocks Reserve(seq, total_tokens) would take from the pool (0 when it already fits).
+  // Blocks Reserve(seq, total_tokens) would take from the pool (0 when it fits): for a capacity
+  // check agreed by every rank before any work.
   int64_t BlocksNeeded(SeqId seq, int64_t total_tokens) const;
   int64_t free_blocks() const { return static_cast<int64_t>(free_.size()); }
-  // length(seq) += tokens; FailedPrecondition past what was reserved.
+  int64_t num_blocks() const { return num_blocks_; }
+  // length(seq) += tokens; FailedPrecondition past the reserved tokens.
   absl::Status Append(SeqId seq, int64_t tokens);
-  // length(seq) = tokens (<= length); blocks past it return to the pool (a failed prefill's
-  // rollback).
+  // length(seq) = reserved(seq) = tokens (<= length); blocks past it go back to the pool (the
+  // rollback of a failed prefill).
   absl::Status Truncate(SeqId seq, int64_t tokens);
-  // Forgets `seq`; its blocks return to the pool once no other sequence shares them.
+  // Forgets `seq`; its blocks return to the pool once no other sequence shares them. No-op if
+  // unknown.
   void Release(SeqId seq);
-  // `child` (new) shares the blocks of `parent`'s first `prefix_tokens` tokens. A partly filled
-  // last block is copied into a block of the child's own, so no write ever lands in a shared
-  // block.
+  // `child` (new; AlreadyExists otherwise) shares the blocks of `parent`'s first `prefix_tokens`
+  // tokens; a partly filled last block is copied into a block of the child's own (copy-on-write
+  // at fork time). Child length = reserved = prefix_tokens. ResourceExhausted when that copy has
+  // no free block.
   absl::Status Fork(SeqId parent, SeqId child, int64_t prefix_tokens);
 
   bool Contains(SeqId seq) const { return seqs_.count(seq) != 0; }
-  int64_t length(SeqId seq) const;
+  int64_t length(SeqId seq) const;    // 0 if unknown
+  int64_t reserved(SeqId seq) const;  // tokens it may hold without another Reserve; 0 if unknown
+  // Block ids of `seq`'s tokens in order (token t in block [t / block_tokens]); empty if unknown.
+  // Valid until the next call that changes `seq`.
   std::span<const int32_t> BlockTable(SeqId seq) const;
+  int32_t refcount(int32_t block) const;  // sequences holding `block`; 0 when free or invalid
   KvUsage usage() const;
-  const KvCacheSpec& spec() const { return spec_; }
-  int64_t num_blocks() const { return num_blocks_; }
-  bool on_device() const { return storage_->on_device(); }
+  const KvCacheSpec& spec() const { return spec_; }  // capacity_tokens rounded up
+  bool on_device() const;
 
-  // Rows [token_begin, token_begin + count) of one sequence; k and v each
-  // [count, kv_heads, head_dim] contiguous in the storage's memory space. For a write they are
-  // the source (rows within what was reserved), for a read the destination (rows within the
-  // length).
+  // Rows [token_begin, token_begin + count) of sequence `seq` in one layer: k and v each
+  // [count, kv_heads, head_dim] elements of spec().dtype, contiguous, in the storage's memory
+  // space. For Write they are the source (rows within the reserved tokens, in blocks not shared),
+  // for Read the destination (rows within the length). One CopyRuns per call; every entry is
+  // checked before anything is copied.
   struct Rows {
     SeqId seq;
     int64_t token_begin;
@@ -135,43 +164,46 @@ class KvCache {
     void* k;
     void* v;
   };
-  // The same rows of every layer, checked and staged once (a prefill's layers all copy alike).
-  struct Copy {
-    int slot = 0;
-    bool to_blocks = false;
-    std::vector<CopyRun> runs;  // layer 0's
-  };
-  enum Slot { kSlotWrite, kSlotRead, kSlotOnce, kSlotFork };
-  absl::StatusOr<Copy> PrepareWrite(int slot, std::span<const Rows> rows);
-  absl::StatusOr<Copy> PrepareRead(int slot, std::span<const Rows> rows);
-  absl::Status Run(const Copy& copy, int layer);
-  // One-off copies of one layer (PrepareWrite/Read and Run in one call).
   absl::Status Write(int layer, std::span<const Rows> rows);
   absl::Status Read(int layer, std::span<const Rows> rows);
 
-  // Block `block`'s K (kind 0) or V (kind 1) rows of `layer`: for kernels that read block tables
-  // directly and for the KV hand-off.
+  // The first byte of block `block`'s K (kind 0) or V (kind 1) rows of `layer` (layout above):
+  // for kernels that read block tables directly and for the KV hand-off. nullptr when an argument
+  // is out of range.
   char* BlockAddress(int layer, int kind, int32_t block) const;
 
  private:
   struct Sequence {
     int64_t length = 0;
+    int64_t reserved = 0;  // >= length; <= blocks.size() * block_tokens
     std::vector<int32_t> blocks;
   };
+
   KvCache(const KvCacheSpec& spec, int64_t num_blocks, std::unique_ptr<KvStorage> storage);
 
-  absl::StatusOr<const Sequence*> Find(SeqId seq) const;
+  int64_t BlocksFor(int64_t tokens) const;
+  // Bytes of one block id over every layer's K and V.
+  int64_t BytesPerBlockId() const;
+  std::string BytesText(int64_t blocks) const;  // blocks * BytesPerBlockId(), for messages
+  // True when `s`'s last block holds some rows, is shared, and is where its next rows go.
+  bool LastBlockNeedsCopy(const Sequence& s) const;
+  int32_t TakeBlock();  // from the free list, reference count 1
   void Unref(int32_t block);
-  // The runs moving layer 0's rows between `rows`' buffers and their blocks.
-  absl::StatusOr<Copy> Prepare(int slot, std::span<const Rows> rows, bool to_blocks);
-  int64_t layer_stride() const { return 2 * num_blocks_ * spec_.block_bytes(); }
+  // Appends runs copying rows [0, tokens) of block `from` to block `to`, every layer, K and V.
+  void AddBlockCopy(int32_t from, int32_t to, int64_t tokens);
+  // Appends a run, merged into the previous one when both sides continue it.
+  void AddRun(char* dst, const char* src, int64_t bytes);
+  absl::Status CheckRows(int layer, std::span<const Rows> rows, bool write) const;
+  absl::Status Copy(int layer, std::span<const Rows> rows, bool write);
 
   KvCacheSpec spec_;
   int64_t num_blocks_;
   std::unique_ptr<KvStorage> storage_;
-  std::vector<int32_t> free_;      // LIFO: recently freed (warm) blocks first
-  std::vector<int32_t> refcount_;  // per block
+  std::vector<int32_t> free_;      // LIFO of free block ids
+  std::vector<int32_t> refcount_;  // per block; 0 = free
+  int64_t shared_blocks_ = 0;      // blocks with refcount > 1
   std::unordered_map<SeqId, Sequence> seqs_;
+  std::vector<CopyRun> runs_;  // scratch of Copy, Fork and Reserve: no allocation per call
 };
 
 }  // namespace cpfill::runtime

@@ -33,7 +33,7 @@ struct LlamaModel::Running {
   std::vector<bool> made_here;
   std::unique_ptr<LayerRing> ring;
   Tensor ids, positions, x, h, q, k, v, k_all, v_all, attn, lse, attn_compute, proj, gate, up;
-  KvCache::Copy new_kv, all_kv;  // the KV copies of every layer, staged once
+  std::vector<KvCache::Rows> new_rows, all_rows;  // the KV copies of every layer
 };
 
 absl::StatusOr<KvCacheSpec> KvSpecFor(const ModelConfig& config, int tp_size, KvDtype dtype,
@@ -237,20 +237,17 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
 
   // Every layer copies the same rows: this batch's new K/V into each request's blocks (after the
   // rows it held), then each request's whole K/V into the local layout for the ring.
-  std::vector<KvCache::Rows> new_rows, all_rows;
   for (int s = 0; s < r.b.plan.num_sequences(); ++s) {
     if (layout.q_len[s] > 0) {
-      new_rows.push_back({r.seq[s], r.rows_before[s], layout.q_len[s],
+      r.new_rows.push_back({r.seq[s], r.rows_before[s], layout.q_len[s],
                           r.k.Rows(layout.q_offset[s], 1).data,
                           r.v.Rows(layout.q_offset[s], 1).data});
     }
     if (layout.kv_len[s] > 0) {
-      all_rows.push_back({r.seq[s], 0, layout.kv_len[s], r.k_all.Rows(layout.kv_offset[s], 1).data,
+      r.all_rows.push_back({r.seq[s], 0, layout.kv_len[s], r.k_all.Rows(layout.kv_offset[s], 1).data,
                           r.v_all.Rows(layout.kv_offset[s], 1).data});
     }
   }
-  CPFILL_ASSIGN_OR_RETURN(r.new_kv, kv_->PrepareWrite(KvCache::kSlotWrite, new_rows));
-  CPFILL_ASSIGN_OR_RETURN(r.all_kv, kv_->PrepareRead(KvCache::kSlotRead, all_rows));
 
   CPFILL_RETURN_IF_ERROR(be.BeginPhase());
   CPFILL_RETURN_IF_ERROR(be.Embed(r.ids, be.weights().embedding, &r.x));
@@ -292,8 +289,8 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
   CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(be.Rope(r.positions, config_.num_heads / tp, &r.q));
     CPFILL_RETURN_IF_ERROR(be.Rope(r.positions, config_.num_kv_heads / tp, &r.k));
-    CPFILL_RETURN_IF_ERROR(kv_->Run(r.new_kv, l));
-    return kv_->Run(r.all_kv, l);
+    CPFILL_RETURN_IF_ERROR(kv_->Write(l, r.new_rows));
+    return kv_->Read(l, r.all_rows);
   }));
   const bool convert = be.compute_type() != ElemType::kF32;
   CPFILL_RETURN_IF_ERROR(phase(t.attention_s, [&]() -> absl::Status {

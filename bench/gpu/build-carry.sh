@@ -4,12 +4,16 @@
 # (Debian's Abseil, Google Benchmark) copied beside them. Result: .gpu-carry/ (git-ignored).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-cmake -S . -B build-gpu -G Ninja -DCPFILL_CUDA=ON -DCPFILL_CPU_ARCH=x86-64-v3 >/dev/null
-cmake --build build-gpu --target attention_cuda_test attention_cuda_bench cpfill -j "$(nproc)"
+launcher=()  # ccache, where installed, makes rebuilds of a few files cheap
+command -v ccache >/dev/null &&
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+cmake -S . -B build-gpu -G Ninja -DCPFILL_CUDA=ON -DCPFILL_CPU_ARCH=x86-64-v3 "${launcher[@]}" \
+  >/dev/null
+bins=(attention/attention_cuda_test bench/attention_cuda_bench cpfill tests/llama_model_cuda_test)
+cmake --build build-gpu --target "${bins[@]##*/}" -j "$(nproc)"
 rm -rf .gpu-carry && mkdir -p .gpu-carry/lib
-cp build-gpu/attention/attention_cuda_test build-gpu/bench/attention_cuda_bench build-gpu/cpfill \
-   .gpu-carry/
-for bin in .gpu-carry/attention_cuda_test .gpu-carry/attention_cuda_bench .gpu-carry/cpfill; do
-  ldd "$bin" | awk '/libabsl|libbenchmark|libgtest/ {print $3}'
+for bin in "${bins[@]}"; do cp "build-gpu/$bin" .gpu-carry/; done
+for bin in "${bins[@]##*/}"; do
+  ldd ".gpu-carry/$bin" | awk '/libabsl|libbenchmark|libgtest/ {print $3}'
 done | sort -u | xargs -r -I{} cp -L {} .gpu-carry/lib/
 du -sh .gpu-carry

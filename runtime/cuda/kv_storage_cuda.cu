@@ -1,97 +1,182 @@
-#include "runtime/cuda/kv_storage_cuda.h"
+#include <cuda_runtime.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "runtime/cuda/kv_storage_cuda.h"
 
 namespace cpfill::runtime::cuda {
 namespace {
 
-// One CTA per run: 16-byte copies when the run's ends are 16-byte aligned (KV rows of bf16 with
-// head_dim 64 or 128 always are), byte copies otherwise.
-// Destinations and sources move by `dst_shift` / `src_shift` bytes (the layer's place in the
-// pool).
-__global__ void CopyRunsKernel(const CopyRun* runs, int64_t dst_shift, int64_t src_shift) {
-  const CopyRun r = runs[blockIdx.x];
-  char* dst = static_cast<char*>(r.dst) + dst_shift;
-  const char* src = static_cast<const char*>(r.src) + src_shift;
-  const auto ends = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                    static_cast<uintptr_t>(r.bytes);
-  if ((ends & 15) == 0) {
-    auto* d = reinterpret_cast<uint4*>(dst);
-    const auto* s = reinterpret_cast<const uint4*>(src);
-    for (int64_t i = threadIdx.x; i < r.bytes / 16; i += blockDim.x) d[i] = s[i];
-    return;
+constexpr int kCopyThreads = 256;
+constexpr int64_t kMaxCopyCtas = int64_t{1} << 16;
+
+// One run as the kernel sees it: `first_chunk` is the number of chunks of the runs before it, so
+// the runs' first chunks are strictly increasing (empty runs are dropped on the host).
+struct DeviceRun {
+  char* dst;
+  const char* src;
+  int64_t bytes;
+  int64_t first_chunk;
+};
+static_assert(sizeof(DeviceRun) == 32, "the run list is uploaded as raw bytes");
+
+struct CopyParams {
+  const DeviceRun* runs;  // device, num_runs entries
+  int64_t num_runs;
+  int64_t total_chunks;
+};
+
+// The CTA's threads copy `bytes` bytes: 16-byte vectors where src and dst can both be aligned,
+// bytes elsewhere.
+__device__ void CopyChunk(char* dst, const char* src, int64_t bytes) {
+  const uintptr_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+  int64_t head = bytes, vectors = 0;
+  if (((d ^ s) & 15) == 0) {
+    const int64_t to_aligned = static_cast<int64_t>((16 - (d & 15)) & 15);
+    head = to_aligned < bytes ? to_aligned : bytes;
+    vectors = (bytes - head) / 16;
+    uint4* dv = reinterpret_cast<uint4*>(dst + head);
+    const uint4* sv = reinterpret_cast<const uint4*>(src + head);
+    for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) dv[i] = sv[i];
   }
-  for (int64_t i = threadIdx.x; i < r.bytes; i += blockDim.x) dst[i] = src[i];
+  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+  for (int64_t i = head + vectors * 16 + threadIdx.x; i < bytes; i += blockDim.x) {
+    dst[i] = src[i];
+  }
 }
 
-class DeviceKvStorage : public KvStorage {
+__global__ void __launch_bounds__(kCopyThreads)
+    CopyRunsKernel(const __grid_constant__ CopyParams p) {
+  for (int64_t chunk = blockIdx.x; chunk < p.total_chunks; chunk += gridDim.x) {
+    // The last run whose first chunk is <= chunk.
+    int64_t lo = 0, hi = p.num_runs - 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (p.runs[mid].first_chunk <= chunk) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const DeviceRun r = p.runs[lo];
+    const int64_t offset = (chunk - r.first_chunk) * kCopyChunkBytes;
+    const int64_t left = r.bytes - offset;
+    CopyChunk(r.dst + offset, r.src + offset, left < kCopyChunkBytes ? left : kCopyChunkBytes);
+  }
+}
+
+class DeviceKvStorage final : public KvStorage {
  public:
   explicit DeviceKvStorage(cudaStream_t stream) : stream_(stream) {}
+
   ~DeviceKvStorage() override {
-    cudaFree(base_);
-    for (Slot& s : slots_) cudaFree(s.runs);
-  }
-  absl::Status Allocate(int64_t bytes) override {
-    CPFILL_CHECK_INTERNAL(base_ == nullptr, "the KV pool is allocated once");
-    void* p = nullptr;
-    if (cudaMalloc(&p, std::max<int64_t>(bytes, 16)) != cudaSuccess) {
-      cudaGetLastError();
-      size_t free = 0, total = 0;
-      cudaMemGetInfo(&free, &total);
-      return absl::ResourceExhaustedError(
-          absl::StrCat("KV cache: cannot allocate ", bytes, " bytes of device memory (", free,
-                       " free); lower --kv-capacity-tokens or --kv-memory-fraction"));
+    // In-flight copies may still read the run buffers or the pool.
+    cudaStreamSynchronize(stream_);
+    for (cudaEvent_t e : uploaded_) {
+      if (e != nullptr) cudaEventDestroy(e);
     }
-    base_ = static_cast<char*>(p);
+    cudaFree(device_runs_);
+    cudaFreeHost(staging_);
+    for (DeviceRun* p : retired_staging_) cudaFreeHost(p);
+    cudaFree(pool_);
+  }
+
+  absl::Status Allocate(int64_t bytes) override {
+    if (pool_ != nullptr) {
+      return absl::FailedPreconditionError("KV device storage: the pool is allocated once");
+    }
+    CPFILL_CHECK_ARG(bytes > 0, "KV device storage: cannot allocate ", bytes, " bytes");
+    const cudaError_t rc = cudaMalloc(&pool_, static_cast<size_t>(bytes));
+    if (rc == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // not sticky, but clear it for the next caller's check
+      size_t free_bytes = 0, total_bytes = 0;
+      cudaMemGetInfo(&free_bytes, &total_bytes);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("KV device storage: cannot allocate ", bytes, " bytes (",
+                       bytes / double(int64_t{1} << 30), " GiB) of device memory; ", free_bytes,
+                       " bytes are free; lower the KV capacity or memory fraction"));
+    }
+    CPFILL_CUDA_CHECK(rc);
+    for (cudaEvent_t& e : uploaded_) {
+      CPFILL_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
     return absl::OkStatus();
   }
-  char* base() const override { return base_; }
+
+  char* base() const override { return pool_; }
   bool on_device() const override { return true; }
 
-  // The run list goes up through pageable memory, once per prefill (not per layer): the call
-  // returns once it is staged, so the caller's vector may change right after.
-  absl::Status Stage(int slot, std::span<const CopyRun> runs) override {
-    if (slot >= static_cast<int>(slots_.size())) slots_.resize(slot + 1);
-    Slot& s = slots_[slot];
-    if (runs.size() > s.capacity) {
-      cudaFree(s.runs);
-      s.runs = nullptr;
-      s.capacity = 0;
-      CPFILL_CUDA_CHECK(cudaMalloc(&s.runs, runs.size() * sizeof(CopyRun)));
-      s.capacity = runs.size();
-    }
-    if (!runs.empty()) {
-      CPFILL_CUDA_CHECK(cudaMemcpyAsync(s.runs, runs.data(), runs.size() * sizeof(CopyRun),
-                                        cudaMemcpyHostToDevice, stream_));
-    }
+  absl::Status ReserveRuns(int64_t runs) override {
+    CPFILL_CHECK_ARG(runs >= 0, "KV device storage: cannot reserve ", runs, " runs");
+    if (runs <= capacity_runs_) return absl::OkStatus();
+    const int64_t capacity = std::max(runs, 2 * capacity_runs_);
+    const size_t slot_bytes = static_cast<size_t>(capacity) * sizeof(DeviceRun);
+    // Uploads still queued may read the old staging block: keep it until the destructor.
+    DeviceRun* staging = nullptr;
+    CPFILL_CUDA_CHECK(cudaMallocHost(&staging, slot_bytes * kStagingSlots));
+    if (staging_ != nullptr) retired_staging_.push_back(staging_);
+    staging_ = staging;
+    // Stream-ordered: the old buffer goes after the kernels that read it.
+    if (device_runs_ != nullptr) CPFILL_CUDA_CHECK(cudaFreeAsync(device_runs_, stream_));
+    device_runs_ = nullptr;
+    CPFILL_CUDA_CHECK(cudaMallocAsync(&device_runs_, slot_bytes, stream_));
+    capacity_runs_ = capacity;
     return absl::OkStatus();
   }
-  absl::Status Execute(int slot, std::span<const CopyRun> runs, int64_t dst_shift,
-                       int64_t src_shift) override {
-    CPFILL_CHECK_INTERNAL(slot < static_cast<int>(slots_.size()) &&
-                              runs.size() <= slots_[slot].capacity,
-                          "KV copy slot ", slot, " was not staged with ", runs.size(), " runs");
-    for (size_t first = 0; first < runs.size(); first += kMaxGrid) {
-      const unsigned n = static_cast<unsigned>(std::min<size_t>(kMaxGrid, runs.size() - first));
-      CopyRunsKernel<<<n, 256, 0, stream_>>>(slots_[slot].runs + first, dst_shift, src_shift);
-      CPFILL_CUDA_CHECK(cudaGetLastError());
+
+  absl::Status CopyRuns(std::span<const CopyRun> runs) override {
+    int64_t n = 0;
+    for (const CopyRun& r : runs) {
+      CPFILL_CHECK_ARG(r.bytes >= 0, "KV copy run of ", r.bytes, " bytes");
+      CPFILL_CHECK_ARG(r.bytes == 0 || (r.dst != nullptr && r.src != nullptr), "KV copy run of ",
+                       r.bytes, " bytes with a null pointer");
+      n += r.bytes > 0;
     }
+    if (n == 0) return absl::OkStatus();
+    CPFILL_CHECK_ARG(pool_ != nullptr, "KV device storage: CopyRuns before Allocate");
+    CPFILL_RETURN_IF_ERROR(ReserveRuns(n));
+
+    // Step 1: a staging slot whose previous upload the device has done (normally long ago).
+    const int slot = next_slot_;
+    next_slot_ = (next_slot_ + 1) % kStagingSlots;
+    CPFILL_CUDA_CHECK(cudaEventSynchronize(uploaded_[slot]));
+    DeviceRun* staged = staging_ + slot * capacity_runs_;
+
+    // Step 2: the run list with each run's first chunk.
+    int64_t chunks = 0, i = 0;
+    for (const CopyRun& r : runs) {
+      if (r.bytes == 0) continue;
+      staged[i++] = {static_cast<char*>(r.dst), static_cast<const char*>(r.src), r.bytes, chunks};
+      chunks += (r.bytes + kCopyChunkBytes - 1) / kCopyChunkBytes;
+    }
+
+    // Step 3: upload, mark the slot free again once the upload is done, copy.
+    CPFILL_CUDA_CHECK(cudaMemcpyAsync(device_runs_, staged, n * sizeof(DeviceRun),
+                                      cudaMemcpyHostToDevice, stream_));
+    CPFILL_CUDA_CHECK(cudaEventRecord(uploaded_[slot], stream_));
+    const CopyParams params{device_runs_, n, chunks};
+    const int ctas = static_cast<int>(std::min(chunks, kMaxCopyCtas));
+    CopyRunsKernel<<<ctas, kCopyThreads, 0, stream_>>>(params);
+    CPFILL_CUDA_CHECK(cudaGetLastError());
     return absl::OkStatus();
   }
 
  private:
-  static constexpr size_t kMaxGrid = 65535;
-  struct Slot {
-    CopyRun* runs = nullptr;  // device copy of the staged list
-    size_t capacity = 0;
-  };
   cudaStream_t stream_;
-  char* base_ = nullptr;
-  std::vector<Slot> slots_;
+  char* pool_ = nullptr;
+  // Run lists: kStagingSlots slots of capacity_runs_ runs in pinned memory, one device buffer.
+  int64_t capacity_runs_ = 0;
+  DeviceRun* staging_ = nullptr;
+  std::vector<DeviceRun*> retired_staging_;
+  DeviceRun* device_runs_ = nullptr;
+  std::array<cudaEvent_t, kStagingSlots> uploaded_{};
+  int next_slot_ = 0;
 };
 
 }  // namespace
@@ -101,9 +186,9 @@ std::unique_ptr<KvStorage> MakeDeviceKvStorage(cudaStream_t stream) {
 }
 
 absl::StatusOr<int64_t> FreeDeviceBytes() {
-  size_t free = 0, total = 0;
-  CPFILL_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-  return static_cast<int64_t>(free);
+  size_t free_bytes = 0, total_bytes = 0;
+  CPFILL_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return static_cast<int64_t>(free_bytes);
 }
 
 }  // namespace cpfill::runtime::cuda

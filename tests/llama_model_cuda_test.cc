@@ -1,0 +1,115 @@
+// The whole model on the CUDA backend against the fp32 CPU model on one rank: a two-turn session
+// (its KV kept in the device KvCache, the second turn a partial prefill on top) and a request
+// without a session in one batch; the KV blocks follow the sessions. Skips without a GPU. Run
+// under mpirun with one rank per GPU.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "parallel/cuda/nccl_communicator.h"
+#include "parallel/grid.h"
+#include "parallel/self_communicator.h"
+#include "runtime/cpu/cpu_backend.h"
+#include "runtime/cuda/cuda_backend.h"
+#include "runtime/llama_model.h"
+#include "runtime/weights.h"
+#include "tests/mpi_test_main.h"
+
+namespace cpfill {
+namespace {
+
+using runtime::PrefillRequest;
+
+std::vector<int32_t> Prompt(int64_t n, int vocab, uint64_t salt) {
+  std::vector<int32_t> ids;
+  for (int64_t i = 0; i < n; ++i) ids.push_back(static_cast<int32_t>((i * 7919 + salt * 31) % vocab));
+  return ids;
+}
+
+bool HaveGpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n >= testing::Mpi().world_size();
+}
+
+// bf16 against fp32: logits within 3% of their scale, first tokens equal but at a near tie.
+std::string CompareBf16(const std::vector<runtime::SequenceOutput>& gpu,
+                        const std::vector<runtime::SequenceOutput>& ref) {
+  if (gpu.size() != ref.size()) return "different sequence counts";
+  double diff = 0, scale = 0;
+  for (size_t s = 0; s < ref.size(); ++s) {
+    for (size_t i = 0; i < ref[s].logits.size(); ++i) {
+      const double d = std::fabs(double(gpu[s].logits[i]) - ref[s].logits[i]);
+      diff = std::isnan(d) ? INFINITY : std::max(diff, d);
+      scale = std::max(scale, std::fabs(double(ref[s].logits[i])));
+    }
+  }
+  if (!(diff <= 3e-2 * std::max(1.0, scale))) {
+    return "max logit difference " + std::to_string(diff) + " at scale " + std::to_string(scale);
+  }
+  for (size_t s = 0; s < ref.size(); ++s) {
+    if (gpu[s].first_token == ref[s].first_token) continue;
+    std::vector<float> top = ref[s].logits;
+    std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
+    if (top[0] - top[1] > 2 * diff) return "sequence " + std::to_string(s) + ": first token";
+  }
+  return "";
+}
+
+TEST(LlamaCuda, TwoTurnSessionEqualsOneFullPrefillOnTheCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device for every rank";
+  auto& mpi = testing::Mpi();
+  auto c = runtime::LoadModelConfig("tiny");
+  ASSERT_TRUE(c.ok());
+  auto grid = parallel::CreateProcessGrid(mpi, {.tp = 1});
+  ASSERT_TRUE(grid.ok()) << grid.status();
+  auto nccl = parallel::CreateNcclGrid(*grid, mpi.options());
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  auto w = runtime::SyntheticWeights(*c, 7, 0, 1);
+  ASSERT_TRUE(w.ok());
+  auto backend = runtime::cuda::MakeCudaBackend(*c, *w, *nccl);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  runtime::PrefillOptions options;
+  options.kv_capacity_tokens = 2048;
+  options.kv_block_tokens = 32;
+  auto model = runtime::LlamaModel::Create(*c, std::move(*backend), *grid->world, options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  runtime::LlamaModel& m = **model;
+
+  const std::vector<int32_t> whole = Prompt(377, c->vocab_size, 9);
+  const std::vector<int32_t> first(whole.begin(), whole.begin() + 300),
+      second(whole.begin() + 300, whole.end());
+  const std::vector<int32_t> other = Prompt(40, c->vocab_size, 4);
+  ASSERT_TRUE(m.Prefill({{.tokens = first, .session = "a"}}, nullptr, nullptr).ok());
+  auto turn2 =
+      m.Prefill({{.tokens = second, .session = "a"}, {.tokens = other}}, nullptr, nullptr);
+  ASSERT_TRUE(turn2.ok()) << turn2.status();
+  EXPECT_GT(m.kv_usage().blocks_used, 0);
+  ASSERT_TRUE(m.EndSession("a").ok());
+  EXPECT_EQ(m.kv_usage().blocks_used, 0);
+
+  std::string error;
+  if (grid->world_rank == 0) {
+    parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
+    runtime::PrefillOptions ref_options;
+    ref_options.threads = 0;
+    auto ref = runtime::cpu::CreateCpuModel(*c, std::move(*w), tp, cp, world, ref_options);
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    auto want = (*ref)->Prefill({{.tokens = whole}, {.tokens = other}}, nullptr, nullptr);
+    EXPECT_TRUE(want.ok()) << want.status();
+    if (want.ok()) error = CompareBf16(*turn2, *want);
+  }
+  auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << error;
+}
+
+}  // namespace
+}  // namespace cpfill
