@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attention/online_softmax.h"
 #include "base/status.h"
 
 namespace cpfill::attention {
@@ -145,31 +146,21 @@ absl::Status MergePartials(const AttentionShape& shape, int64_t rows,
       for (int h = 0; h < num_heads; ++h) {
         const int64_t lse_idx = r * num_heads + h;
         const int64_t o_off = lse_idx * head_dim;
-        float lse_max = kNegInf;
-        int arg_max = -1;
-        for (int s = 0; s < num_parts; ++s) {
-          const float l = parts[s].lse[lse_idx];
-          if (l > lse_max) {
-            lse_max = l;
-            arg_max = s;
-          }
-        }
+        LseMerge<float> merge;
+        for (int s = 0; s < num_parts; ++s) merge.Add(parts[s].lse[lse_idx], s);
         float* o_dst = o_out + o_off;
-        if (arg_max < 0) {
+        if (merge.empty()) {
           // Every part saw no key (or there are no parts): the empty-row convention.
           for (int d = 0; d < head_dim; ++d) o_dst[d] = 0.0f;
           lse_out[lse_idx] = kNegInf;
           continue;
         }
-        // Weights relative to the largest LSE are in [0, 1], so exp never overflows; -inf parts
-        // get weight exactly 0. The sum is 1 + (the rest), hence log1p for precision when the
-        // other parts are far below the maximum.
         float rest = 0.0f;
         for (int s = 0; s < num_parts; ++s) {
-          w[s] = (s == arg_max) ? 1.0f : std::exp(parts[s].lse[lse_idx] - lse_max);
-          if (s != arg_max) rest += w[s];
+          w[s] = merge.Weight(parts[s].lse[lse_idx], s);
+          if (s != merge.arg_max()) rest += w[s];
         }
-        const float inv_sum = 1.0f / (1.0f + rest);
+        const float inv_sum = LseMerge<float>::Normalizer(rest);
         for (int s = 0; s < num_parts; ++s) w[s] *= inv_sum;
         // Part 0 is folded in first because it may alias o_dst: that pass reads and writes the
         // same element only. Zero-weight parts are skipped, so a -inf part's O is never read.
@@ -184,7 +175,7 @@ absl::Status MergePartials(const AttentionShape& shape, int64_t rows,
           const float* o_s = parts[s].o + o_off;
           for (int d = 0; d < head_dim; ++d) o_dst[d] += w[s] * o_s[d];
         }
-        lse_out[lse_idx] = lse_max + std::log1p(rest);
+        lse_out[lse_idx] = merge.Lse(rest);
       }
     }
   };

@@ -1,10 +1,13 @@
 // Naive fp64 attention: one (query, head) at a time, two passes over its keys (max, then the
-// exponentials), nothing shared, nothing blocked.
+// exponentials), nothing shared, nothing blocked. The softmax weights are online_softmax.h's
+// LseMerge, the definition every merge shares.
 
 #include "attention/reference.h"
 
 #include <cmath>
 #include <limits>
+
+#include "attention/online_softmax.h"
 
 namespace cpfill::attention {
 
@@ -33,25 +36,27 @@ void ReferenceAttention(const AttentionParams& p, std::vector<double>* o,
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t kvh = h / group;
         const float* q = p.q + (qi * heads + h) * dim;
+        // Softmax is the LSE merge with one key per part (LSE = score, O = its value row).
         scores.assign(keys.size(), 0.0);
-        double max_score = -std::numeric_limits<double>::infinity();
+        LseMerge<double> merge;
         for (size_t n = 0; n < keys.size(); ++n) {
           const float* k = p.k + (keys[n] * sh.num_kv_heads + kvh) * dim;
           double dot = 0.0;
           for (int64_t d = 0; d < dim; ++d) dot += double{q[d]} * double{k[d]};
           scores[n] = dot * double{sh.softmax_scale};
-          max_score = std::max(max_score, scores[n]);
+          merge.Add(scores[n], static_cast<int>(n));
         }
-        double sum = 0.0;
+        double rest = 0.0;
         double* out = o->data() + (qi * heads + h) * dim;
         for (size_t n = 0; n < keys.size(); ++n) {
-          const double w = std::exp(scores[n] - max_score);
-          sum += w;
+          const double w = merge.Weight(scores[n], static_cast<int>(n));
+          if (static_cast<int>(n) != merge.arg_max()) rest += w;
           const float* v = p.v + (keys[n] * sh.num_kv_heads + kvh) * dim;
           for (int64_t d = 0; d < dim; ++d) out[d] += w * double{v[d]};
         }
-        for (int64_t d = 0; d < dim; ++d) out[d] /= sum;
-        (*lse)[qi * heads + h] = max_score + std::log(sum);
+        const double inv_sum = LseMerge<double>::Normalizer(rest);
+        for (int64_t d = 0; d < dim; ++d) out[d] *= inv_sum;
+        (*lse)[qi * heads + h] = merge.Lse(rest);
       }
     }
   }

@@ -9,12 +9,13 @@
 #include "base/bfloat16.h"
 #include "base/status.h"
 #include "base/thread_pool.h"
-#include "parallel/cuda/staged_attention_kernels.h"
+#include "parallel/cuda/staged_attention.h"
 #if CPFILL_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
 #include "attention/cuda/attention_cuda.h"
-#include "parallel/cuda/device_ring_attention.h"
+#include "parallel/cuda/cuda_ring_ops.h"
+#include "parallel/cuda/device_buffer.h"
 #include "parallel/cuda/nccl_communicator.h"
 #endif
 
@@ -66,10 +67,13 @@ class HostBackend : public Backend {
                                                        int threads) {
     std::unique_ptr<HostBackend> b(new HostBackend(std::move(name), grid, threads));
     if (b->name_ == "cuda-staged") {
-      CPFILL_ASSIGN_OR_RETURN(
-          b->kernels_, parallel::CudaStagedAttentionKernels::Create(grid.host_rank, &b->pool_));
+      CPFILL_ASSIGN_OR_RETURN(b->staged_, parallel::CudaStagedAttention::Create(grid.host_rank));
+      b->ops_ = std::make_unique<parallel::CpuRingOps>(
+          &b->pool_, [staged = b->staged_.get()](const attention::AttentionParams& p) {
+            return staged->Attend(p);
+          });
     } else {
-      b->kernels_ = std::make_unique<parallel::CpuAttentionKernels>(&b->pool_);
+      b->ops_ = std::make_unique<parallel::CpuRingOps>(&b->pool_);
     }
     return std::unique_ptr<Backend>(std::move(b));
   }
@@ -78,8 +82,8 @@ class HostBackend : public Backend {
                                                      const attention::AttentionShape& shape,
                                                      const runtime::SyntheticAttention& batch,
                                                      const runtime::HeadSlice& slice) override {
-    CPFILL_ASSIGN_OR_RETURN(
-        auto ring, parallel::RingAttention::Create(*grid_.cp, plan, shape, kernels_.get()));
+    CPFILL_ASSIGN_OR_RETURN(auto ring,
+                            parallel::RingAttention::Create(*grid_.cp, plan, shape, ops_.get()));
     const sharding::LocalLayout& layout = ring->layout();
     std::vector<float> q(layout.q_rows() * shape.num_heads * shape.head_dim);
     std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * shape.head_dim), v(k.size());
@@ -104,7 +108,7 @@ class HostBackend : public Backend {
     for (int r = 0; r <= repeat; ++r) {
       const auto t0 = Clock::now();
       CPFILL_RETURN_IF_ERROR(parallel::SingleRankAttention(one, shape, q.data(), k.data(), v.data(),
-                                                           o.data(), lse.data(), kernels_.get()));
+                                                           o.data(), lse.data(), ops_.get()));
       const double s = std::chrono::duration<double>(Clock::now() - t0).count();
       if (r > 0) rates.push_back(CausalFlops(shape, tokens) / s / 1e12);  // run 0: warm-up
     }
@@ -132,7 +136,8 @@ class HostBackend : public Backend {
       : Backend(std::move(name)), grid_(grid), pool_(threads) {}
   const parallel::ProcessGrid& grid_;
   ThreadPool pool_;
-  std::unique_ptr<parallel::AttentionKernels> kernels_;
+  std::unique_ptr<parallel::CudaStagedAttention> staged_;  // cuda-staged only
+  std::unique_ptr<parallel::CpuRingOps> ops_;  // one for every runner: buffers kept between plans
 };
 
 #if CPFILL_HAVE_CUDA
@@ -141,13 +146,13 @@ class HostBackend : public Backend {
 class DeviceRunner : public Runner {
  public:
   static absl::StatusOr<std::unique_ptr<Runner>> Make(parallel::NcclGrid& nccl,
+                                                      parallel::CudaRingOps* ops,
                                                       const sharding::ShardPlan& plan,
                                                       const attention::AttentionShape& shape,
                                                       const runtime::SyntheticAttention& batch,
                                                       const runtime::HeadSlice& slice) {
     std::unique_ptr<DeviceRunner> r(new DeviceRunner(nccl.compute.get()));
-    CPFILL_ASSIGN_OR_RETURN(
-        r->ring_, parallel::DeviceRingAttention::Create(*nccl.cp, plan, shape, nccl.compute.get()));
+    CPFILL_ASSIGN_OR_RETURN(r->ring_, parallel::RingAttention::Create(*nccl.cp, plan, shape, ops));
     const sharding::LocalLayout& layout = r->ring_->layout();
     std::vector<float> q(layout.q_rows() * shape.num_heads * shape.head_dim);
     std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * shape.head_dim), v(k.size());
@@ -168,13 +173,9 @@ class DeviceRunner : public Runner {
   }
   absl::Status Run(RingAlgorithm algo, parallel::RingTimings* t,
                    parallel::RingAttention::StepCallback progress) override {
-    CPFILL_RETURN_IF_ERROR(ring_->Run(algo, q_.As<__nv_bfloat16>(), k_.As<__nv_bfloat16>(),
-                                      v_.As<__nv_bfloat16>(), o_.As<float>(), lse_.As<float>(), t));
     // The device ring reports its steps once the run is done.
-    for (const auto& step : t->steps) {
-      if (progress) progress(step, static_cast<int>(t->steps.size()));
-    }
-    return absl::OkStatus();
+    return ring_->Run(algo, q_.As<void>(), k_.As<void>(), v_.As<void>(), o_.As<float>(),
+                      lse_.As<float>(), t, std::move(progress));
   }
   absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) override {
     o->resize(o_elems_);
@@ -197,7 +198,7 @@ class DeviceRunner : public Runner {
     return absl::OkStatus();
   }
   cudaStream_t stream_;
-  std::unique_ptr<parallel::DeviceRingAttention> ring_;
+  std::unique_ptr<parallel::RingAttention> ring_;
   parallel::DeviceBuffer q_, k_, v_, o_, lse_;
   size_t o_elems_ = 0, lse_elems_ = 0;
 };
@@ -208,6 +209,8 @@ class DeviceBackend : public Backend {
                                                        parallel::CommOptions options) {
     std::unique_ptr<DeviceBackend> b(new DeviceBackend());
     CPFILL_ASSIGN_OR_RETURN(b->nccl_, parallel::CreateNcclGrid(grid, options));
+    CPFILL_ASSIGN_OR_RETURN(b->ops_,
+                            parallel::CudaRingOps::Create(*b->nccl_.cp, b->nccl_.compute.get()));
     return std::unique_ptr<Backend>(std::move(b));
   }
 
@@ -215,7 +218,7 @@ class DeviceBackend : public Backend {
                                                      const attention::AttentionShape& shape,
                                                      const runtime::SyntheticAttention& batch,
                                                      const runtime::HeadSlice& slice) override {
-    return DeviceRunner::Make(nccl_, plan, shape, batch, slice);
+    return DeviceRunner::Make(nccl_, ops_.get(), plan, shape, batch, slice);
   }
 
   absl::StatusOr<double> MeasureTflops(const attention::AttentionShape& shape, int64_t tokens,
@@ -306,6 +309,7 @@ class DeviceBackend : public Backend {
  private:
   DeviceBackend() : Backend("cuda") {}
   parallel::NcclGrid nccl_;
+  std::unique_ptr<parallel::CudaRingOps> ops_;  // one for every runner: buffers kept between plans
 };
 #endif  // CPFILL_HAVE_CUDA
 

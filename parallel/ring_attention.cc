@@ -12,48 +12,119 @@ namespace {
 
 using attention::AttentionParams;
 using attention::AttentionShape;
-using attention::kPadPosition;
 using attention::PartialView;
 using attention::SequenceSlice;
 using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point since) {
+double SecondsSince(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
 
+// Marks a run takes: three per ring step and a few around packing, exchanges and merges.
+int MarksFor(int num_steps) { return 3 * num_steps + 8; }
+
+// Position -1 (kPadPosition) as a byte pattern, so a fill can write it.
+constexpr uint8_t kPadPositionByte = 0xFF;
+static_assert(attention::kPadPosition == -1, "padding positions are filled with 0xFF bytes");
+
 }  // namespace
 
-// ---- CPU kernels -------------------------------------------------------------------------
+// ---- CPU ops -----------------------------------------------------------------------------
 
-absl::Status CpuAttentionKernels::Attend(const AttentionParams& p) {
-  return attention::PartialAttentionCpu(p, pool_);
+CpuRingOps::CpuRingOps(ThreadPool* pool)
+    : CpuRingOps(pool, [pool](const AttentionParams& p) {
+        return attention::PartialAttentionCpu(p, pool);
+      }) {}
+
+CpuRingOps::CpuRingOps(ThreadPool* pool, HostAttention attend)
+    : pool_(pool), attend_(std::move(attend)) {}
+
+absl::Status CpuRingOps::SetPositions(std::span<const int32_t> q_pos,
+                                      std::span<const int32_t> kv_pos) {
+  q_pos_.assign(q_pos.begin(), q_pos.end());
+  kv_pos_.assign(kv_pos.begin(), kv_pos.end());
+  return absl::OkStatus();
 }
 
-absl::Status CpuAttentionKernels::MergeInto(const AttentionShape& shape, int64_t rows, float* o_acc,
-                                            float* lse_acc, const float* o, const float* lse) {
-  return attention::MergeInto(shape, rows, o_acc, lse_acc, o, lse, pool_);
+absl::StatusOr<void*> CpuRingOps::Buffer(int slot, size_t bytes) {
+  if (slot >= static_cast<int>(buffers_.size())) buffers_.resize(slot + 1);
+  HostBuffer& b = buffers_[slot];
+  if (b.size() < bytes) b.Resize(bytes);
+  return static_cast<void*>(b.data());
 }
 
-absl::Status CpuAttentionKernels::Merge(const AttentionShape& shape, int64_t rows,
-                                        std::span<const PartialView> parts, float* o, float* lse) {
+absl::Status CpuRingOps::Copy(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuRingOps::Fill(void* dst, uint8_t byte, size_t bytes) {
+  if (bytes > 0) std::memset(dst, byte, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuRingOps::Attend(const RingStepArgs& a) {
+  AttentionParams p{.shape = a.shape,
+                    .q = static_cast<const float*>(a.q),
+                    .q_pos = a.q_pos,
+                    .q_tokens = a.q_tokens,
+                    .k = static_cast<const float*>(a.k),
+                    .v = static_cast<const float*>(a.v),
+                    .k_pos = a.k_pos,
+                    .kv_tokens = a.kv_tokens,
+                    .slices = a.slices.data(),
+                    .num_slices = static_cast<int64_t>(a.slices.size()),
+                    .o = a.o,
+                    .lse = a.lse};
+  if (!a.fold_into_output) return attend_(p);
+  // Merging an empty result changes nothing.
+  if (a.slices.empty()) return absl::OkStatus();
+  const size_t o_floats = static_cast<size_t>(a.q_tokens) * a.shape.num_heads * a.shape.head_dim;
+  const size_t bytes = (o_floats + static_cast<size_t>(a.q_tokens) * a.shape.num_heads) * 4;
+  if (step_out_.size() < bytes) step_out_.Resize(bytes);
+  p.o = step_out_.As<float>(0);
+  p.lse = p.o + o_floats;
+  CPFILL_RETURN_IF_ERROR(attend_(p));
+  return attention::MergeInto(a.shape, a.q_tokens, a.o, a.lse, p.o, p.lse, pool_);
+}
+
+absl::Status CpuRingOps::Merge(const AttentionShape& shape, int64_t rows,
+                               std::span<const PartialView> parts, float* o, float* lse) {
   return attention::MergePartials(shape, rows, parts, o, lse, pool_);
 }
+
+absl::Status CpuRingOps::BeginRun(int max_marks) {
+  marks_s_.clear();
+  marks_s_.reserve(max_marks);
+  return absl::OkStatus();
+}
+
+int CpuRingOps::Mark() {
+  marks_s_.push_back(std::chrono::duration<double>(Clock::now().time_since_epoch()).count());
+  return static_cast<int>(marks_s_.size()) - 1;
+}
+
+double CpuRingOps::Seconds(int a, int b) const { return marks_s_[b] - marks_s_[a]; }
 
 // ---- set-up ------------------------------------------------------------------------------
 
 RingAttention::RingAttention(Communicator& cp, const sharding::ShardPlan& plan,
-                             const AttentionShape& shape, AttentionKernels* kernels)
+                             const AttentionShape& shape, RingOps* ops)
     : cp_(cp),
       ring_plan_(plan, cp.rank(), shape.causal),
       shape_(shape),
-      kernels_(kernels),
+      ops_(ops),
       cp_rank_(cp.rank()),
       cp_size_(cp.size()) {}
 
+RingAttention::~RingAttention() {
+  // A later ring may be allocated at this address: it must not take these positions for its own.
+  if (ops_->positions_of_ == this) ops_->positions_of_ = nullptr;
+}
+
 absl::StatusOr<std::unique_ptr<RingAttention>> RingAttention::Create(
-    Communicator& cp, const sharding::ShardPlan& plan, const AttentionShape& shape,
-    AttentionKernels* kernels) {
-  CPFILL_CHECK_ARG(kernels != nullptr, "ring attention needs attention kernels");
+    Communicator& cp, const sharding::ShardPlan& plan, const AttentionShape& shape, RingOps* ops) {
+  CPFILL_CHECK_ARG(ops != nullptr, "ring attention needs ring ops (a backend)");
   CPFILL_CHECK_ARG(plan.cp_size == cp.size(), "the shard plan is for CP", plan.cp_size,
                    " but the CP ring has ", cp.size(), " ranks");
   CPFILL_CHECK_ARG(shape.num_heads > 0 && shape.num_kv_heads > 0 && shape.head_dim > 0 &&
@@ -61,100 +132,185 @@ absl::StatusOr<std::unique_ptr<RingAttention>> RingAttention::Create(
                    "attention shape: ", shape.num_heads, " query heads, ", shape.num_kv_heads,
                    " KV heads, head dim ", shape.head_dim,
                    " (heads must be positive and query heads a multiple of KV heads)");
-  return std::unique_ptr<RingAttention>(new RingAttention(cp, plan, shape, kernels));
+  CPFILL_RETURN_IF_ERROR(ops->CheckShape(shape, cp.size()));
+  std::unique_ptr<RingAttention> ring(new RingAttention(cp, plan, shape, ops));
+  CPFILL_RETURN_IF_ERROR(ring->BindPositions());
+  return ring;
+}
+
+absl::Status RingAttention::BindPositions() {
+  if (ops_->positions_of_ == this) return absl::OkStatus();
+  const sharding::LocalLayout& layout = ring_plan_.layout();
+  CPFILL_RETURN_IF_ERROR(ops_->SetPositions(layout.q_positions, layout.kv_positions));
+  ops_->positions_of_ = this;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<char*> RingAttention::Scratch(Slot slot, size_t bytes) {
+  CPFILL_ASSIGN_OR_RETURN(void* p, ops_->Buffer(slot, bytes));
+  return static_cast<char*>(p);
 }
 
 // ---- message packing ---------------------------------------------------------------------
 
 MessageLayout RingAttention::KvMessage() const {
-  const size_t row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim * sizeof(float);
+  const size_t row =
+      static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim * ops_->elem_bytes();
   return MessageLayout::Make(ring_plan_.kv_slots_total(), row, row);
 }
 
 MessageLayout RingAttention::QMessage() const {
-  const size_t row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim * sizeof(float);
+  const size_t row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim * ops_->elem_bytes();
   return MessageLayout::Make(ring_plan_.q_slots_total(), row, 0);
 }
 
-void RingAttention::PackKv(const float* k, const float* v, HostBuffer& msg) const {
-  const size_t row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim;
+absl::Status RingAttention::PackKv(const void* k, const void* v, char* msg) {
+  const size_t row =
+      static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim * ops_->elem_bytes();
   const MessageLayout m = KvMessage();
-  float* mk = msg.As<float>(m.a_offset);
-  float* mv = msg.As<float>(m.b_offset);
-  int32_t* mpos = msg.As<int32_t>(m.pos_offset);
   const sharding::LocalLayout& layout = ring_plan_.layout();
   for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
     const int64_t n = layout.kv_len[s], src = layout.kv_offset[s];
     const int64_t dst = ring_plan_.kv_slot_offset(s), pad = ring_plan_.kv_slots(s) - n;
-    std::memcpy(mk + dst * row, k + src * row, n * row * sizeof(float));
-    std::memcpy(mv + dst * row, v + src * row, n * row * sizeof(float));
-    std::memcpy(mpos + dst, layout.kv_positions.data() + src, n * sizeof(int32_t));
+    char* mk = msg + m.a_offset + dst * row;
+    char* mv = msg + m.b_offset + dst * row;
+    char* mpos = msg + m.pos_offset + dst * sizeof(int32_t);
+    if (n > 0) {
+      CPFILL_RETURN_IF_ERROR(ops_->Copy(mk, static_cast<const char*>(k) + src * row, n * row));
+      CPFILL_RETURN_IF_ERROR(ops_->Copy(mv, static_cast<const char*>(v) + src * row, n * row));
+      CPFILL_RETURN_IF_ERROR(ops_->Copy(mpos, ops_->kv_positions() + src, n * sizeof(int32_t)));
+    }
     // Padding slots may still hold a peer's keys from an earlier exchange: clear them.
-    std::memset(mk + (dst + n) * row, 0, pad * row * sizeof(float));
-    std::memset(mv + (dst + n) * row, 0, pad * row * sizeof(float));
-    std::fill(mpos + dst + n, mpos + dst + n + pad, kPadPosition);
+    if (pad > 0) {
+      CPFILL_RETURN_IF_ERROR(ops_->Fill(mk + n * row, 0, pad * row));
+      CPFILL_RETURN_IF_ERROR(ops_->Fill(mv + n * row, 0, pad * row));
+      CPFILL_RETURN_IF_ERROR(
+          ops_->Fill(mpos + n * sizeof(int32_t), kPadPositionByte, pad * sizeof(int32_t)));
+    }
   }
+  return absl::OkStatus();
 }
 
-void RingAttention::PackQ(const float* q, HostBuffer& msg) const {
-  const size_t row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim;
+absl::Status RingAttention::PackQ(const void* q, char* msg) {
+  const size_t row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim * ops_->elem_bytes();
   const MessageLayout m = QMessage();
-  float* mq = msg.As<float>(m.a_offset);
-  int32_t* mpos = msg.As<int32_t>(m.pos_offset);
   const sharding::LocalLayout& layout = ring_plan_.layout();
   for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
     const int64_t n = layout.q_len[s], src = layout.q_offset[s];
     const int64_t dst = ring_plan_.q_slot_offset(s), pad = ring_plan_.q_slots(s) - n;
-    std::memcpy(mq + dst * row, q + src * row, n * row * sizeof(float));
-    std::memcpy(mpos + dst, layout.q_positions.data() + src, n * sizeof(int32_t));
-    std::memset(mq + (dst + n) * row, 0, pad * row * sizeof(float));
-    std::fill(mpos + dst + n, mpos + dst + n + pad, kPadPosition);
+    char* mq = msg + m.a_offset + dst * row;
+    char* mpos = msg + m.pos_offset + dst * sizeof(int32_t);
+    if (n > 0) {
+      CPFILL_RETURN_IF_ERROR(ops_->Copy(mq, static_cast<const char*>(q) + src * row, n * row));
+      CPFILL_RETURN_IF_ERROR(ops_->Copy(mpos, ops_->q_positions() + src, n * sizeof(int32_t)));
+    }
+    if (pad > 0) {
+      CPFILL_RETURN_IF_ERROR(ops_->Fill(mq + n * row, 0, pad * row));
+      CPFILL_RETURN_IF_ERROR(
+          ops_->Fill(mpos + n * sizeof(int32_t), kPadPositionByte, pad * sizeof(int32_t)));
+    }
   }
+  return absl::OkStatus();
 }
 
-namespace {
-void EnsureSize(HostBuffer& b, size_t bytes) {
-  if (b.size() != bytes) b.Resize(bytes);
+absl::Status RingAttention::UnpackQ(const float* merged_o, const float* merged_lse, float* o,
+                                    float* lse) {
+  const int heads = shape_.num_heads;
+  const size_t q_row = static_cast<size_t>(heads) * shape_.head_dim;
+  const sharding::LocalLayout& layout = ring_plan_.layout();
+  for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
+    const int64_t rows = layout.q_len[s];
+    if (rows == 0) continue;
+    CPFILL_RETURN_IF_ERROR(ops_->Copy(o + layout.q_offset[s] * q_row,
+                                      merged_o + ring_plan_.q_slot_offset(s) * q_row,
+                                      rows * q_row * sizeof(float)));
+    CPFILL_RETURN_IF_ERROR(ops_->Copy(lse + layout.q_offset[s] * heads,
+                                      merged_lse + ring_plan_.q_slot_offset(s) * heads,
+                                      rows * heads * sizeof(float)));
+  }
+  return absl::OkStatus();
 }
-}  // namespace
 
-// ---- the ring step's exchange, shared by pass-KV and pass-Q --------------------------------
+// Sequence i of the result occupies N * L^i slots starting at N * kv_slot_offset(i), rank p's
+// keys at offset p * L^i; padding keeps position -1.
+absl::Status RingAttention::Repack(const char* gathered, char* gathered_kv) {
+  const int n = cp_size_;
+  const MessageLayout m = KvMessage();
+  const size_t kv_row =
+      static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim * ops_->elem_bytes();
+  const MessageLayout g = MessageLayout::Make(n * ring_plan_.kv_slots_total(), kv_row, kv_row);
+  for (int p = 0; p < n; ++p) {
+    const char* block = gathered + p * m.bytes;
+    for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
+      const int64_t src = ring_plan_.kv_slot_offset(s), len = ring_plan_.kv_slots(s);
+      const int64_t dst = n * src + p * len;
+      if (len == 0) continue;
+      CPFILL_RETURN_IF_ERROR(ops_->Copy(gathered_kv + g.a_offset + dst * kv_row,
+                                        block + m.a_offset + src * kv_row, len * kv_row));
+      CPFILL_RETURN_IF_ERROR(ops_->Copy(gathered_kv + g.b_offset + dst * kv_row,
+                                        block + m.b_offset + src * kv_row, len * kv_row));
+      CPFILL_RETURN_IF_ERROR(ops_->Copy(gathered_kv + g.pos_offset + dst * sizeof(int32_t),
+                                        block + m.pos_offset + src * sizeof(int32_t),
+                                        len * sizeof(int32_t)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- the ring step's exchange and timing, shared by pass-KV and pass-Q ---------------------
 
 absl::StatusOr<std::unique_ptr<PendingExchange>> RingAttention::StartExchange(
-    int step_index, int cur, size_t bytes, RingStepTiming* step) {
+    int step_index, char* const msg[2], int cur, size_t bytes, RingStepTiming* step) {
   // After the last step every rank has seen every message: nothing more to pass on.
   if (step_index + 1 >= cp_size_) return std::unique_ptr<PendingExchange>();
   step->exchange_bytes = static_cast<int64_t>(bytes);
-  return cp_.StartRingExchange(msg_[cur].data(), msg_[1 - cur].data(), bytes);
+  return cp_.StartRingExchange(msg[cur], msg[1 - cur], bytes);
 }
 
-absl::Status RingAttention::FinishExchange(PendingExchange* exchange, RingStepTiming* step) {
-  if (exchange == nullptr) return absl::OkStatus();
-  auto w0 = Clock::now();
-  CPFILL_RETURN_IF_ERROR(exchange->Wait());
-  step->wait_s = Seconds(w0);  // exposed: compute had finished and waited this long
-  step->transfer_s = exchange->transfer_s();
-  return absl::OkStatus();
+void RingAttention::StepLog::Add(RingAttention& ring, RingTimings* t, const RingStepTiming& step,
+                                 const StepMarks& marks,
+                                 std::unique_ptr<PendingExchange> exchange) {
+  steps.push_back(step);
+  this->marks.push_back(marks);
+  exchanges.push_back(std::move(exchange));
+  if (ring.ops_->marks_on_host()) Report(ring, t);
+}
+
+// The compute time of a step runs between its c0 and c1 marks; its exposed wait from c1 to the
+// mark after the exchange's Wait(): on the CPU the host blocked that long, on a GPU the compute
+// stream idled that long waiting for the exchange.
+void RingAttention::StepLog::Report(RingAttention& ring, RingTimings* t) {
+  const RingOps& ops = *ring.ops_;
+  for (; reported < steps.size(); ++reported) {
+    RingStepTiming& step = steps[reported];
+    const StepMarks& mk = marks[reported];
+    step.compute_s = ops.Seconds(mk.c0, mk.c1);
+    if (const PendingExchange* ex = exchanges[reported].get()) {
+      step.transfer_s = ex->transfer_s();
+      step.wait_s = std::max(0.0, ops.Seconds(mk.c1, mk.w1));
+    }
+    t->visible_pairs += step.visible_pairs;
+    t->steps.push_back(step);
+    if (ring.on_step_) ring.on_step_(step, num_steps);
+  }
 }
 
 // ---- pass-KV (Alg. 2) --------------------------------------------------------------------
 
-absl::Status RingAttention::RunPassKV(const float* q, const float* k, const float* v, float* o,
+absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* v, float* o,
                                       float* lse, RingTimings* t) {
   const int n = cp_size_, me = cp_rank_;
   const MessageLayout m = KvMessage();
   const sharding::LocalLayout& layout = ring_plan_.layout();
-  const size_t q_row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim;
-  const int64_t q_rows = layout.q_rows();
-  EnsureSize(msg_[0], m.bytes);
-  EnsureSize(msg_[1], m.bytes);
-  EnsureSize(step_out_, q_rows * (q_row + shape_.num_heads) * sizeof(float));
-  float* step_o = step_out_.As<float>(0);
-  float* step_lse = step_o + q_rows * q_row;
+  char* msg[2];
+  CPFILL_ASSIGN_OR_RETURN(msg[0], Scratch(kMsg0, m.bytes));
+  CPFILL_ASSIGN_OR_RETURN(msg[1], Scratch(kMsg1, m.bytes));
+  CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(n)));
+  StepLog log(n);
 
-  auto t0 = Clock::now();
-  PackKv(k, v, msg_[0]);  // KV_k^k: this rank's KV, padded to L^i per sequence
-  t->pack_s += Seconds(t0);
+  const int p0 = ops_->Mark();
+  CPFILL_RETURN_IF_ERROR(PackKv(k, v, msg[0]));  // KV_k^k: this rank's KV, padded to L^i
+  const int p1 = ops_->Mark();
 
   std::vector<SequenceSlice> slices;
   int cur = 0;
@@ -162,43 +318,47 @@ absl::Status RingAttention::RunPassKV(const float* q, const float* k, const floa
     RingStepTiming step;
     step.step = j;
     step.source_cp_rank = (me - j + n) % n;  // s: whose KV this rank holds at step j
-    // Step j.1: pass the KV we hold to the next rank, receive the previous rank's (not after
-    // the last step: every KV has then been seen).
+    // Step j.1: pass the KV we hold to the next rank, receive the previous rank's (after this
+    // rank's work so far: the pack, or the previous step, which read the buffer received into).
     CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
-                            StartExchange(j, cur, m.bytes, &step));
-    // Step j.2: O_k^s = GQA(Q_k, KV^s), overlapping the exchange; sequences whose keys the
-    // causal mask hides from all of our queries are left out.
-    auto c0 = Clock::now();
+                            StartExchange(j, msg, cur, m.bytes, &step));
+    // Step j.2: O_k^s = GQA(Q_k, KV^s), overlapping the exchange, and step j.3: folded into the
+    // running output (the merge of App. B, one part at a time). Sequences whose keys the causal
+    // mask hides from all of our queries are left out.
     ring_plan_.PassKvSlices(step.source_cp_rank, &slices, &step);
-    AttentionParams p{.shape = shape_,
-                      .q = q,
-                      .q_pos = layout.q_positions.data(),
-                      .q_tokens = q_rows,
-                      .k = msg_[cur].As<float>(m.a_offset),
-                      .v = msg_[cur].As<float>(m.b_offset),
-                      .k_pos = msg_[cur].As<int32_t>(m.pos_offset),
-                      .kv_tokens = ring_plan_.kv_slots_total(),
-                      .slices = slices.data(),
-                      .num_slices = static_cast<int64_t>(slices.size()),
-                      .o = j == 0 ? o : step_o,
-                      .lse = j == 0 ? lse : step_lse};
-    CPFILL_RETURN_IF_ERROR(kernels_->Attend(p));
-    // Step j.3: fold O_k^s into the running output (the merge of App. B, one part at a time).
-    if (j > 0) {
-      CPFILL_RETURN_IF_ERROR(kernels_->MergeInto(shape_, q_rows, o, lse, step_o, step_lse));
-    }
-    step.compute_s = Seconds(c0);
-    // Step j.4: the next KV must have arrived before it is computed on.
-    CPFILL_RETURN_IF_ERROR(FinishExchange(exchange.get(), &step));
+    const RingStepArgs a{.shape = shape_,
+                         .q = q,
+                         .q_pos = ops_->q_positions(),
+                         .q_tokens = layout.q_rows(),
+                         .k = msg[cur] + m.a_offset,
+                         .v = msg[cur] + m.b_offset,
+                         .k_pos = reinterpret_cast<const int32_t*>(msg[cur] + m.pos_offset),
+                         .kv_tokens = ring_plan_.kv_slots_total(),
+                         .slices = slices,
+                         .o = o,
+                         .lse = lse,
+                         .fold_into_output = j > 0,
+                         .communication_in_flight = exchange != nullptr};
+    StepMarks marks;
+    marks.c0 = ops_->Mark();
+    CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
+    marks.c1 = ops_->Mark();
+    // Step j.4: the next KV must have arrived before it is computed on (CUDA: the compute
+    // stream waits for it, the host does not).
+    if (exchange) CPFILL_RETURN_IF_ERROR(exchange->Wait());
+    marks.w1 = ops_->Mark();
     cur = 1 - cur;
-    StepDone(t, step, n);
+    log.Add(*this, t, step, marks, std::move(exchange));
   }
+  CPFILL_RETURN_IF_ERROR(ops_->Finish());
+  t->pack_s += ops_->Seconds(p0, p1);
+  log.Report(*this, t);
   return absl::OkStatus();
 }
 
 // ---- pass-Q (Alg. 3) ---------------------------------------------------------------------
 
-absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float* v, float* o,
+absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v, float* o,
                                      float* lse, RingTimings* t) {
   const int n = cp_size_, me = cp_rank_;
   const int heads = shape_.num_heads;
@@ -209,17 +369,20 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
   // A partial block: [O: q slots x H x D][LSE: q slots x H], all fp32.
   const size_t block_floats = slots * (q_row + heads);
   const size_t block_bytes = block_floats * sizeof(float);
-  EnsureSize(msg_[0], m.bytes);
-  EnsureSize(msg_[1], m.bytes);
-  EnsureSize(partials_, n * block_bytes);
-  EnsureSize(received_, n * block_bytes);
-  EnsureSize(merged_, block_bytes);
-  float* partials = partials_.As<float>(0);
-  float* received = received_.As<float>(0);
+  char* msg[2];
+  CPFILL_ASSIGN_OR_RETURN(msg[0], Scratch(kMsg0, m.bytes));
+  CPFILL_ASSIGN_OR_RETURN(msg[1], Scratch(kMsg1, m.bytes));
+  CPFILL_ASSIGN_OR_RETURN(char* partials_bytes, Scratch(kPartials, n * block_bytes));
+  CPFILL_ASSIGN_OR_RETURN(char* received_bytes, Scratch(kReceived, n * block_bytes));
+  CPFILL_ASSIGN_OR_RETURN(char* merged_bytes, Scratch(kMerged, block_bytes));
+  float* partials = reinterpret_cast<float*>(partials_bytes);
+  float* received = reinterpret_cast<float*>(received_bytes);
+  CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(n)));
+  StepLog log(n);
 
-  auto t0 = Clock::now();
-  PackQ(q, msg_[0]);  // Q_k^k
-  t->pack_s += Seconds(t0);
+  const int p0 = ops_->Mark();
+  CPFILL_RETURN_IF_ERROR(PackQ(q, msg[0]));  // Q_k^k
+  const int p1 = ops_->Mark();
 
   std::vector<SequenceSlice> slices;
   int cur = 0;
@@ -230,164 +393,152 @@ absl::Status RingAttention::RunPassQ(const float* q, const float* k, const float
     const int src = step.source_cp_rank;
     // Step j.1: pass the queries we hold on; receive the previous rank's.
     CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
-                            StartExchange(j, cur, m.bytes, &step));
+                            StartExchange(j, msg, cur, m.bytes, &step));
     // Step j.2: O_s^k = GQA(Q^s, KV_k) into the partial block destined for rank s.
-    auto c0 = Clock::now();
     ring_plan_.PassQSlices(src, &slices, &step);
     float* block = partials + src * block_floats;
-    AttentionParams p{.shape = shape_,
-                      .q = msg_[cur].As<float>(m.a_offset),
-                      .q_pos = msg_[cur].As<int32_t>(m.pos_offset),
-                      .q_tokens = slots,
-                      .k = k,
-                      .v = v,
-                      .k_pos = layout.kv_positions.data(),
-                      .kv_tokens = layout.kv_rows(),
-                      .slices = slices.data(),
-                      .num_slices = static_cast<int64_t>(slices.size()),
-                      .o = block,
-                      .lse = block + slots * q_row};
-    CPFILL_RETURN_IF_ERROR(kernels_->Attend(p));
-    step.compute_s = Seconds(c0);
-    CPFILL_RETURN_IF_ERROR(FinishExchange(exchange.get(), &step));
+    const RingStepArgs a{.shape = shape_,
+                         .q = msg[cur] + m.a_offset,
+                         .q_pos = reinterpret_cast<const int32_t*>(msg[cur] + m.pos_offset),
+                         .q_tokens = slots,
+                         .k = k,
+                         .v = v,
+                         .k_pos = ops_->kv_positions(),
+                         .kv_tokens = layout.kv_rows(),
+                         .slices = slices,
+                         .o = block,
+                         .lse = block + slots * q_row,
+                         .communication_in_flight = exchange != nullptr};
+    StepMarks marks;
+    marks.c0 = ops_->Mark();
+    CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
+    marks.c1 = ops_->Mark();
+    // Step j.3: the next queries must have arrived before they are computed on.
+    if (exchange) CPFILL_RETURN_IF_ERROR(exchange->Wait());
+    marks.w1 = ops_->Mark();
     cur = 1 - cur;
-    StepDone(t, step, n);
+    log.Add(*this, t, step, marks, std::move(exchange));
   }
 
   // Step N: every partial goes home. Block s of `partials` (our KV against rank s's queries)
   // goes to rank s; block p of `received` is our queries against rank p's KV. Our own block
   // stays where it is.
-  auto a0 = Clock::now();
   std::vector<size_t> send_bytes(n, block_bytes), offsets(n);
   for (int p = 0; p < n; ++p) offsets[p] = p * block_bytes;
   send_bytes[me] = 0;
+  const int a0 = ops_->Mark();
   CPFILL_RETURN_IF_ERROR(
       cp_.AllToAll(partials, send_bytes, offsets, received, send_bytes, offsets));
-  t->all_to_all_s = Seconds(a0);
+  const int a1 = ops_->Mark();
   t->all_to_all_bytes = static_cast<int64_t>((n - 1) * block_bytes);
 
   // Step N+1: O_k = merge over s of O_k^s (App. B eq. 4), then back to local row order.
-  auto m0 = Clock::now();
-  std::vector<PartialView> parts;
+  std::vector<PartialView> parts(n);
   for (int p = 0; p < n; ++p) {
     const float* b = (p == me ? partials : received) + p * block_floats;
-    parts.push_back({.o = b, .lse = b + slots * q_row});
+    parts[p] = {.o = b, .lse = b + slots * q_row};
   }
-  float* merged_o = merged_.As<float>(0);
+  float* merged_o = reinterpret_cast<float*>(merged_bytes);
   float* merged_lse = merged_o + slots * q_row;
-  CPFILL_RETURN_IF_ERROR(kernels_->Merge(shape_, slots, parts, merged_o, merged_lse));
-  t->merge_s = Seconds(m0);
+  CPFILL_RETURN_IF_ERROR(ops_->Merge(shape_, slots, parts, merged_o, merged_lse));
+  const int m1 = ops_->Mark();
+  CPFILL_RETURN_IF_ERROR(UnpackQ(merged_o, merged_lse, o, lse));
+  const int u1 = ops_->Mark();
 
-  auto u0 = Clock::now();
-  for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
-    const int64_t rows = layout.q_len[s];
-    std::memcpy(o + layout.q_offset[s] * q_row, merged_o + ring_plan_.q_slot_offset(s) * q_row,
-                rows * q_row * sizeof(float));
-    std::memcpy(lse + layout.q_offset[s] * heads, merged_lse + ring_plan_.q_slot_offset(s) * heads,
-                rows * heads * sizeof(float));
-  }
-  t->pack_s += Seconds(u0);
+  CPFILL_RETURN_IF_ERROR(ops_->Finish());
+  t->pack_s += ops_->Seconds(p0, p1) + ops_->Seconds(m1, u1);
+  t->all_to_all_s = ops_->Seconds(a0, a1);
+  t->merge_s = ops_->Seconds(a1, m1);
+  log.Report(*this, t);
   return absl::OkStatus();
 }
 
 // ---- all-gather KV (baseline) ------------------------------------------------------------
 
-absl::Status RingAttention::RunAllGather(const float* q, const float* k, const float* v, float* o,
+absl::Status RingAttention::RunAllGather(const void* q, const void* k, const void* v, float* o,
                                          float* lse, RingTimings* t) {
   const int n = cp_size_;
   const MessageLayout m = KvMessage();
   const sharding::LocalLayout& layout = ring_plan_.layout();
-  const size_t kv_row = static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim;
-  EnsureSize(msg_[0], m.bytes);
-  EnsureSize(gathered_, n * m.bytes);
-  EnsureSize(gathered_kv_, n * m.bytes);
+  const size_t kv_row =
+      static_cast<size_t>(shape_.num_kv_heads) * shape_.head_dim * ops_->elem_bytes();
+  const MessageLayout g = MessageLayout::Make(n * ring_plan_.kv_slots_total(), kv_row, kv_row);
+  CPFILL_ASSIGN_OR_RETURN(char* msg, Scratch(kMsg0, m.bytes));
+  CPFILL_ASSIGN_OR_RETURN(char* gathered, Scratch(kGathered, n * m.bytes));
+  CPFILL_ASSIGN_OR_RETURN(char* gathered_kv, Scratch(kGatheredKv, g.bytes));
+  CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(1)));
 
-  auto t0 = Clock::now();
-  PackKv(k, v, msg_[0]);
-  t->pack_s += Seconds(t0);
-  auto g0 = Clock::now();
-  CPFILL_RETURN_IF_ERROR(cp_.AllGather(msg_[0].data(), m.bytes, gathered_.data()));
-  t->all_gather_s = Seconds(g0);
+  // Step 1: every rank's KV message, to every rank.
+  const int p0 = ops_->Mark();
+  CPFILL_RETURN_IF_ERROR(PackKv(k, v, msg));
+  const int g0 = ops_->Mark();
+  CPFILL_RETURN_IF_ERROR(cp_.AllGather(msg, m.bytes, gathered));
+  const int g1 = ops_->Mark();
+  // Step 2: each sequence's keys from all ranks side by side.
+  CPFILL_RETURN_IF_ERROR(Repack(gathered, gathered_kv));
+  const int r1 = ops_->Mark();
 
-  // Repack so each sequence's keys from all ranks sit side by side: sequence i occupies
-  // N * L^i slots starting at N * kv_slot_offset(i); padding keeps position -1.
-  auto r0 = Clock::now();
-  const MessageLayout g = MessageLayout::Make(n * ring_plan_.kv_slots_total(),
-                                              kv_row * sizeof(float), kv_row * sizeof(float));
-  float* gk = gathered_kv_.As<float>(g.a_offset);
-  float* gv = gathered_kv_.As<float>(g.b_offset);
-  int32_t* gpos = gathered_kv_.As<int32_t>(g.pos_offset);
-  for (int p = 0; p < n; ++p) {
-    const float* bk = gathered_.As<float>(p * m.bytes + m.a_offset);
-    const float* bv = gathered_.As<float>(p * m.bytes + m.b_offset);
-    const int32_t* bpos = gathered_.As<int32_t>(p * m.bytes + m.pos_offset);
-    for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
-      const int64_t src = ring_plan_.kv_slot_offset(s), len = ring_plan_.kv_slots(s);
-      const int64_t dst = n * ring_plan_.kv_slot_offset(s) + p * len;
-      std::memcpy(gk + dst * kv_row, bk + src * kv_row, len * kv_row * sizeof(float));
-      std::memcpy(gv + dst * kv_row, bv + src * kv_row, len * kv_row * sizeof(float));
-      std::memcpy(gpos + dst, bpos + src, len * sizeof(int32_t));
-    }
-  }
-  t->pack_s += Seconds(r0);
-
-  RingStepTiming step;
-  auto c0 = Clock::now();
+  // Step 3: one attention over the whole batch.
   std::vector<SequenceSlice> slices;
   ring_plan_.AllGatherSlices(&slices);
-  AttentionParams p{.shape = shape_,
-                    .q = q,
-                    .q_pos = layout.q_positions.data(),
-                    .q_tokens = layout.q_rows(),
-                    .k = gk,
-                    .v = gv,
-                    .k_pos = gpos,
-                    .kv_tokens = n * ring_plan_.kv_slots_total(),
-                    .slices = slices.data(),
-                    .num_slices = static_cast<int64_t>(slices.size()),
-                    .o = o,
-                    .lse = lse};
+  const RingStepArgs a{.shape = shape_,
+                       .q = q,
+                       .q_pos = ops_->q_positions(),
+                       .q_tokens = layout.q_rows(),
+                       .k = gathered_kv + g.a_offset,
+                       .v = gathered_kv + g.b_offset,
+                       .k_pos = reinterpret_cast<const int32_t*>(gathered_kv + g.pos_offset),
+                       .kv_tokens = n * ring_plan_.kv_slots_total(),
+                       .slices = slices,
+                       .o = o,
+                       .lse = lse};
+  CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
+  const int c1 = ops_->Mark();
+  CPFILL_RETURN_IF_ERROR(ops_->Finish());
+
+  RingStepTiming step;
   step.visible_pairs = ring_plan_.AllGatherVisiblePairs();
-  CPFILL_RETURN_IF_ERROR(kernels_->Attend(p));
-  step.compute_s = Seconds(c0);
-  StepDone(t, step, 1);
+  step.compute_s = ops_->Seconds(r1, c1);
+  t->visible_pairs += step.visible_pairs;
+  t->steps.push_back(step);
+  t->pack_s += ops_->Seconds(p0, g0) + ops_->Seconds(g1, r1);
+  t->all_gather_s = ops_->Seconds(g0, g1);
+  if (on_step_) on_step_(step, 1);
   return absl::OkStatus();
 }
 
-void RingAttention::StepDone(RingTimings* t, const RingStepTiming& step, int num_steps) {
-  t->visible_pairs += step.visible_pairs;
-  t->steps.push_back(step);
-  if (on_step_) on_step_(step, num_steps);
-}
-
-absl::Status RingAttention::Run(RingAlgorithm algorithm, const float* q, const float* k,
-                                const float* v, float* o, float* lse, RingTimings* timings,
+absl::Status RingAttention::Run(RingAlgorithm algorithm, const void* q, const void* k,
+                                const void* v, float* o, float* lse, RingTimings* timings,
                                 StepCallback on_step) {
   on_step_ = std::move(on_step);
   RingTimings local;
   RingTimings* t = timings ? timings : &local;
   *t = RingTimings{};
   t->algorithm = algorithm;
-  auto t0 = Clock::now();
-  absl::Status status;
-  switch (algorithm) {
-    case RingAlgorithm::kPassKV:
-      status = RunPassKV(q, k, v, o, lse, t);
-      break;
-    case RingAlgorithm::kPassQ:
-      status = RunPassQ(q, k, v, o, lse, t);
-      break;
-    case RingAlgorithm::kAllGather:
-      status = RunAllGather(q, k, v, o, lse, t);
-      break;
+  const auto t0 = Clock::now();
+  // Another ring may have used the ops since this one was created.
+  absl::Status status = BindPositions();
+  if (status.ok()) {
+    switch (algorithm) {
+      case RingAlgorithm::kPassKV:
+        status = RunPassKV(q, k, v, o, lse, t);
+        break;
+      case RingAlgorithm::kPassQ:
+        status = RunPassQ(q, k, v, o, lse, t);
+        break;
+      case RingAlgorithm::kAllGather:
+        status = RunAllGather(q, k, v, o, lse, t);
+        break;
+    }
   }
-  t->total_s = Seconds(t0);
+  t->total_s = SecondsSince(t0);
   return status;
 }
 
 absl::Status SingleRankAttention(const std::vector<sharding::SequenceRequest>& sequences,
                                  const AttentionShape& shape, const float* q, const float* k,
-                                 const float* v, float* o, float* lse, AttentionKernels* kernels) {
+                                 const float* v, float* o, float* lse, CpuRingOps* ops) {
+  CPFILL_CHECK_ARG(ops != nullptr, "single-rank attention needs CPU ring ops");
   std::vector<SequenceSlice> slices;
   std::vector<int32_t> q_pos, k_pos;
   for (const auto& s : sequences) {
@@ -410,7 +561,7 @@ absl::Status SingleRankAttention(const std::vector<sharding::SequenceRequest>& s
                     .num_slices = static_cast<int64_t>(slices.size()),
                     .o = o,
                     .lse = lse};
-  return kernels->Attend(p);
+  return ops->AttendHost(p);
 }
 
 }  // namespace cpfill::parallel

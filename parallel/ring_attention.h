@@ -1,9 +1,12 @@
-// cpfill/parallel/ring_attention.h — context-parallel attention over a CP ring.
+// cpfill/parallel/ring_attention.h — context-parallel attention over a CP ring, written once for
+// every backend.
 //
-// Three algorithms, written once on the Communicator interface and one AttentionKernels backend:
+// Three algorithms on the Communicator interface, the RingPlan (message layouts, step slices,
+// skipped chunk pairs) and a RingOps backend (memory, compute, merge, timing):
 //   pass-KV    (paper Alg. 2) each rank's KV, padded per sequence to L^i = max_j(P_j^i + T_j^i)
-//              so every message has one size, travels the ring; the exchange for step j+1 runs
-//              while step j computes; partial outputs are merged as they arrive.
+//              so every message has one size, travels the ring; the exchange for step j+1 is
+//              started before step j computes; each step's partial output is folded into the
+//              running (O, LSE) as it is computed.
 //   pass-Q     (Alg. 3) queries and their positions travel, KV stays; each rank's partial outputs
 //              for the other ranks' queries go back to their owners in one all-to-all, and every
 //              rank merges the N partials of its own queries (App. B eq. 4).
@@ -12,17 +15,23 @@
 // cached KV lives and every token carries its global position, so the causal mask is exact.
 // A (sequence, step) pair whose keys the causal mask hides from every query is skipped.
 //
-//   CPFILL_ASSIGN_OR_RETURN(auto ring, RingAttention::Create(*grid.cp, plan, shape, &kernels));
+// Backends (RingOps): CpuRingOps (below: host memory, fp32, the CPU kernel or any host
+// attention, with an MpiCommunicator) and CudaRingOps (parallel/cuda/cuda_ring_ops.h: device
+// memory, bf16, the CUDA kernel with its fused merge, with an NcclCommunicator). On CUDA nothing
+// in a Run allocates (after the first run of the largest plan) or waits on the host until the
+// one RingOps::Finish() at its end.
+//
+//   CpuRingOps ops(&pool);                        // long-lived: keeps its buffers between runs
+//   CPFILL_ASSIGN_OR_RETURN(auto ring, RingAttention::Create(*grid.cp, plan, shape, &ops));
 //   for (layer ...) CPFILL_RETURN_IF_ERROR(ring->Run(RingAlgorithm::kPassKV, q, k, v, o, lse,
 //                                                   &timings));
-// Buffers are sized from the plan on the first Run of each algorithm and reused after, so the
-// per-layer loop allocates nothing.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <span>
-#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -36,96 +45,216 @@
 
 namespace cpfill::parallel {
 
-// The attention compute a ring runs on: CPU now; the CUDA backend implements the same.
-class AttentionKernels {
+class RingAttention;
+
+// One partial attention of a ring step, in the ops' memory. q [q_tokens, H, D] and k/v
+// [kv_tokens, H_kv, D] in the backend's element type (fp32 CPU, bf16 CUDA); positions int32;
+// o [q_tokens, H, D] and lse [q_tokens, H] fp32. `slices` is host memory.
+struct RingStepArgs {
+  attention::AttentionShape shape;
+  const void* q = nullptr;
+  const int32_t* q_pos = nullptr;
+  int64_t q_tokens = 0;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* k_pos = nullptr;
+  int64_t kv_tokens = 0;
+  std::span<const attention::SequenceSlice> slices;
+  float* o = nullptr;
+  float* lse = nullptr;
+  // false: (o, lse) are written for every row (rows in no slice empty). true: this step's
+  // result is merged into the running (o, lse) in place; rows in no slice keep their values.
+  bool fold_into_output = false;
+  // A ring exchange runs beside this step (CUDA: the kernel leaves SMs to NCCL).
+  bool communication_in_flight = false;
+};
+
+// What the ring needs from a backend. Everything is enqueued or done in order; nothing a call
+// returns may be read on the host before Finish() (the CPU does everything at once).
+class RingOps {
  public:
-  virtual ~AttentionKernels() = default;
-  virtual absl::Status Attend(const attention::AttentionParams& p) = 0;
-  virtual absl::Status MergeInto(const attention::AttentionShape& shape, int64_t rows, float* o_acc,
-                                 float* lse_acc, const float* o, const float* lse) = 0;
+  virtual ~RingOps() = default;
+
+  // Bytes of one Q/K/V element: 4 (fp32) or 2 (bf16).
+  virtual size_t elem_bytes() const = 0;
+  // InvalidArgument when this backend cannot run `shape` on a ring of `cp_size` ranks.
+  virtual absl::Status CheckShape(const attention::AttentionShape& shape, int cp_size) const {
+    return absl::OkStatus();
+  }
+
+  // Copies the plan's positions (host) into the ops' memory: q_positions(), kv_positions().
+  // May wait on the host (set-up, outside every ring loop).
+  virtual absl::Status SetPositions(std::span<const int32_t> q_pos,
+                                    std::span<const int32_t> kv_pos) = 0;
+  virtual const int32_t* q_positions() const = 0;
+  virtual const int32_t* kv_positions() const = 0;
+
+  // Scratch `slot`, at least `bytes` long, in the ops' memory. Owned by the ops and kept between
+  // runs (and between rings), grown when too small: contents are not kept across a growth.
+  virtual absl::StatusOr<void*> Buffer(int slot, size_t bytes) = 0;
+  // In the ops' memory, ordered after everything before.
+  virtual absl::Status Copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status Fill(void* dst, uint8_t byte, size_t bytes) = 0;
+
+  virtual absl::Status Attend(const RingStepArgs& args) = 0;
+  // Exact merge of `parts` (fp32 [rows, H, D] and [rows, H]) into o, lse; these must not alias
+  // a part.
   virtual absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
                              std::span<const attention::PartialView> parts, float* o,
                              float* lse) = 0;
+
+  // Timing. BeginRun resets the marks and makes room for `max_marks` (outside the loop). Mark()
+  // records the moment everything issued so far is done and returns its id; Seconds(a, b) is
+  // the time from mark a to mark b, valid after Finish() — or at once when marks_on_host().
+  virtual absl::Status BeginRun(int max_marks) = 0;
+  virtual int Mark() = 0;
+  virtual double Seconds(int a, int b) const = 0;
+  virtual bool marks_on_host() const { return false; }
+  // The one host wait of a run: everything issued (compute and communication) is done, within
+  // the communicator's deadline. CPU: nothing to wait for.
+  virtual absl::Status Finish() = 0;
+
+ private:
+  friend class RingAttention;
+  const RingAttention* positions_of_ = nullptr;  // whose plan q_positions() holds
 };
 
-class CpuAttentionKernels : public AttentionKernels {
+// The host attention a CpuRingOps runs each step: fp32 tensors in host memory (attention.h).
+using HostAttention = std::function<absl::Status(const attention::AttentionParams&)>;
+
+// RingOps on host memory: fp32 tensors, the CPU kernel (or `attend`), merges on `pool`.
+class CpuRingOps : public RingOps {
  public:
-  explicit CpuAttentionKernels(ThreadPool* pool) : pool_(pool) {}
-  absl::Status Attend(const attention::AttentionParams& p) override;
-  absl::Status MergeInto(const attention::AttentionShape& shape, int64_t rows, float* o_acc,
-                         float* lse_acc, const float* o, const float* lse) override;
+  explicit CpuRingOps(ThreadPool* pool);
+  // `attend` runs every partial attention (e.g. the CUDA kernel staged from host memory).
+  CpuRingOps(ThreadPool* pool, HostAttention attend);
+
+  // One attention on this backend's kernel, outside any ring (checks, rate measurements).
+  absl::Status AttendHost(const attention::AttentionParams& p) { return attend_(p); }
+
+  size_t elem_bytes() const override { return sizeof(float); }
+  absl::Status SetPositions(std::span<const int32_t> q_pos,
+                            std::span<const int32_t> kv_pos) override;
+  const int32_t* q_positions() const override { return q_pos_.data(); }
+  const int32_t* kv_positions() const override { return kv_pos_.data(); }
+  absl::StatusOr<void*> Buffer(int slot, size_t bytes) override;
+  absl::Status Copy(void* dst, const void* src, size_t bytes) override;
+  absl::Status Fill(void* dst, uint8_t byte, size_t bytes) override;
+  // fold_into_output: attention into a scratch block, then attention::MergeInto.
+  absl::Status Attend(const RingStepArgs& args) override;
   absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
                      std::span<const attention::PartialView> parts, float* o, float* lse) override;
+  absl::Status BeginRun(int max_marks) override;
+  int Mark() override;
+  double Seconds(int a, int b) const override;
+  bool marks_on_host() const override { return true; }
+  absl::Status Finish() override { return absl::OkStatus(); }
 
  private:
   ThreadPool* pool_;
+  HostAttention attend_;
+  std::vector<int32_t> q_pos_, kv_pos_;
+  std::vector<HostBuffer> buffers_;  // by slot
+  HostBuffer step_out_;              // a folded step's [O | LSE] before the merge
+  std::vector<double> marks_s_;      // steady clock, seconds
 };
+
+// Transitional name of CpuRingOps, for runtime/ code written before RingOps.
+using CpuAttentionKernels = CpuRingOps;
 
 class RingAttention {
  public:
-  // `cp` must be the CP ring the plan is for (size and rank). Queries/keys follow
-  // sharding::MakeLocalLayout(plan, cp.rank()).
+  // `cp` must be the CP ring the plan is for (size and rank); `ops` outlives the ring and runs
+  // on that ring's memory (host for MPI, the device for NCCL). Queries/keys follow
+  // sharding::MakeLocalLayout(plan, cp.rank()). Several rings may share one ops object when
+  // they run one after the other (a model creates a ring per prefill).
   static absl::StatusOr<std::unique_ptr<RingAttention>> Create(
       Communicator& cp, const sharding::ShardPlan& plan, const attention::AttentionShape& shape,
-      AttentionKernels* kernels);
+      RingOps* ops);
+  ~RingAttention();
+  RingAttention(const RingAttention&) = delete;
+  RingAttention& operator=(const RingAttention&) = delete;
 
-  // q [layout.q_rows, H, D], k/v [layout.kv_rows, H_kv, D] -> o [q_rows, H, D], lse [q_rows, H].
-  // `on_step`, when set, is called after every ring step (progress for long runs).
+  // In the ops' memory and element type: q [layout.q_rows, H, D], k/v [layout.kv_rows, H_kv, D]
+  // -> o [q_rows, H, D], lse [q_rows, H] in fp32. Returns after RingOps::Finish(): the outputs
+  // are ready. `on_step`, when set, is called for every ring step (as it ends when the ops time
+  // on the host, else after Finish()).
   using StepCallback = std::function<void(const RingStepTiming&, int num_steps)>;
-  absl::Status Run(RingAlgorithm algorithm, const float* q, const float* k, const float* v,
-                   float* o, float* lse, RingTimings* timings, StepCallback on_step = nullptr);
+  absl::Status Run(RingAlgorithm algorithm, const void* q, const void* k, const void* v, float* o,
+                   float* lse, RingTimings* timings, StepCallback on_step = nullptr);
 
   const sharding::LocalLayout& layout() const { return ring_plan_.layout(); }
 
  private:
-  // Step j.1 of both rings: send msg_[cur] to the next rank, receive into msg_[1 - cur]
-  // (nothing after the last step). Step j.4: wait for it, recording the exposed time.
-  absl::StatusOr<std::unique_ptr<PendingExchange>> StartExchange(int step_index, int cur,
-                                                                 size_t bytes,
-                                                                 RingStepTiming* step);
-  absl::Status FinishExchange(PendingExchange* exchange, RingStepTiming* step);
-  void StepDone(RingTimings* t, const RingStepTiming& step, int num_steps);
+  // Scratch slots of the ops (RingOps::Buffer).
+  enum Slot : int { kMsg0, kMsg1, kPartials, kReceived, kMerged, kGathered, kGatheredKv };
+  // Marks of one ring step: around its compute, and after its exchange was waited for.
+  struct StepMarks {
+    int c0 = 0, c1 = 0, w1 = 0;
+  };
 
   RingAttention(Communicator& cp, const sharding::ShardPlan& plan,
-                const attention::AttentionShape& shape, AttentionKernels* kernels);
+                const attention::AttentionShape& shape, RingOps* ops);
 
-  absl::Status RunPassKV(const float* q, const float* k, const float* v, float* o, float* lse,
+  absl::Status RunPassKV(const void* q, const void* k, const void* v, float* o, float* lse,
                          RingTimings* t);
-  absl::Status RunPassQ(const float* q, const float* k, const float* v, float* o, float* lse,
+  absl::Status RunPassQ(const void* q, const void* k, const void* v, float* o, float* lse,
                         RingTimings* t);
-  absl::Status RunAllGather(const float* q, const float* k, const float* v, float* o, float* lse,
+  absl::Status RunAllGather(const void* q, const void* k, const void* v, float* o, float* lse,
                             RingTimings* t);
 
-  // Message layouts (ring_plan.h): pass-KV [K][V][positions], pass-Q [Q][positions], fp32.
+  // Message layouts (ring_plan.h): pass-KV [K][V][positions], pass-Q [Q][positions].
   MessageLayout KvMessage() const;
   MessageLayout QMessage() const;
-  void PackKv(const float* k, const float* v, HostBuffer& msg) const;
-  void PackQ(const float* q, HostBuffer& msg) const;
+  // Copies this rank's rows into message slots; padding slots get zeros and position -1 (all
+  // bytes 0xFF), clearing whatever a peer's message left there.
+  absl::Status PackKv(const void* k, const void* v, char* msg);
+  absl::Status PackQ(const void* q, char* msg);
+  // Pass-Q's merged rows (q-slot layout) back to local row order.
+  absl::Status UnpackQ(const float* merged_o, const float* merged_lse, float* o, float* lse);
+  // All-gather: each sequence's keys from all ranks side by side.
+  absl::Status Repack(const char* gathered, char* gathered_kv);
+  absl::StatusOr<char*> Scratch(Slot slot, size_t bytes);
+
+  // Step j.1 of both rings: send msg[cur] to the next rank, receive into msg[1 - cur] (nothing
+  // after the last step).
+  absl::StatusOr<std::unique_ptr<PendingExchange>> StartExchange(int step_index, char* const msg[2],
+                                                                 int cur, size_t bytes,
+                                                                 RingStepTiming* step);
+  // The steps of one run, reported (times filled in, on_step called) as each ends when the
+  // ops time on the host, else all at once after Finish(). Keeps the exchanges, whose transfer
+  // times are read then.
+  struct StepLog {
+    explicit StepLog(int num_steps) : num_steps(num_steps) {}
+    void Add(RingAttention& ring, RingTimings* t, const RingStepTiming& step,
+             const StepMarks& marks, std::unique_ptr<PendingExchange> exchange);
+    void Report(RingAttention& ring, RingTimings* t);
+
+    int num_steps;
+    size_t reported = 0;
+    std::vector<RingStepTiming> steps;
+    std::vector<StepMarks> marks;
+    std::vector<std::unique_ptr<PendingExchange>> exchanges;
+  };
+  // Makes the ops hold this ring's positions (another ring may have replaced them).
+  absl::Status BindPositions();
 
   Communicator& cp_;
   RingPlan ring_plan_;
   attention::AttentionShape shape_;
-  AttentionKernels* kernels_;
+  RingOps* ops_;
   int cp_rank_;
   int cp_size_;
-
-  // Buffers, sized on first use and reused.
-  HostBuffer msg_[2];       // ring messages: the one computed on, the one arriving
-  HostBuffer step_out_;     // pass-KV: one step's partial [O | LSE] before the running merge
-  HostBuffer partials_;     // pass-Q: N blocks [O | LSE] in q-slot layout, block s for rank s
-  HostBuffer received_;     // pass-Q: N blocks, block p = my queries against rank p's KV
-  HostBuffer merged_;       // pass-Q: merged [O | LSE] in q-slot layout
-  HostBuffer gathered_;     // all-gather: N pass-KV messages
-  HostBuffer gathered_kv_;  // all-gather: per sequence, every rank's keys side by side
   StepCallback on_step_;
 };
 
-// Single-rank attention of a whole batch, for checks: every sequence's new queries against its
-// cached + new keys in position order. Tensors in global token order (q: new tokens of sequence
-// 0, then 1, ...; k/v: cached then new of sequence 0, then 1, ...).
+// Single-rank attention of a whole batch, for checks and rate measurements, on `ops`'s host
+// kernel: every sequence's new queries against its cached + new keys in position order. Tensors
+// in global token order (q: new tokens of sequence 0, then 1, ...; k/v: cached then new of
+// sequence 0, then 1, ...).
 absl::Status SingleRankAttention(const std::vector<sharding::SequenceRequest>& sequences,
                                  const attention::AttentionShape& shape, const float* q,
                                  const float* k, const float* v, float* o, float* lse,
-                                 AttentionKernels* kernels);
+                                 CpuRingOps* ops);
 
 }  // namespace cpfill::parallel

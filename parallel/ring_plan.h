@@ -1,7 +1,7 @@
 // cpfill/parallel/ring_plan.h — one rank's view of the ring algorithms for a ShardPlan: message
-// layouts, the slices each step computes, and which chunk pairs the causal mask hides. Shared by
-// the host ring (ring_attention.h) and the device ring (cuda/device_ring_attention.h), so both
-// run exactly the same algorithm and differ only in memory, kernels and transport.
+// layouts, the slices each step computes, and which chunk pairs the causal mask hides. The ring
+// (ring_attention.h) runs it on every backend, which differ only in memory, kernels and
+// transport (RingOps, Communicator).
 //
 //   RingPlan rp(plan, cp_rank, /*causal=*/true);
 //   RingStepTiming step;

@@ -5,7 +5,7 @@
 // of `--check` is the same model code on SelfCommunicators.
 //
 //   SelfCommunicator self("cp");
-//   auto ring = RingAttention::Create(self, plan_for_cp1, shape, &kernels);
+//   auto ring = RingAttention::Create(self, plan_for_cp1, shape, &ops);  // ops: a CpuRingOps
 #pragma once
 
 #include <cstring>

@@ -35,7 +35,8 @@ struct Case {
 
 // Runs `algo` on the grid and compares with one rank. Returns "" when equal within tolerance,
 // else what differed (on world rank 0; other ranks return "").
-std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgorithm algo) {
+std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgorithm algo,
+                          parallel::CpuRingOps& ops) {
   auto fail = [](const absl::Status& s) { return std::string(s.ToString()); };
   // The KV cache layout: earlier turns stacked, or one full prefill.
   sharding::KvLayout cache;
@@ -63,10 +64,14 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgori
                                         .head_dim = c.head_dim,
                                         .softmax_scale = 1.0f / std::sqrt(float(c.head_dim)),
                                         .causal = c.causal};
-  ThreadPool pool(2);
-  parallel::CpuAttentionKernels kernels(&pool);
-  auto ring = parallel::RingAttention::Create(*grid.cp, *plan, shape, &kernels);
+  auto ring = parallel::RingAttention::Create(*grid.cp, *plan, shape, &ops);
   if (!ring.ok()) return fail(ring.status());
+  // Another ring made on the same ops after this one (a model makes one per prefill) replaces
+  // the positions the ops hold: the first ring's runs must put its own back.
+  auto other_plan = sharding::PlanPrefill({{.new_tokens = 5 * grid.cp_size}}, grid.cp_size);
+  if (!other_plan.ok()) return fail(other_plan.status());
+  auto other = parallel::RingAttention::Create(*grid.cp, *other_plan, shape, &ops);
+  if (!other.ok()) return fail(other.status());
   const auto& layout = (*ring)->layout();
   const runtime::SyntheticAttention batch{.sequences = c.sequences,
                                           .num_heads = c.heads,
@@ -80,11 +85,22 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgori
                   q.data(), k.data(), v.data());
   std::vector<float> o(q.size(), std::nanf("")),
       lse(layout.q_rows() * shape.num_heads, std::nanf(""));
-  // Twice: the second run reuses the buffers of the first, which must leave nothing behind.
+  // Twice, with the other ring run in between: the second run reuses the buffers of the others,
+  // which must leave nothing behind, and takes its positions back.
   for (int run = 0; run < 2; ++run) {
     parallel::RingTimings timings;
     if (absl::Status s =
             (*ring)->Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(), &timings);
+        !s.ok()) {
+      return fail(s);
+    }
+    if (run == 1) break;
+    const auto& ol = (*other)->layout();
+    std::vector<float> oq(ol.q_rows() * shape.num_heads * c.head_dim, 1.0f);
+    std::vector<float> okv(ol.kv_rows() * shape.num_kv_heads * c.head_dim, 1.0f);
+    std::vector<float> oo(oq.size()), olse(ol.q_rows() * shape.num_heads);
+    if (absl::Status s =
+            (*other)->Run(algo, oq.data(), okv.data(), okv.data(), oo.data(), olse.data(), nullptr);
         !s.ok()) {
       return fail(s);
     }
@@ -107,7 +123,7 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgori
   std::vector<float> o_ref(o_all.size(), std::nanf("")), lse_ref(lse_all.size(), std::nanf(""));
   if (absl::Status s =
           parallel::SingleRankAttention(c.sequences, full, q_all.data(), k_all.data(), v_all.data(),
-                                        o_ref.data(), lse_ref.data(), &kernels);
+                                        o_ref.data(), lse_ref.data(), &ops);
       !s.ok()) {
     return fail(s);
   }
@@ -169,11 +185,15 @@ void RunAllCases(int tp) {
   if (mpi.world_size() % tp != 0) GTEST_SKIP() << "TP" << tp << " needs a multiple of " << tp;
   auto grid = parallel::CreateProcessGrid(mpi, {.tp = tp});
   ASSERT_TRUE(grid.ok()) << grid.status();
+  // One ops object for every case, as a model keeps one: its buffers, sized for one plan, are
+  // reused (or grown) by the next.
+  ThreadPool pool(2);
+  parallel::CpuRingOps ops(&pool);
   for (const Case& c : Cases()) {
     if (c.kv_heads % tp != 0) continue;
     for (RingAlgorithm algo :
          {RingAlgorithm::kPassKV, RingAlgorithm::kPassQ, RingAlgorithm::kAllGather}) {
-      const std::string error = RunAndCompare(*grid, c, algo);
+      const std::string error = RunAndCompare(*grid, c, algo, ops);
       // Every rank agrees on the verdict of each case.
       auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
       ASSERT_TRUE(agreed.ok()) << agreed.status();

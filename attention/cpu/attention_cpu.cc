@@ -14,7 +14,7 @@
 //      softmax_scale * log2(e), so the softmax runs in base 2);
 //   3. apply the element mask only when the tile is not fully visible;
 //   4. online softmax: running max m and sum l per row, P = exp2(S - m), and the correction
-//      factor alpha = exp2(m_old - m_new) that rescales the accumulator;
+//      factor alpha = exp2(m_old - m_new) that rescales the accumulator (online_softmax.h);
 //   5. O = alpha * O + P V, over contiguous head_dim.
 // Rows that saw no key keep m = -inf, l = 0 and end as O = 0, LSE = -inf.
 //
@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "attention/attention.h"
+#include "attention/online_softmax.h"
 #include "base/status.h"
 
 namespace cpfill::attention {
@@ -401,22 +402,19 @@ void RunItem(const Plan& plan, const WorkItem& item) {
         const VecF x = Load(srow + v * kVecWidth);
         mv = x > mv ? x : mv;
       }
-      const float m_old = row_max[r];
-      const float m_new = std::max(m_old, HorizontalMax(mv));
-      // A row with nothing visible yet keeps m = -inf; subtracting 0 instead keeps
-      // exp2(-inf - m) at 0 rather than NaN.
-      const float m_use = m_new == kNegInf ? 0.0f : m_new;
-      const VecF m_vec = Splat(m_use);
+      // Scores are in base-2 units: the state update runs on exp2.
+      const OnlineSoftmax<float>::Step st = OnlineSoftmax<float>::Next(
+          row_max[r], HorizontalMax(mv), [](float x) { return std::exp2(x); });
+      const VecF m_vec = Splat(st.offset);
       VecF sum = Splat(0.0f);
       for (int v = 0; v < kKeyVecs; ++v) {
         const VecF e = Exp2(Load(srow + v * kVecWidth) - m_vec);
         Store(srow + v * kVecWidth, e);
         sum += e;
       }
-      const float a = std::exp2(m_old - m_use);
-      alpha[r] = a;
-      row_sum[r] = row_sum[r] * a + HorizontalSum(sum);
-      row_max[r] = m_new;
+      alpha[r] = st.alpha;
+      row_sum[r] = row_sum[r] * st.alpha + HorizontalSum(sum);
+      row_max[r] = st.m;
     }
 
     // O = alpha * O + P V.

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/flash_kernel.cuh"
+#include "attention/online_softmax.h"
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
 #include "attention/cuda/attention_hopper.h"
 #endif
@@ -84,23 +85,25 @@ __global__ void MergeKernel(const __grid_constant__ MergeParams p) {
   if (idx >= p.rows_heads * chunks) return;
   const int64_t rh = idx / chunks;
   const int c = static_cast<int>(idx % chunks);
-  float mx = -INFINITY;
-  for (int s = 0; s < p.num_parts; ++s) mx = fmaxf(mx, p.lse[s][rh]);
+  // The weights of online_softmax.h (one definition with the CPU merge): relative to the
+  // largest LSE, -inf parts weigh 0 and their O is not read.
+  LseMerge<float> merge;
+  for (int s = 0; s < p.num_parts; ++s) merge.Add(p.lse[s][rh], s);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float total = 0.f;
-  if (mx != -INFINITY) {
+  float rest = 0.f;
+  if (!merge.empty()) {
     for (int s = 0; s < p.num_parts; ++s) {
-      const float w = __expf(p.lse[s][rh] - mx);  // -inf parts weigh 0
+      const float w = merge.Weight(p.lse[s][rh], s);
       if (w == 0.f) continue;
       const float4 x = reinterpret_cast<const float4*>(p.o[s] + rh * p.dim)[c];
       acc.x += w * x.x;
       acc.y += w * x.y;
       acc.z += w * x.z;
       acc.w += w * x.w;
-      total += w;
+      if (s != merge.arg_max()) rest += w;
     }
   }
-  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const float inv = merge.empty() ? 0.f : LseMerge<float>::Normalizer(rest);
   acc.x *= inv;
   acc.y *= inv;
   acc.z *= inv;
@@ -111,7 +114,7 @@ __global__ void MergeKernel(const __grid_constant__ MergeParams p) {
     dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
     dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
   }
-  if (c == 0) p.lse_out[rh] = total > 0.f ? mx + __logf(total) : -INFINITY;
+  if (c == 0) p.lse_out[rh] = merge.empty() ? -INFINITY : merge.Lse(rest);
 }
 
 // ---- dispatch --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-#include "parallel/cuda/staged_attention_kernels.h"
+#include "parallel/cuda/staged_attention.h"
 
 #include <cstring>
 
@@ -17,17 +17,16 @@ namespace cpfill::parallel {
 
 bool CudaBackendAvailable() { return false; }
 
-absl::StatusOr<std::unique_ptr<CudaStagedAttentionKernels>> CudaStagedAttentionKernels::Create(
-    int, ThreadPool*) {
+absl::StatusOr<std::unique_ptr<CudaStagedAttention>> CudaStagedAttention::Create(int) {
   return absl::FailedPreconditionError(
       "this cpfill was built without the CUDA backend (configure with -DCPFILL_CUDA=ON on a "
       "machine with nvcc)");
 }
-CudaStagedAttentionKernels::~CudaStagedAttentionKernels() = default;
-absl::Status CudaStagedAttentionKernels::Attend(const attention::AttentionParams&) {
+CudaStagedAttention::~CudaStagedAttention() = default;
+absl::Status CudaStagedAttention::Attend(const attention::AttentionParams&) {
   return absl::FailedPreconditionError("no CUDA backend");
 }
-absl::Status CudaStagedAttentionKernels::Reserve(int, size_t) {
+absl::Status CudaStagedAttention::Reserve(int, size_t) {
   return absl::FailedPreconditionError("no CUDA backend");
 }
 
@@ -35,27 +34,26 @@ absl::Status CudaStagedAttentionKernels::Reserve(int, size_t) {
 
 bool CudaBackendAvailable() { return attention::cuda::DeviceCount() > 0; }
 
-absl::StatusOr<std::unique_ptr<CudaStagedAttentionKernels>> CudaStagedAttentionKernels::Create(
-    int local_rank, ThreadPool* pool) {
+absl::StatusOr<std::unique_ptr<CudaStagedAttention>> CudaStagedAttention::Create(int local_rank) {
   const int devices = attention::cuda::DeviceCount();
   if (devices == 0) {
     return absl::FailedPreconditionError("--backend cuda: no CUDA device is visible to this rank");
   }
   const int device = local_rank % devices;
   CPFILL_CUDA_CHECK(cudaSetDevice(device));
-  std::unique_ptr<CudaStagedAttentionKernels> k(new CudaStagedAttentionKernels(device, pool));
+  std::unique_ptr<CudaStagedAttention> k(new CudaStagedAttention(device));
   cudaStream_t stream;
   CPFILL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   k->stream_ = stream;
   return k;
 }
 
-CudaStagedAttentionKernels::~CudaStagedAttentionKernels() {
+CudaStagedAttention::~CudaStagedAttention() {
   for (void* b : buffers_) cudaFree(b);
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
-absl::Status CudaStagedAttentionKernels::Reserve(int slot, size_t bytes) {
+absl::Status CudaStagedAttention::Reserve(int slot, size_t bytes) {
   if (slot >= static_cast<int>(buffers_.size())) {
     buffers_.resize(slot + 1, nullptr);
     capacity_.resize(slot + 1, 0);
@@ -69,7 +67,7 @@ absl::Status CudaStagedAttentionKernels::Reserve(int slot, size_t bytes) {
   return absl::OkStatus();
 }
 
-absl::Status CudaStagedAttentionKernels::Attend(const attention::AttentionParams& p) {
+absl::Status CudaStagedAttention::Attend(const attention::AttentionParams& p) {
   CPFILL_RETURN_IF_ERROR(attention::ValidateAttentionParams(p));
   CPFILL_CUDA_CHECK(cudaSetDevice(device_));
   auto stream = static_cast<cudaStream_t>(stream_);
@@ -124,18 +122,5 @@ absl::Status CudaStagedAttentionKernels::Attend(const attention::AttentionParams
 }
 
 #endif  // CPFILL_HAVE_CUDA
-
-// Merges are cheap next to the staging; they stay on the host.
-absl::Status CudaStagedAttentionKernels::MergeInto(const attention::AttentionShape& shape,
-                                                   int64_t rows, float* o_acc, float* lse_acc,
-                                                   const float* o, const float* lse) {
-  return attention::MergeInto(shape, rows, o_acc, lse_acc, o, lse, pool_);
-}
-
-absl::Status CudaStagedAttentionKernels::Merge(const attention::AttentionShape& shape, int64_t rows,
-                                               std::span<const attention::PartialView> parts,
-                                               float* o, float* lse) {
-  return attention::MergePartials(shape, rows, parts, o, lse, pool_);
-}
 
 }  // namespace cpfill::parallel

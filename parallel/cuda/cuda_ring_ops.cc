@@ -1,0 +1,136 @@
+#include "parallel/cuda/cuda_ring_ops.h"
+
+#include <algorithm>
+
+#include "attention/cuda/attention_cuda.h"
+#include "base/status.h"
+
+namespace cpfill::parallel {
+namespace {
+
+using attention::cuda::CudaAttentionArgs;
+using attention::cuda::kMaxMergeParts;
+using attention::cuda::OutputMode;
+using Bf16 = __nv_bfloat16;
+
+// Smallest allocation: keeps pointers of empty buffers valid and 16-byte aligned.
+constexpr size_t kMinBytes = 256;
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaRingOps>> CudaRingOps::Create(NcclCommunicator& cp,
+                                                                 cudaStream_t stream) {
+  std::unique_ptr<CudaRingOps> ops(new CudaRingOps(cp, stream));
+  CPFILL_RETURN_IF_ERROR(ops->BeginRun(64));  // the events most runs need, made once
+  return ops;
+}
+
+CudaRingOps::~CudaRingOps() {
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+}
+
+absl::Status CudaRingOps::CheckShape(const attention::AttentionShape& shape, int cp_size) const {
+  CPFILL_CHECK_ARG(attention::cuda::SupportedHeadDim(shape.head_dim), "head_dim ", shape.head_dim,
+                   " has no CUDA kernel (64, 128)");
+  CPFILL_CHECK_ARG(cp_size <= kMaxMergeParts, "pass-Q merges at most ", kMaxMergeParts,
+                   " partials: CP", cp_size, " is too large");
+  return absl::OkStatus();
+}
+
+absl::Status CudaRingOps::SetPositions(std::span<const int32_t> q_pos,
+                                       std::span<const int32_t> kv_pos) {
+  CPFILL_RETURN_IF_ERROR(q_pos_.Reserve(std::max(kMinBytes, q_pos.size_bytes())));
+  CPFILL_RETURN_IF_ERROR(kv_pos_.Reserve(std::max(kMinBytes, kv_pos.size_bytes())));
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(q_pos_.As<void>(), q_pos.data(), q_pos.size_bytes(),
+                                    cudaMemcpyHostToDevice, stream_));
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(kv_pos_.As<void>(), kv_pos.data(), kv_pos.size_bytes(),
+                                    cudaMemcpyHostToDevice, stream_));
+  // The host vectors may go away once this returns. Set-up, not a ring loop.
+  CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> CudaRingOps::Buffer(int slot, size_t bytes) {
+  if (slot >= static_cast<int>(buffers_.size())) buffers_.resize(slot + 1);
+  CPFILL_RETURN_IF_ERROR(buffers_[slot].Reserve(std::max(kMinBytes, bytes)));
+  return buffers_[slot].As<void>();
+}
+
+absl::Status CudaRingOps::Copy(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) {
+    CPFILL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaRingOps::Fill(void* dst, uint8_t byte, size_t bytes) {
+  if (bytes > 0) CPFILL_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
+  const CudaAttentionArgs args{
+      .shape = a.shape,
+      .q = static_cast<const Bf16*>(a.q),
+      .q_pos = a.q_pos,
+      .q_tokens = a.q_tokens,
+      .k = static_cast<const Bf16*>(a.k),
+      .v = static_cast<const Bf16*>(a.v),
+      .k_pos = a.k_pos,
+      .kv_tokens = a.kv_tokens,
+      .slices = a.slices.data(),
+      .num_slices = static_cast<int64_t>(a.slices.size()),
+      .output = a.fold_into_output ? OutputMode::kMergeIntoFloat32 : OutputMode::kFloat32,
+      .o = a.o,
+      .lse = a.lse,
+      .communication_in_flight = a.communication_in_flight};
+  // Sized on the first run of a plan; later runs find it large enough.
+  CPFILL_RETURN_IF_ERROR(
+      workspace_.Reserve(std::max(kMinBytes, attention::cuda::AttentionWorkspaceBytes(args))));
+  return attention::cuda::PartialAttentionCuda(args, workspace_.As<void>(), workspace_.capacity(),
+                                               stream_);
+}
+
+absl::Status CudaRingOps::Merge(const attention::AttentionShape& shape, int64_t rows,
+                                std::span<const attention::PartialView> parts, float* o,
+                                float* lse) {
+  CPFILL_CHECK_ARG(parts.size() <= static_cast<size_t>(kMaxMergeParts), "merge: ", parts.size(),
+                   " parts, at most ", kMaxMergeParts);
+  const float* po[kMaxMergeParts];
+  const float* pl[kMaxMergeParts];
+  for (size_t p = 0; p < parts.size(); ++p) {
+    po[p] = parts[p].o;
+    pl[p] = parts[p].lse;
+  }
+  return attention::cuda::MergePartialsCuda(shape, rows, std::span(po, parts.size()),
+                                            std::span(pl, parts.size()), o, nullptr, lse, stream_);
+}
+
+absl::Status CudaRingOps::BeginRun(int max_marks) {
+  while (static_cast<int>(events_.size()) < max_marks) {
+    cudaEvent_t e;
+    CPFILL_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  next_mark_ = 0;
+  return absl::OkStatus();
+}
+
+int CudaRingOps::Mark() {
+  // BeginRun made room for every mark of the run; wrapping would only spoil timings.
+  const int id = next_mark_ % static_cast<int>(events_.size());
+  ++next_mark_;
+  cudaEventRecord(events_[id], stream_);
+  return id;
+}
+
+double CudaRingOps::Seconds(int a, int b) const {
+  float ms = 0;
+  if (cudaEventElapsedTime(&ms, events_[a], events_[b]) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return ms / 1e3;
+}
+
+}  // namespace cpfill::parallel

@@ -1,0 +1,76 @@
+// cpfill/parallel/cuda/cuda_ring_ops.h — the ring's backend on a GPU: device memory, bf16
+// messages, the CUDA attention kernel, CUDA events for timing; with an NcclCommunicator as the
+// ring's Communicator, RingAttention (ring_attention.h) runs entirely on the device:
+//   pass-KV     the exchange of step j+1 is enqueued on the communication stream before step j's
+//               kernel, which folds its result straight into the running fp32 (O, LSE) (the
+//               kernel's kMergeIntoFloat32 mode: no separate merge pass);
+//   pass-Q      partial outputs in fp32 go home by an NCCL all-to-all; the merge kernel combines
+//               them (hence CP <= kMaxMergeParts);
+//   all-gather  NCCL all-gather, then one kernel call per batch.
+// Every call is enqueued on the compute stream; the host waits once per run, in Finish()
+// (NcclCommunicator::Synchronize, with its deadline). Buffers, the kernel's workspace and the
+// events belong to the ops and are kept between runs and between rings: keep one CudaRingOps
+// for the life of a model and create a RingAttention per prefill over it; after the first
+// prefill of the largest size nothing is cudaMalloc'ed.
+//
+//   CPFILL_ASSIGN_OR_RETURN(auto ops, CudaRingOps::Create(*nccl.cp, nccl.compute.get()));
+//   CPFILL_ASSIGN_OR_RETURN(auto ring, RingAttention::Create(*nccl.cp, plan, shape, ops.get()));
+//   CPFILL_RETURN_IF_ERROR(ring->Run(RingAlgorithm::kPassKV, d_q, d_k, d_v, d_o, d_lse, &t));
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "parallel/cuda/device_buffer.h"
+#include "parallel/cuda/nccl_communicator.h"
+#include "parallel/ring_attention.h"
+
+namespace cpfill::parallel {
+
+class CudaRingOps : public RingOps {
+ public:
+  // Work runs on `stream`, the compute stream `cp` orders its operations against; Finish() is
+  // cp.Synchronize(). `cp` outlives the ops.
+  static absl::StatusOr<std::unique_ptr<CudaRingOps>> Create(NcclCommunicator& cp,
+                                                             cudaStream_t stream);
+  ~CudaRingOps() override;
+  CudaRingOps(const CudaRingOps&) = delete;
+  CudaRingOps& operator=(const CudaRingOps&) = delete;
+
+  size_t elem_bytes() const override { return 2; }  // bf16
+  // Head dims with a kernel; CP at most kMaxMergeParts (the pass-Q merge takes all parts at once).
+  absl::Status CheckShape(const attention::AttentionShape& shape, int cp_size) const override;
+  absl::Status SetPositions(std::span<const int32_t> q_pos,
+                            std::span<const int32_t> kv_pos) override;
+  const int32_t* q_positions() const override { return q_pos_.As<int32_t>(); }
+  const int32_t* kv_positions() const override { return kv_pos_.As<int32_t>(); }
+  absl::StatusOr<void*> Buffer(int slot, size_t bytes) override;
+  absl::Status Copy(void* dst, const void* src, size_t bytes) override;
+  absl::Status Fill(void* dst, uint8_t byte, size_t bytes) override;
+  // The kernel, growing its workspace first if too small (the first run of a larger plan).
+  absl::Status Attend(const RingStepArgs& args) override;
+  absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
+                     std::span<const attention::PartialView> parts, float* o, float* lse) override;
+  absl::Status BeginRun(int max_marks) override;
+  int Mark() override;  // records the next event on the stream
+  double Seconds(int a, int b) const override;
+  absl::Status Finish() override { return cp_.Synchronize(); }
+
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  CudaRingOps(NcclCommunicator& cp, cudaStream_t stream) : cp_(cp), stream_(stream) {}
+
+  NcclCommunicator& cp_;
+  cudaStream_t stream_;
+  DeviceBuffer q_pos_, kv_pos_;        // the plan's positions
+  std::vector<DeviceBuffer> buffers_;  // scratch by slot
+  DeviceBuffer workspace_;             // the attention kernel's
+  std::vector<cudaEvent_t> events_;    // created in BeginRun, reused by every run
+  int next_mark_ = 0;
+};
+
+}  // namespace cpfill::parallel
