@@ -141,7 +141,7 @@ absl::StatusOr<GlobalAttention> GatherGlobal(Runner& runner, const AttentionBatc
 absl::StatusOr<AttentionCheck> CheckAgainstOneRank(const AttentionBatch& b,
                                                    const GlobalAttention& g, double tolerance) {
   ThreadPool pool(0);
-  parallel::CpuAttentionKernels kernels(&pool);
+  parallel::CpuRingOps kernels(&pool);
   attention::AttentionShape full = b.shape;
   full.num_heads = b.inputs.num_heads;
   full.num_kv_heads = b.inputs.num_kv_heads;

@@ -159,9 +159,6 @@ class CpuRingOps : public RingOps {
   std::vector<double> marks_s_;      // steady clock, seconds
 };
 
-// Transitional name of CpuRingOps, for runtime/ code written before RingOps.
-using CpuAttentionKernels = CpuRingOps;
-
 class RingAttention {
  public:
   // `cp` must be the CP ring the plan is for (size and rank); `ops` outlives the ring and runs

@@ -31,7 +31,7 @@ struct LlamaModel::Running {
   std::vector<KvCache::SeqId> seq;
   std::vector<int64_t> rows_before;
   std::vector<bool> made_here;
-  std::unique_ptr<LayerRing> ring;
+  std::unique_ptr<parallel::RingAttention> ring;
   Tensor ids, positions, x, h, q, k, v, k_all, v_all, attn, lse, attn_compute, proj, gate, up;
   std::vector<KvCache::Rows> new_rows, all_rows;  // the KV copies of every layer
 };
@@ -206,7 +206,8 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
                                         .head_dim = hd,
                                         .softmax_scale = 1.0f / std::sqrt(float(hd)),
                                         .causal = true};
-  CPFILL_ASSIGN_OR_RETURN(r.ring, be.MakeRing(r.b.plan, shape));
+  CPFILL_ASSIGN_OR_RETURN(r.ring,
+                          parallel::RingAttention::Create(be.cp(), r.b.plan, shape, &be.ring_ops()));
 
   // Buffers for this batch, kept by the backend and grown if this batch is the largest so far.
   struct Want {
@@ -296,7 +297,8 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
   CPFILL_RETURN_IF_ERROR(phase(t.attention_s, [&]() -> absl::Status {
     parallel::RingTimings rt;
     CPFILL_RETURN_IF_ERROR(
-        r.ring->Run(t.algorithm, r.q, r.k_all, r.v_all, &r.attn, &r.lse, &rt));
+        r.ring->Run(t.algorithm, r.q.data, r.k_all.data, r.v_all.data, r.attn.As<float>(),
+                    r.lse.As<float>(), &rt));
     return convert ? be.Convert(r.attn, &r.attn_compute) : absl::OkStatus();
   }));
   CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&] {

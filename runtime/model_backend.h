@@ -8,6 +8,7 @@
 //   CPFILL_ASSIGN_OR_RETURN(Tensor h, backend->Scratch(kSlotH, backend->compute_type(), T, D));
 //   CPFILL_RETURN_IF_ERROR(backend->RmsNorm(x, weights.layers[0].input_norm, eps, &h));
 //   CPFILL_RETURN_IF_ERROR(backend->Linear(h, weights.layers[0].wq, &q));
+//   auto ring = parallel::RingAttention::Create(backend->cp(), plan, shape, &backend->ring_ops());
 //
 // Every operation is ordered on the backend's one compute stream (the CPU runs it at once), so
 // a caller may reuse a tensor as soon as the next operation that reads it has been issued.
@@ -59,17 +60,6 @@ struct ModelTensors {
   Tensor embedding, final_norm, lm_head;
 };
 
-// Attention over the CP ring of one shard plan, for every layer of one prefill.
-class LayerRing {
- public:
-  virtual ~LayerRing() = default;
-  // q [q_rows, H * D], k/v [kv_rows, H_kv * D] in compute_type() -> o [q_rows, H * D] fp32,
-  // lse [q_rows, H] fp32, in the plan's local layout.
-  virtual absl::Status Run(parallel::RingAlgorithm algorithm, const Tensor& q, const Tensor& k,
-                           const Tensor& v, Tensor* o, Tensor* lse,
-                           parallel::RingTimings* timings) = 0;
-};
-
 class ModelBackend {
  public:
   virtual ~ModelBackend() = default;
@@ -110,8 +100,9 @@ class ModelBackend {
                                   Tensor* out) = 0;
 
   // ---- attention, timing, KV storage ----
-  virtual absl::StatusOr<std::unique_ptr<LayerRing>> MakeRing(
-      const sharding::ShardPlan& plan, const attention::AttentionShape& shape) = 0;
+  // What the CP ring (parallel::RingAttention, written once) runs on here: attention kernel,
+  // buffers kept between prefills, merge, timing marks. Its inputs are compute_type().
+  virtual parallel::RingOps& ring_ops() = 0;
   // Phases: the time between BeginPhase() and EndPhase(acc) is added to *acc once Finish()
   // returned (on a GPU, events on the stream: the host runs ahead).
   virtual absl::Status BeginPhase() = 0;

@@ -21,20 +21,6 @@ Tensor Wrap(std::vector<float>& v, int64_t rows, int64_t cols) {
   return {v.data(), ElemType::kF32, rows, cols};
 }
 
-class CpuRing : public LayerRing {
- public:
-  explicit CpuRing(std::unique_ptr<parallel::RingAttention> ring) : ring_(std::move(ring)) {}
-  absl::Status Run(parallel::RingAlgorithm algorithm, const Tensor& q, const Tensor& k,
-                   const Tensor& v, Tensor* o, Tensor* lse,
-                   parallel::RingTimings* timings) override {
-    return ring_->Run(algorithm, q.As<float>(), k.As<float>(), v.As<float>(), o->As<float>(),
-                      lse->As<float>(), timings);
-  }
-
- private:
-  std::unique_ptr<parallel::RingAttention> ring_;
-};
-
 class CpuBackend : public ModelBackend {
  public:
   CpuBackend(const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
@@ -43,7 +29,7 @@ class CpuBackend : public ModelBackend {
         tp_(tp),
         cp_(cp),
         pool_(threads),
-        kernels_(&pool_),
+        ring_ops_(&pool_),
         rope_(RopeTable::Make(config)) {
     SetBlasThreads(pool_.num_threads());
     WrapWeights(config, tp.size());
@@ -110,11 +96,7 @@ class CpuBackend : public ModelBackend {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<std::unique_ptr<LayerRing>> MakeRing(
-      const sharding::ShardPlan& plan, const attention::AttentionShape& shape) override {
-    CPFILL_ASSIGN_OR_RETURN(auto ring, parallel::RingAttention::Create(cp_, plan, shape, &kernels_));
-    return std::unique_ptr<LayerRing>(new CpuRing(std::move(ring)));
-  }
+  parallel::RingOps& ring_ops() override { return ring_ops_; }
   // The CPU runs each operation when it is issued: a phase is host time.
   absl::Status BeginPhase() override {
     open_ = Clock::now();
@@ -166,7 +148,7 @@ class CpuBackend : public ModelBackend {
   parallel::Communicator& tp_;
   parallel::Communicator& cp_;
   ThreadPool pool_;
-  parallel::CpuAttentionKernels kernels_;
+  parallel::CpuRingOps ring_ops_;
   RopeTable rope_;
   std::vector<HostBuffer> scratch_;
   Clock::time_point open_;

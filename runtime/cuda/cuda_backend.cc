@@ -8,7 +8,8 @@
 #include "attention/cuda/attention_cuda.h"
 #include "base/bfloat16.h"
 #include "base/status.h"
-#include "parallel/cuda/device_ring_attention.h"
+#include "parallel/cuda/cuda_ring_ops.h"
+#include "parallel/cuda/device_buffer.h"
 #include "runtime/cpu/layers.h"
 #include "runtime/cuda/gemm.h"
 #include "runtime/cuda/kv_storage_cuda.h"
@@ -63,20 +64,6 @@ class PhaseEvents {
   size_t used_ = 0;
   cudaEvent_t open_ = nullptr;
   std::vector<std::tuple<double*, cudaEvent_t, cudaEvent_t>> pending_;
-};
-
-class CudaRing : public LayerRing {
- public:
-  explicit CudaRing(std::unique_ptr<parallel::DeviceRingAttention> ring) : ring_(std::move(ring)) {}
-  absl::Status Run(parallel::RingAlgorithm algorithm, const Tensor& q, const Tensor& k,
-                   const Tensor& v, Tensor* o, Tensor* lse,
-                   parallel::RingTimings* timings) override {
-    return ring_->Run(algorithm, q.As<Bf16>(), k.As<Bf16>(), v.As<Bf16>(), o->As<float>(),
-                      lse->As<float>(), timings);
-  }
-
- private:
-  std::unique_ptr<parallel::DeviceRingAttention> ring_;
 };
 
 class CudaBackend : public ModelBackend {
@@ -148,12 +135,7 @@ class CudaBackend : public ModelBackend {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<std::unique_ptr<LayerRing>> MakeRing(
-      const sharding::ShardPlan& plan, const attention::AttentionShape& shape) override {
-    CPFILL_ASSIGN_OR_RETURN(auto ring, parallel::DeviceRingAttention::Create(
-                                           *nccl_.cp, plan, shape, stream_, &ring_scratch_));
-    return std::unique_ptr<LayerRing>(new CudaRing(std::move(ring)));
-  }
+  parallel::RingOps& ring_ops() override { return *ring_ops_; }
   absl::Status BeginPhase() override { return phases_.Begin(stream_); }
   absl::Status EndPhase(double* acc) override { return phases_.End(stream_, acc); }
   // The TP communicator's Synchronize is the host wait with a deadline (NCCL errors included).
@@ -177,7 +159,7 @@ class CudaBackend : public ModelBackend {
   ModelTensors tensors_;
   DeviceBuffer inv_freq_;
   std::vector<DeviceBuffer> scratch_;
-  parallel::DeviceRingScratch ring_scratch_;
+  std::unique_ptr<parallel::CudaRingOps> ring_ops_;  // its buffers live across prefills
   PhaseEvents phases_;
 };
 
@@ -194,6 +176,7 @@ absl::StatusOr<Tensor> CudaBackend::UploadWeight(const std::vector<float>& host,
 
 absl::Status CudaBackend::Init(const ModelConfig& c, const ModelWeights& weights) {
   CPFILL_RETURN_IF_ERROR(gemm_.Init(stream_));
+  CPFILL_ASSIGN_OR_RETURN(ring_ops_, parallel::CudaRingOps::Create(*nccl_.cp, stream_));
   const int tp = nccl_.tp->size();
   const int64_t D = c.hidden_size, I = c.intermediate_size / tp, V = c.vocab_size / tp;
   const int64_t qw = int64_t{c.num_heads / tp} * c.head_dim;
