@@ -45,7 +45,8 @@ void DefineFlags(FlagSet& flags, AttentionFlags* f) {
   flags.Int("kv-heads", &f->spec.kv_heads, "key/value heads of the model");
   flags.Int("head-dim", &f->spec.head_dim, "head dimension");
   AddSelectorFlags(flags, &f->selector);
-  flags.Bool("check", &f->check, "compare with a single-rank computation; exit 1 above --tolerance");
+  flags.Bool("check", &f->check,
+             "compare with a single-rank computation; exit 1 above --tolerance");
   flags.Double("tolerance", &f->tolerance, "max abs error of O and LSE that --check accepts");
   flags.String("save", &f->save_file,
                "write q, k, v, o, lse in global token order to this safetensors file");
@@ -90,8 +91,8 @@ void PrintSetup(Session& session, const AttentionFlags& f, const AttentionBatch&
   session.Print(
       "  predicted per layer: pass-kv %s ms, pass-q %s ms (C = %g TFLOP/s, BW = %g GB/s, e = "
       "%g)\n",
-      Ms(batch.predicted.pass_kv_total_s), Ms(batch.predicted.pass_q_total_s),
-      choice.system.tflops, choice.system.gbps, choice.system.elem_bytes);
+      Ms(batch.predicted.pass_kv_total_s), Ms(batch.predicted.pass_q_total_s), choice.system.tflops,
+      choice.system.gbps, choice.system.elem_bytes);
   for (size_t i = 0; b.requests.size() > 1 && i < b.requests.size(); ++i) {
     session.Print("  sequence %d alone (T=%d, P=%d): %s\n", i, b.requests[i].new_tokens,
                   b.requests[i].cached_tokens, parallel::RingAlgorithmName(sel.per_sequence[i]));
@@ -102,9 +103,8 @@ void PrintSetup(Session& session, const AttentionFlags& f, const AttentionBatch&
 
 nlohmann::ordered_json Report(const AttentionFlags& f, const AttentionBatch& b,
                               const parallel::ProcessGrid& grid, const Backend& backend,
-                              int threads, const SelectorChoice& choice,
-                              const BatchSelection& sel, RingAlgorithm algo,
-                              const TimedRuns& runs) {
+                              int threads, const SelectorChoice& choice, const BatchSelection& sel,
+                              RingAlgorithm algo, const TimedRuns& runs) {
   std::vector<int64_t> cached_lens;
   for (const auto& r : b.requests) cached_lens.push_back(r.cached_tokens);
   nlohmann::ordered_json report = {
@@ -204,10 +204,10 @@ int Run(int argc, char** argv) {
                        [&](int run, const parallel::RingStepTiming& step, int steps) {
                          // A line per ring step once steps take long enough to wonder about.
                          if (step.compute_s + step.wait_s <= 1.0) return;
-                         session.Print("  run %d, ring step %d/%d done: compute %s ms, exposed "
-                                       "wait %s ms\n",
-                                       run + 1, step.step + 1, steps, Ms(step.compute_s),
-                                       Ms(step.wait_s));
+                         session.Print(
+                             "  run %d, ring step %d/%d done: compute %s ms, exposed "
+                             "wait %s ms\n",
+                             run + 1, step.step + 1, steps, Ms(step.compute_s), Ms(step.wait_s));
                        });
   if (!runs.ok()) session.Fail(runs.status());
   for (size_t r = 0; r < runs->slowest_s.size(); ++r) {

@@ -24,8 +24,8 @@ absl::Status ValidateSpec(const AttentionSpec& s, const parallel::ProcessGrid& g
                    "--cached-lens has ", s.cached_lens.size(), " entries but --seq-lens has ",
                    s.new_lens.size(), "; give one cached length per sequence");
   for (size_t i = 0; i < s.cached_lens.size(); ++i) {
-    CPFILL_CHECK_ARG(s.cached_lens[i] >= 0, "--cached-lens: sequence ", i,
-                     " has negative length ", s.cached_lens[i]);
+    CPFILL_CHECK_ARG(s.cached_lens[i] >= 0, "--cached-lens: sequence ", i, " has negative length ",
+                     s.cached_lens[i]);
   }
   CPFILL_CHECK_ARG(s.heads > 0 && s.kv_heads > 0 && s.head_dim > 0, "--heads (", s.heads,
                    "), --kv-heads (", s.kv_heads, ") and --head-dim (", s.head_dim,

@@ -24,7 +24,7 @@
 namespace cpfill::launch {
 
 struct AttentionSpec {
-  std::vector<int64_t> new_lens, cached_lens;  // cached_lens empty: full prefill
+  std::vector<int64_t> new_lens, cached_lens;    // cached_lens empty: full prefill
   int heads = 16, kv_heads = 1, head_dim = 128;  // model totals (every TP rank together)
   bool causal = true;
   uint64_t seed = 1;
@@ -83,7 +83,8 @@ absl::StatusOr<GlobalAttention> GatherGlobal(Runner& runner, const AttentionBatc
 absl::StatusOr<AttentionCheck> CheckAgainstOneRank(const AttentionBatch& b,
                                                    const GlobalAttention& g, double tolerance);
 // q, k, v, o, lse as safetensors with the batch's description as metadata.
-absl::Status SaveAttention(const std::string& path, const AttentionBatch& b, const AttentionSpec& spec,
-                           const GlobalAttention& g, parallel::RingAlgorithm algo);
+absl::Status SaveAttention(const std::string& path, const AttentionBatch& b,
+                           const AttentionSpec& spec, const GlobalAttention& g,
+                           parallel::RingAlgorithm algo);
 
 }  // namespace cpfill::launch

@@ -4,8 +4,8 @@
 // h = a ln T + b ln(T/(T+P)) + c, prints each rule's choices and regret, and writes the JSON that
 // `--fit` reads.
 #include <algorithm>
-#include <functional>
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -15,8 +15,8 @@
 #include "base/status.h"
 #include "base/thread_pool.h"
 #include "launch/attention_job.h"
-#include "launch/calibration.h"
 #include "launch/backend.h"
+#include "launch/calibration.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
 #include "launch/session.h"
@@ -71,9 +71,10 @@ void DefineFlags(FlagSet& flags, CalibrateFlags* f) {
 }
 
 absl::Status Validate(const CalibrateFlags& f, const parallel::ProcessGrid& grid) {
-  CPFILL_CHECK_ARG(f.g.heads > 0 && f.g.kv_heads > 0 && f.g.head_dim > 0 && f.g.heads % f.g.kv_heads == 0,
-                   "--heads ", f.g.heads, " must be a positive multiple of --kv-heads ", f.g.kv_heads,
-                   " and --head-dim positive");
+  CPFILL_CHECK_ARG(
+      f.g.heads > 0 && f.g.kv_heads > 0 && f.g.head_dim > 0 && f.g.heads % f.g.kv_heads == 0,
+      "--heads ", f.g.heads, " must be a positive multiple of --kv-heads ", f.g.kv_heads,
+      " and --head-dim positive");
   CPFILL_CHECK_ARG(f.g.heads % grid.tp_size == 0 && f.g.kv_heads % grid.tp_size == 0,
                    "--heads and --kv-heads must divide by --tp ", grid.tp_size);
   CPFILL_CHECK_ARG(!f.g.context_lens.empty() && !f.g.miss_rates.empty(),
@@ -161,7 +162,8 @@ int Run(int argc, char** argv) {
   if ((*backend)->name() == "cuda") UseGpuDefaults(f, flags);
   if (absl::Status s = Validate(f, grid); !s.ok()) return session.ConfigError(s);
   auto one = MakeAttentionBatch(
-      {.new_lens = {1}, .heads = f.g.heads, .kv_heads = f.g.kv_heads, .head_dim = f.g.head_dim}, grid);
+      {.new_lens = {1}, .heads = f.g.heads, .kv_heads = f.g.kv_heads, .head_dim = f.g.head_dim},
+      grid);
   if (!one.ok()) return session.ConfigError(one.status());
   session.Print("cpfill calibrate: %s; %d / %d heads per rank x %d; %s backend\n", grid.Describe(),
                 one->model.num_heads, one->model.num_kv_heads, f.g.head_dim,

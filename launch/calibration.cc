@@ -33,20 +33,18 @@ absl::StatusOr<std::vector<parallel::CalibrationPoint>> TimeGrid(
   for (int64_t ctx : f.context_lens) {
     for (double miss : f.miss_rates) {
       const int64_t t_new = std::clamp<int64_t>(std::llround(miss * ctx), 1, ctx);
-      CPFILL_ASSIGN_OR_RETURN(AttentionBatch b,
-                              MakeAttentionBatch({.new_lens = {t_new},
-                                                  .cached_lens = {ctx - t_new},
-                                                  .heads = f.heads,
-                                                  .kv_heads = f.kv_heads,
-                                                  .head_dim = f.head_dim},
-                                                 grid));
-      CPFILL_ASSIGN_OR_RETURN(auto runner,
-                              backend.MakeRunner(b.plan, b.shape, b.inputs, b.slice));
+      CPFILL_ASSIGN_OR_RETURN(AttentionBatch b, MakeAttentionBatch({.new_lens = {t_new},
+                                                                    .cached_lens = {ctx - t_new},
+                                                                    .heads = f.heads,
+                                                                    .kv_heads = f.kv_heads,
+                                                                    .head_dim = f.head_dim},
+                                                                   grid));
+      CPFILL_ASSIGN_OR_RETURN(auto runner, backend.MakeRunner(b.plan, b.shape, b.inputs, b.slice));
       parallel::CalibrationPoint pt{.new_tokens = t_new, .cached_tokens = ctx - t_new};
-      CPFILL_ASSIGN_OR_RETURN(
-          TimedRuns kv, RunTimed(*runner, *grid.world, RingAlgorithm::kPassKV, f.repeat, 1, nullptr));
-      CPFILL_ASSIGN_OR_RETURN(
-          TimedRuns pq, RunTimed(*runner, *grid.world, RingAlgorithm::kPassQ, f.repeat, 1, nullptr));
+      CPFILL_ASSIGN_OR_RETURN(TimedRuns kv, RunTimed(*runner, *grid.world, RingAlgorithm::kPassKV,
+                                                     f.repeat, 1, nullptr));
+      CPFILL_ASSIGN_OR_RETURN(TimedRuns pq, RunTimed(*runner, *grid.world, RingAlgorithm::kPassQ,
+                                                     f.repeat, 1, nullptr));
       pt.pass_kv_s = kv.median_s;
       pt.pass_q_s = pq.median_s;
       points.push_back(pt);

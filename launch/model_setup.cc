@@ -93,7 +93,7 @@ absl::StatusOr<LoadedModel> BuildModel(const runtime::ModelConfig& config,
 #endif
   } else {
     CPFILL_ASSIGN_OR_RETURN(be, runtime::cpu::MakeCpuBackend(config, std::move(weights), *grid.tp,
-                                                              *grid.cp, options.threads));
+                                                             *grid.cp, options.threads));
   }
   CPFILL_ASSIGN_OR_RETURN(m.model,
                           runtime::LlamaModel::Create(config, std::move(be), *grid.world, options));

@@ -10,18 +10,17 @@
 
 namespace cpfill::launch {
 
-absl::StatusOr<PrefillCheck> CheckPrefillOnOneRank(const runtime::ModelConfig& config,
-                                                   runtime::ModelWeights weights,
-                                                   const std::vector<runtime::PrefillRequest>& batch,
-                                                   const std::vector<runtime::SequenceOutput>& out,
-                                                   runtime::PrefillOptions options, bool bf16,
-                                                   double tolerance) {
+absl::StatusOr<PrefillCheck> CheckPrefillOnOneRank(
+    const runtime::ModelConfig& config, runtime::ModelWeights weights,
+    const std::vector<runtime::PrefillRequest>& batch,
+    const std::vector<runtime::SequenceOutput>& out, runtime::PrefillOptions options, bool bf16,
+    double tolerance) {
   parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
   options.threads = 0;  // every core: the other ranks wait
   options.kv_memory_fraction = 0;
   options.kv_capacity_tokens = runtime::KvTokensForBatch(batch, 1, options.kv_block_tokens);
-  CPFILL_ASSIGN_OR_RETURN(auto model, runtime::cpu::CreateCpuModel(config, std::move(weights), tp,
-                                                                   cp, world, options));
+  CPFILL_ASSIGN_OR_RETURN(
+      auto model, runtime::cpu::CreateCpuModel(config, std::move(weights), tp, cp, world, options));
   CPFILL_ASSIGN_OR_RETURN(std::vector<runtime::SequenceOutput> ref,
                           model->Prefill(batch, nullptr, nullptr));
   CPFILL_CHECK_INTERNAL(ref.size() == out.size(), ref.size(), " vs ", out.size());

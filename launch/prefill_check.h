@@ -26,11 +26,10 @@ struct PrefillCheck {
 // and every first token equal. bf16: within `tolerance` relative to the logits' scale, and a
 // first token may differ only where the reference's top two logits are closer than twice the
 // error measured (a near tie).
-absl::StatusOr<PrefillCheck> CheckPrefillOnOneRank(const runtime::ModelConfig& config,
-                                                   runtime::ModelWeights weights,
-                                                   const std::vector<runtime::PrefillRequest>& batch,
-                                                   const std::vector<runtime::SequenceOutput>& out,
-                                                   runtime::PrefillOptions options, bool bf16,
-                                                   double tolerance);
+absl::StatusOr<PrefillCheck> CheckPrefillOnOneRank(
+    const runtime::ModelConfig& config, runtime::ModelWeights weights,
+    const std::vector<runtime::PrefillRequest>& batch,
+    const std::vector<runtime::SequenceOutput>& out, runtime::PrefillOptions options, bool bf16,
+    double tolerance);
 
 }  // namespace cpfill::launch

@@ -101,8 +101,8 @@ absl::Status PlanInputs(const PrefillFlags& f, int tp_size, runtime::ModelConfig
 }
 
 runtime::PrefillOptions OptionsFrom(const PrefillFlags& f, const SelectorChoice& choice,
-                                    const std::vector<runtime::PrefillRequest>& batch,
-                                    int cp_size, int threads) {
+                                    const std::vector<runtime::PrefillRequest>& batch, int cp_size,
+                                    int threads) {
   runtime::PrefillOptions o;
   o.auto_algorithm = choice.auto_algorithm;
   o.algorithm = choice.algorithm;
@@ -136,7 +136,8 @@ absl::StatusOr<double> PrefillRepeated(Session& session, runtime::LlamaModel& mo
   std::vector<double> times;
   for (int r = (repeat > 1 ? -1 : 0); r < repeat; ++r) {
     CPFILL_ASSIGN_OR_RETURN(
-        *out, model.Prefill(batch, t, r == repeat - 1 ? std::function<void(int)>(progress) : nullptr));
+        *out,
+        model.Prefill(batch, t, r == repeat - 1 ? std::function<void(int)>(progress) : nullptr));
     double slowest = t->total_s;
     CPFILL_RETURN_IF_ERROR(
         world.AllReduce(&slowest, 1, parallel::DataType::kFloat64, parallel::ReduceOp::kMax));
@@ -152,9 +153,9 @@ void PrintTimes(Session& session, const runtime::PrefillTimings& t, double ttft,
                 int64_t tokens, int world_size, double peak_tflops) {
   session.Print(
       "TTFT %s ms (slowest rank, median of %d run(s)); world rank 0, last run: GEMMs %s, "
-      "attention ring %s, all-reduce %s, LM head %s, embedding %s, other %s ms\n",
-      Ms1(ttft), repeat, Ms1(t.gemm_s), Ms1(t.attention_s), Ms1(t.allreduce_s), Ms1(t.lm_head_s),
-      Ms1(t.embed_s), Ms1(t.other_s));
+      "attention ring %s, all-reduce %s, KV cache %s, LM head %s, embedding %s, other %s ms\n",
+      Ms1(ttft), repeat, Ms1(t.gemm_s), Ms1(t.attention_s), Ms1(t.allreduce_s), Ms1(t.kv_s),
+      Ms1(t.lm_head_s), Ms1(t.embed_s), Ms1(t.other_s));
   const double per_rank = t.model_flops / ttft / world_size;
   session.Print("%.0f tokens/s; %.3g model TFLOP, %.3g TFLOP/s per rank", tokens / ttft,
                 t.model_flops / 1e12, per_rank / 1e12);
@@ -175,8 +176,8 @@ PrefillCheck CheckOnRoot(Session& session, const PrefillFlags& f,
     session.Print("check: prefilling the same batch on one rank (CPU, fp32)...\n");
     auto weights = MakeWeights(config, f.model, static_cast<uint64_t>(f.seed), 0, 1);
     if (!weights.ok()) session.Fail(weights.status());
-    auto c = CheckPrefillOnOneRank(config, std::move(*weights), batch, out, options, bf16,
-                                   f.tolerance);
+    auto c =
+        CheckPrefillOnOneRank(config, std::move(*weights), batch, out, options, bf16, f.tolerance);
     if (!c.ok()) session.Fail(c.status());
     check = *c;
     verdict = check.pass ? 1 : 0;
@@ -229,6 +230,7 @@ nlohmann::ordered_json Report(const PrefillFlags& f, const runtime::ModelConfig&
           {"gemm_ms", t.gemm_s * 1e3},
           {"attention_ms", t.attention_s * 1e3},
           {"allreduce_ms", t.allreduce_s * 1e3},
+          {"kv_cache_ms", t.kv_s * 1e3},
           {"lm_head_ms", t.lm_head_s * 1e3},
           {"other_ms", (t.other_s + t.embed_s) * 1e3},
           {"tokens_per_s", tokens / ttft},
@@ -287,8 +289,7 @@ int Run(int argc, char** argv) {
       config.name, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
       config.ParameterCount() / 1e9, batch.size(), tokens);
   session.Print("grid: %s; %s backend, %d thread(s) per rank; KV cache %d blocks of %d tokens\n",
-                grid.Describe(),
-                bf16 ? "CUDA (bf16, cuBLASLt, device ring on NCCL)" : "CPU (fp32)",
+                grid.Describe(), bf16 ? "CUDA (bf16, cuBLASLt, device ring on NCCL)" : "CPU (fp32)",
                 options.threads, model.kv_usage().blocks_total, options.kv_block_tokens);
 
   // Run.

@@ -13,7 +13,7 @@
 
 namespace cpfill::launch {
 
-std::string Ms(double seconds);   // "12.34" (milliseconds, two decimals)
+std::string Ms(double seconds);    // "12.34" (milliseconds, two decimals)
 std::string Bytes(int64_t bytes);  // "1.50 MiB"
 
 // One run's steps: exchange size, transfer, compute, exposed wait and hidden chunk pairs, then

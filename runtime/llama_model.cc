@@ -18,8 +18,24 @@ double Since(Clock::time_point t0) {
 
 // The backend's scratch tensors of one prefill, by role.
 enum Slot {
-  kIds, kPositions, kX, kH, kQ, kK, kV, kKAll, kVAll, kAttn, kLse, kAttnCompute, kProj, kGate,
-  kUp, kLast, kNormed, kLogits
+  kIds,
+  kPositions,
+  kX,
+  kH,
+  kQ,
+  kK,
+  kV,
+  kKAll,
+  kVAll,
+  kAttn,
+  kLse,
+  kAttnCompute,
+  kProj,
+  kGate,
+  kUp,
+  kLast,
+  kNormed,
+  kLogits
 };
 
 }  // namespace
@@ -65,8 +81,8 @@ LlamaModel::LlamaModel(const ModelConfig& config, std::unique_ptr<ModelBackend> 
       kv_(std::move(kv)) {}
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
-    const ModelConfig& config, std::unique_ptr<ModelBackend> backend,
-    parallel::Communicator& world, const PrefillOptions& options) {
+    const ModelConfig& config, std::unique_ptr<ModelBackend> backend, parallel::Communicator& world,
+    const PrefillOptions& options) {
   CPFILL_CHECK_ARG(backend != nullptr, "the model needs a backend");
   const int tp = backend->tp().size();
   CPFILL_RETURN_IF_ERROR(config.ValidateForTp(tp));
@@ -123,8 +139,8 @@ absl::Status LlamaModel::ReserveKv(Running& r) {
     const KvCacheSpec& spec = kv_->spec();
     const int64_t block_bytes = spec.block_bytes() * 2 * spec.num_layers;
     return absl::ResourceExhaustedError(absl::StrCat(
-        "KV cache: the batch needs ", worst[1], " more blocks of ", spec.block_tokens,
-        " tokens (", worst[1] * block_bytes, " bytes) on its fullest rank, ", worst[0],
+        "KV cache: the batch needs ", worst[1], " more blocks of ", spec.block_tokens, " tokens (",
+        worst[1] * block_bytes, " bytes) on its fullest rank, ", worst[0],
         " more than are free; the capacity is ", kv_->usage().blocks_total * spec.block_tokens,
         " tokens per rank (--kv-capacity-tokens / --kv-memory-fraction); ", n,
         " request(s) refused, nothing was changed"));
@@ -163,19 +179,20 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
   // Step 0: the requests, their sessions and the plan; the KV blocks, agreed by every rank; the
   // selector's choice for the whole batch (every rank computes the same).
   Running r;
-  CPFILL_ASSIGN_OR_RETURN(
-      r.b, PlanBatch(config_, batch, cp.size(), cp.rank(),
-                     [&](const std::string& name) -> const SessionLayout* {
-                       auto it = sessions_.find(name);
-                       return it == sessions_.end() ? nullptr : &it->second.where;
-                     }));
+  CPFILL_ASSIGN_OR_RETURN(r.b, PlanBatch(config_, batch, cp.size(), cp.rank(),
+                                         [&](const std::string& name) -> const SessionLayout* {
+                                           auto it = sessions_.find(name);
+                                           return it == sessions_.end() ? nullptr
+                                                                        : &it->second.where;
+                                         }));
   for (const PrefillRequest& req : batch) {
     auto it = sessions_.find(req.session);
     r.seq.push_back(req.session.empty() || it == sessions_.end() ? next_seq_++ : it->second.seq);
   }
   CPFILL_RETURN_IF_ERROR(ReserveKv(r));
 
-  absl::Status status = ChooseAlgorithm(options_, config_, backend_->tp().size(), cp.size(), r.b, &t);
+  absl::Status status =
+      ChooseAlgorithm(options_, config_, backend_->tp().size(), cp.size(), r.b, &t);
   if (status.ok()) status = Forward(r, t, progress);
   absl::StatusOr<std::vector<SequenceOutput>> out =
       status.ok() ? LastLogits(r, t) : absl::StatusOr<std::vector<SequenceOutput>>(status);
@@ -206,8 +223,8 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
                                         .head_dim = hd,
                                         .softmax_scale = 1.0f / std::sqrt(float(hd)),
                                         .causal = true};
-  CPFILL_ASSIGN_OR_RETURN(r.ring,
-                          parallel::RingAttention::Create(be.cp(), r.b.plan, shape, &be.ring_ops()));
+  CPFILL_ASSIGN_OR_RETURN(
+      r.ring, parallel::RingAttention::Create(be.cp(), r.b.plan, shape, &be.ring_ops()));
 
   // Buffers for this batch, kept by the backend and grown if this batch is the largest so far.
   struct Want {
@@ -241,12 +258,13 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
   for (int s = 0; s < r.b.plan.num_sequences(); ++s) {
     if (layout.q_len[s] > 0) {
       r.new_rows.push_back({r.seq[s], r.rows_before[s], layout.q_len[s],
-                          r.k.Rows(layout.q_offset[s], 1).data,
-                          r.v.Rows(layout.q_offset[s], 1).data});
+                            r.k.Rows(layout.q_offset[s], 1).data,
+                            r.v.Rows(layout.q_offset[s], 1).data});
     }
     if (layout.kv_len[s] > 0) {
-      r.all_rows.push_back({r.seq[s], 0, layout.kv_len[s], r.k_all.Rows(layout.kv_offset[s], 1).data,
-                          r.v_all.Rows(layout.kv_offset[s], 1).data});
+      r.all_rows.push_back({r.seq[s], 0, layout.kv_len[s],
+                            r.k_all.Rows(layout.kv_offset[s], 1).data,
+                            r.v_all.Rows(layout.kv_offset[s], 1).data});
     }
   }
 
@@ -281,7 +299,8 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
   };
 
   // Attention block.
-  CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&] { return be.RmsNorm(r.x, w.input_norm, eps, &r.h); }));
+  CPFILL_RETURN_IF_ERROR(
+      phase(t.other_s, [&] { return be.RmsNorm(r.x, w.input_norm, eps, &r.h); }));
   CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(be.Linear(r.h, w.wq, &r.q));
     CPFILL_RETURN_IF_ERROR(be.Linear(r.h, w.wk, &r.k));
@@ -289,21 +308,21 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
   }));
   CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(be.Rope(r.positions, config_.num_heads / tp, &r.q));
-    CPFILL_RETURN_IF_ERROR(be.Rope(r.positions, config_.num_kv_heads / tp, &r.k));
+    return be.Rope(r.positions, config_.num_kv_heads / tp, &r.k);
+  }));
+  CPFILL_RETURN_IF_ERROR(phase(t.kv_s, [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(kv_->Write(l, r.new_rows));
     return kv_->Read(l, r.all_rows);
   }));
   const bool convert = be.compute_type() != ElemType::kF32;
   CPFILL_RETURN_IF_ERROR(phase(t.attention_s, [&]() -> absl::Status {
     parallel::RingTimings rt;
-    CPFILL_RETURN_IF_ERROR(
-        r.ring->Run(t.algorithm, r.q.data, r.k_all.data, r.v_all.data, r.attn.As<float>(),
-                    r.lse.As<float>(), &rt));
+    CPFILL_RETURN_IF_ERROR(r.ring->Run(t.algorithm, r.q.data, r.k_all.data, r.v_all.data,
+                                       r.attn.As<float>(), r.lse.As<float>(), &rt));
     return convert ? be.Convert(r.attn, &r.attn_compute) : absl::OkStatus();
   }));
-  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&] {
-    return be.Linear(convert ? r.attn_compute : r.attn, w.wo, &r.proj);
-  }));
+  CPFILL_RETURN_IF_ERROR(
+      phase(t.gemm_s, [&] { return be.Linear(convert ? r.attn_compute : r.attn, w.wo, &r.proj); }));
   CPFILL_RETURN_IF_ERROR(all_reduce());
 
   // MLP block.
@@ -337,7 +356,8 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(const Running
     CPFILL_ASSIGN_OR_RETURN(Tensor normed, be.Scratch(kNormed, be.compute_type(), n, D));
     CPFILL_ASSIGN_OR_RETURN(Tensor out, be.Scratch(kLogits, ElemType::kF32, n, V));
     CPFILL_RETURN_IF_ERROR(be.GatherRows(r.x, row_index, &last));
-    CPFILL_RETURN_IF_ERROR(be.RmsNorm(last, be.weights().final_norm, config_.rms_norm_eps, &normed));
+    CPFILL_RETURN_IF_ERROR(
+        be.RmsNorm(last, be.weights().final_norm, config_.rms_norm_eps, &normed));
     CPFILL_RETURN_IF_ERROR(be.Linear(normed, be.weights().lm_head, &out));
     CPFILL_RETURN_IF_ERROR(be.Download(out, logits.data()));
   }

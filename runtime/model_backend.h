@@ -96,8 +96,7 @@ class ModelBackend {
   // out = in, converted to out's type.
   virtual absl::Status Convert(const Tensor& in, Tensor* out) = 0;
   // out row i = x row rows[i].
-  virtual absl::Status GatherRows(const Tensor& x, std::span<const int64_t> rows,
-                                  Tensor* out) = 0;
+  virtual absl::Status GatherRows(const Tensor& x, std::span<const int64_t> rows, Tensor* out) = 0;
 
   // ---- attention, timing, KV storage ----
   // What the CP ring (parallel::RingAttention, written once) runs on here: attention kernel,

@@ -42,7 +42,8 @@ struct PrefillOptions {
 
 struct PrefillTimings {
   double total_s = 0, embed_s = 0, gemm_s = 0, attention_s = 0, allreduce_s = 0, lm_head_s = 0;
-  double other_s = 0;             // norms, RoPE, SwiGLU, KV cache copies
+  double other_s = 0;             // norms, RoPE, SwiGLU, residual adds
+  double kv_s = 0;                // new K/V into the KV cache, each sequence's K/V out for the ring
   parallel::Selection selection;  // the selector's decision for the batch
   parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
   int64_t new_tokens = 0, cached_tokens = 0;

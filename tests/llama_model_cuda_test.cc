@@ -26,7 +26,8 @@ using runtime::PrefillRequest;
 
 std::vector<int32_t> Prompt(int64_t n, int vocab, uint64_t salt) {
   std::vector<int32_t> ids;
-  for (int64_t i = 0; i < n; ++i) ids.push_back(static_cast<int32_t>((i * 7919 + salt * 31) % vocab));
+  for (int64_t i = 0; i < n; ++i)
+    ids.push_back(static_cast<int32_t>((i * 7919 + salt * 31) % vocab));
   return ids;
 }
 
@@ -88,8 +89,7 @@ TEST(LlamaCuda, TwoTurnSessionEqualsOneFullPrefillOnTheCpu) {
       second(whole.begin() + 300, whole.end());
   const std::vector<int32_t> other = Prompt(40, c->vocab_size, 4);
   ASSERT_TRUE(m.Prefill({{.tokens = first, .session = "a"}}, nullptr, nullptr).ok());
-  auto turn2 =
-      m.Prefill({{.tokens = second, .session = "a"}, {.tokens = other}}, nullptr, nullptr);
+  auto turn2 = m.Prefill({{.tokens = second, .session = "a"}, {.tokens = other}}, nullptr, nullptr);
   ASSERT_TRUE(turn2.ok()) << turn2.status();
   EXPECT_GT(m.kv_usage().blocks_used, 0);
   ASSERT_TRUE(m.EndSession("a").ok());

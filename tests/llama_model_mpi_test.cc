@@ -196,8 +196,8 @@ TEST(LlamaPrefill, KvBlocksFollowSessions) {
   EXPECT_GT(after_a.blocks_used, 0);
   EXPECT_EQ(after_a.tokens_held, m.kv_tokens_held());
   // Too large for what is left: refused on every rank, nothing changes.
-  auto refused = m.Prefill({{.tokens = Prompt(5000, c.vocab_size, 2), .session = "b"}}, nullptr,
-                           nullptr);
+  auto refused =
+      m.Prefill({{.tokens = Prompt(5000, c.vocab_size, 2), .session = "b"}}, nullptr, nullptr);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_EQ(m.kv_usage().blocks_used, after_a.blocks_used);
   EXPECT_EQ(m.EndSession("b").code(), absl::StatusCode::kNotFound);

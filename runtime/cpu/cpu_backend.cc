@@ -167,8 +167,7 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> MakeCpuBackend(const ModelConfig& 
                    ", this rank is TP rank ", tp.rank(), " of ", tp.size());
   CPFILL_CHECK_ARG(static_cast<int>(weights.layers.size()) == config.num_layers, "weights have ",
                    weights.layers.size(), " layers, the config ", config.num_layers);
-  return std::unique_ptr<ModelBackend>(
-      new CpuBackend(config, std::move(weights), tp, cp, threads));
+  return std::unique_ptr<ModelBackend>(new CpuBackend(config, std::move(weights), tp, cp, threads));
 }
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> CreateCpuModel(

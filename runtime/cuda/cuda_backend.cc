@@ -214,8 +214,8 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> MakeCudaBackend(const ModelConfig&
   CPFILL_CHECK_ARG(weights.tp_size == nccl.tp->size() && weights.tp_rank == nccl.tp->rank(),
                    "weights are TP slice ", weights.tp_rank, " of ", weights.tp_size,
                    ", this rank is TP rank ", nccl.tp->rank(), " of ", nccl.tp->size());
-  CPFILL_CHECK_ARG(attention::cuda::SupportedHeadDim(config.head_dim), "head_dim ",
-                   config.head_dim, " has no CUDA attention kernel (64, 128)");
+  CPFILL_CHECK_ARG(attention::cuda::SupportedHeadDim(config.head_dim), "head_dim ", config.head_dim,
+                   " has no CUDA attention kernel (64, 128)");
   auto backend = std::make_unique<CudaBackend>(nccl);
   CPFILL_RETURN_IF_ERROR(backend->Init(config, weights));
   return std::unique_ptr<ModelBackend>(std::move(backend));

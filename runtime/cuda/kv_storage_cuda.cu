@@ -33,17 +33,31 @@ struct CopyParams {
 };
 
 // The CTA's threads copy `bytes` bytes: 16-byte vectors where src and dst can both be aligned,
-// bytes elsewhere.
-__device__ void CopyChunk(char* dst, const char* src, int64_t bytes) {
+// bytes elsewhere. Each thread loads kUnroll vectors before it stores any: independent loads in
+// flight hide the memory latency (a load-store-load chain ran at a fraction of the bandwidth:
+// the KV copies of a 32K-token layer took about 1.2 ms on an H100 instead of about 0.2).
+constexpr int kUnroll = 4;
+__device__ void CopyChunk(char* __restrict__ dst, const char* __restrict__ src, int64_t bytes) {
   const uintptr_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
   int64_t head = bytes, vectors = 0;
   if (((d ^ s) & 15) == 0) {
     const int64_t to_aligned = static_cast<int64_t>((16 - (d & 15)) & 15);
     head = to_aligned < bytes ? to_aligned : bytes;
     vectors = (bytes - head) / 16;
-    uint4* dv = reinterpret_cast<uint4*>(dst + head);
-    const uint4* sv = reinterpret_cast<const uint4*>(src + head);
-    for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x) dv[i] = sv[i];
+    uint4* __restrict__ dv = reinterpret_cast<uint4*>(dst + head);
+    const uint4* __restrict__ sv = reinterpret_cast<const uint4*>(src + head);
+    const int64_t stride = blockDim.x;
+    for (int64_t i0 = threadIdx.x; i0 < vectors; i0 += stride * kUnroll) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (i0 + u * stride < vectors) v[u] = sv[i0 + u * stride];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (i0 + u * stride < vectors) dv[i0 + u * stride] = v[u];
+      }
+    }
   }
   for (int64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
   for (int64_t i = head + vectors * 16 + threadIdx.x; i < bytes; i += blockDim.x) {
