@@ -145,22 +145,19 @@ nlohmann::ordered_json CheckJson(const AttentionCheck& c, double tolerance) {
 AttentionCheck CheckOnRoot(Session& session, const AttentionBatch& b, const GlobalAttention& g,
                            double tolerance, parallel::Communicator& world) {
   AttentionCheck check;
-  int32_t verdict = 1;
-  if (session.is_root()) {
+  check.pass = session.VerdictFromRoot(world, [&] {
     session.Print("check: computing the single-rank reference (%d query tokens, all heads)...\n",
                   b.inputs.total_new_tokens());
     auto c = CheckAgainstOneRank(b, g, tolerance);
     if (!c.ok()) session.Fail(c.status());
     check = *c;
-    verdict = check.pass ? 1 : 0;
     session.Print(
         "check: max |O - O_ref| = %.3g, ||O - O_ref|| / ||O_ref|| = %.3g, max |LSE - LSE_ref| = "
         "%.3g, -inf mismatches %d (tolerance %g): %s\n",
         check.max_abs_o, check.rel_fro_o, check.max_abs_lse, check.lse_inf_mismatch, tolerance,
         check.pass ? "PASS" : "FAIL");
-  }
-  if (absl::Status s = world.Broadcast(&verdict, sizeof(verdict), 0); !s.ok()) session.Fail(s);
-  check.pass = verdict == 1;
+    return check.pass;
+  });
   return check;
 }
 

@@ -171,8 +171,7 @@ PrefillCheck CheckOnRoot(Session& session, const PrefillFlags& f,
                          const runtime::PrefillOptions& options, bool bf16,
                          parallel::Communicator& world) {
   PrefillCheck check;
-  int32_t verdict = 1;
-  if (session.is_root()) {
+  check.pass = session.VerdictFromRoot(world, [&] {
     session.Print("check: prefilling the same batch on one rank (CPU, fp32)...\n");
     auto weights = MakeWeights(config, f.model, static_cast<uint64_t>(f.seed), 0, 1);
     if (!weights.ok()) session.Fail(weights.status());
@@ -180,14 +179,12 @@ PrefillCheck CheckOnRoot(Session& session, const PrefillFlags& f,
         CheckPrefillOnOneRank(config, std::move(*weights), batch, out, options, bf16, f.tolerance);
     if (!c.ok()) session.Fail(c.status());
     check = *c;
-    verdict = check.pass ? 1 : 0;
     session.Print(
         "check: max |logits - logits_1rank| = %.3g, first-token mismatches %d (tolerance %g): "
         "%s\n",
         check.max_abs_diff, check.token_mismatches, f.tolerance, check.pass ? "PASS" : "FAIL");
-  }
-  if (absl::Status s = world.Broadcast(&verdict, sizeof(verdict), 0); !s.ok()) session.Fail(s);
-  check.pass = verdict == 1;
+    return check.pass;
+  });
   return check;
 }
 

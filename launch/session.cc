@@ -94,6 +94,13 @@ nlohmann::ordered_json KnobsJson() {
   return out;
 }
 
+bool Session::VerdictFromRoot(parallel::Communicator& world, const std::function<bool()>& check) {
+  int32_t verdict = 1;
+  if (is_root()) verdict = check() ? 1 : 0;
+  if (absl::Status s = world.Broadcast(&verdict, sizeof(verdict), 0); !s.ok()) Fail(s);
+  return verdict == 1;
+}
+
 int Session::ConfigError(const absl::Status& status) {
   if (is_root()) {
     std::fprintf(stderr, "cpfill: error: %s\n", std::string(status.message()).c_str());

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -83,6 +84,10 @@ class Session {
   // knobs in effect, so a measurement records the switches it ran under. A failure to write
   // is a runtime failure (Fail).
   void WriteReport(const std::string& path, nlohmann::ordered_json report);
+
+  // Runs `check` on world rank 0 only (it prints its findings) and gives every rank its
+  // verdict: the --check of every command. A broadcast failure ends the job.
+  bool VerdictFromRoot(parallel::Communicator& world, const std::function<bool()>& check);
 
   // printf on world rank 0 only, flushed (progress must show while work runs).
   template <typename... Args>

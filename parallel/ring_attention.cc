@@ -267,6 +267,21 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> RingAttention::StartExchange(
   return cp_.StartRingExchange(msg[cur], msg[1 - cur], bytes);
 }
 
+// A step's attention between two marks, then the wait for the exchange that overlapped it (on a
+// GPU the compute stream waits, not the host), marked too.
+absl::Status RingAttention::ComputeStep(const RingStepArgs& a, const RingStepTiming& step,
+                                        std::unique_ptr<PendingExchange> exchange, RingTimings* t,
+                                        StepLog& log) {
+  StepMarks marks;
+  marks.c0 = ops_->Mark();
+  CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
+  marks.c1 = ops_->Mark();
+  if (exchange) CPFILL_RETURN_IF_ERROR(exchange->Wait());
+  marks.w1 = ops_->Mark();
+  log.Add(*this, t, step, marks, std::move(exchange));
+  return absl::OkStatus();
+}
+
 void RingAttention::StepLog::Add(RingAttention& ring, RingTimings* t, const RingStepTiming& step,
                                  const StepMarks& marks,
                                  std::unique_ptr<PendingExchange> exchange) {
@@ -339,16 +354,9 @@ absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* 
                          .lse = lse,
                          .fold_into_output = j > 0,
                          .communication_in_flight = exchange != nullptr};
-    StepMarks marks;
-    marks.c0 = ops_->Mark();
-    CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
-    marks.c1 = ops_->Mark();
-    // Step j.4: the next KV must have arrived before it is computed on (CUDA: the compute
-    // stream waits for it, the host does not).
-    if (exchange) CPFILL_RETURN_IF_ERROR(exchange->Wait());
-    marks.w1 = ops_->Mark();
+    // Step j.4: the next KV must have arrived before it is computed on.
+    CPFILL_RETURN_IF_ERROR(ComputeStep(a, step, std::move(exchange), t, log));
     cur = 1 - cur;
-    log.Add(*this, t, step, marks, std::move(exchange));
   }
   CPFILL_RETURN_IF_ERROR(ops_->Finish());
   t->pack_s += ops_->Seconds(p0, p1);
@@ -409,15 +417,9 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
                          .o = block,
                          .lse = block + slots * q_row,
                          .communication_in_flight = exchange != nullptr};
-    StepMarks marks;
-    marks.c0 = ops_->Mark();
-    CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
-    marks.c1 = ops_->Mark();
     // Step j.3: the next queries must have arrived before they are computed on.
-    if (exchange) CPFILL_RETURN_IF_ERROR(exchange->Wait());
-    marks.w1 = ops_->Mark();
+    CPFILL_RETURN_IF_ERROR(ComputeStep(a, step, std::move(exchange), t, log));
     cur = 1 - cur;
-    log.Add(*this, t, step, marks, std::move(exchange));
   }
 
   // Step N: every partial goes home. Block s of `partials` (our KV against rank s's queries)

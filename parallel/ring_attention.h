@@ -233,6 +233,8 @@ class RingAttention {
     std::vector<StepMarks> marks;
     std::vector<std::unique_ptr<PendingExchange>> exchanges;
   };
+  absl::Status ComputeStep(const RingStepArgs& a, const RingStepTiming& step,
+                           std::unique_ptr<PendingExchange> exchange, RingTimings* t, StepLog& log);
   // Makes the ops hold this ring's positions (another ring may have replaced them).
   absl::Status BindPositions();
 
