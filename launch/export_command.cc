@@ -6,6 +6,7 @@
 #include "base/knobs.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
+#include "launch/model_setup.h"
 #include "runtime/model_config.h"
 #include "runtime/weights.h"
 
@@ -42,6 +43,7 @@ int RunExportCommand(int argc, char** argv) {
   if (!config.ok()) return fail(config.status());
   if (layers < 0) return fail(absl::InvalidArgumentError("--layers must be >= 0"));
   if (layers > 0 && layers < config->num_layers) config->num_layers = layers;
+  if (absl::Status s = WeightsFit(*config, 1); !s.ok()) return fail(s);
   auto weights = runtime::SyntheticWeights(*config, static_cast<uint64_t>(seed), 0, 1);
   if (!weights.ok()) return fail(weights.status());
   if (absl::Status s = runtime::SaveHfCheckpoint(*config, *weights, out, bf16); !s.ok()) {

@@ -157,6 +157,17 @@ cuda_backend_check)
   python3 -c "import json; assert json.load(open('$tmp/g.json'))['backend'] == 'cuda'" ||
     fail "prefill JSON names the backend"
   ;;
+memory_checked_first)
+  # Weights, KV and activations too large for this machine are refused with the numbers and a
+  # remedy (exit 2 on every rank), before anything is allocated: no bad_alloc, no signal.
+  expect_exit 2 'weights of llama3-405b .* need .* GiB .* free .*--tp' -- "$cpfill" export \
+    --model llama3-405b --out "$tmp/x"
+  [ ! -e "$tmp/x" ] || fail "export wrote something after refusing"
+  expect_exit 2 'weights of llama3-405b .* need' -- mpi 2 "$cpfill" prefill --model llama3-405b \
+    --prompt-lens 10
+  expect_exit 2 'KV .*(cannot|capacity)' -- mpi 2 "$cpfill" prefill --model tiny \
+    --prompt-lens 100000000
+  ;;
 multigpu_device_ring)
   # The device ring over NCCL on 2 and (where there are 4) 4 GPUs: every algorithm, full and
   # partial prefill, uneven fused batches, TP x CP; against one rank on bf16-rounded inputs.
