@@ -197,20 +197,18 @@ int Run(int argc, char** argv) {
   auto runner = (*backend)->MakeRunner(batch->plan, batch->shape, batch->inputs, batch->slice);
   if (!runner.ok()) session.Fail(runner.status());
   InjectFaultForTests(grid.world_rank);
-  auto runs = RunTimed(**runner, *grid.world, algo, f.repeat, 0,
-                       [&](int run, const parallel::RingStepTiming& step, int steps) {
-                         // A line per ring step once steps take long enough to wonder about.
-                         if (step.compute_s + step.wait_s <= 1.0) return;
-                         session.Print(
-                             "  run %d, ring step %d/%d done: compute %s ms, exposed "
-                             "wait %s ms\n",
-                             run + 1, step.step + 1, steps, Ms(step.compute_s), Ms(step.wait_s));
-                       });
+  RunProgress progress;
+  progress.on_step = [&](int run, const parallel::RingStepTiming& step, int steps) {
+    // A line per ring step once steps take long enough to wonder about.
+    if (step.compute_s + step.wait_s <= 1.0) return;
+    session.Print("  run %d, ring step %d/%d done: compute %s ms, exposed wait %s ms\n", run + 1,
+                  step.step + 1, steps, Ms(step.compute_s), Ms(step.wait_s));
+  };
+  progress.on_run = [&](int run, double slowest_s) {
+    session.Print("run %d/%d: %s ms on the slowest rank\n", run + 1, f.repeat, Ms(slowest_s));
+  };
+  auto runs = RunTimed(**runner, *grid.world, algo, f.repeat, 0, progress);
   if (!runs.ok()) session.Fail(runs.status());
-  for (size_t r = 0; r < runs->slowest_s.size(); ++r) {
-    session.Print("run %d/%d: %s ms on the slowest rank\n", r + 1, f.repeat,
-                  Ms(runs->slowest_s[r]));
-  }
 
   // Report: Table 5 for world rank 0's ring position, then the check, the file, the JSON.
   const parallel::RingTimings& last = runs->runs.back();

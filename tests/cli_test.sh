@@ -128,7 +128,41 @@ stalled_rank_ends_job)
   [ $code -ne 0 ] || fail "a stalled rank must fail the job"
   grep -Eq 'did not complete within 3 s' "$tmp/out" || fail "no deadline message"
   grep -Eq 'ring exchange on cp|barrier|all-reduce' "$tmp/out" || fail "message lacks the operation"
+  grep -Eq 'late: world rank\(s\) 1\.' "$tmp/out" || fail "the message does not name rank 1"
   [ $(( $(date +%s) - start )) -lt 90 ] || fail "took too long to notice the stalled rank"
+  ;;
+stopped_rank_named)
+  # SIGSTOP world rank 2 in the middle of the ring: every other rank's deadline fires, the census
+  # names rank 2 as not answering, and the job ends within --timeout-s + 5 s of the stop.
+  mpi 4 "$cpfill" attention --seq-lens 4000 --heads 2 --kv-heads 1 \
+    --head-dim 16 --repeat 1000000 --timeout-s 3 >"$tmp/out" 2>&1 &
+  job=$!
+  victim=""
+  for _ in $(seq 300); do  # until the runs have started, then find world rank 2's process
+    if grep -q '^run 2/' "$tmp/out"; then
+      for p in $(pgrep -f "cpfill attention"); do
+        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=2' &&
+          victim=$p
+      done
+    fi
+    [ -n "$victim" ] && break
+    sleep 0.1
+  done
+  [ -n "$victim" ] || { pkill -KILL -P $job; kill $job; fail "world rank 2 never started its runs"; }
+  kill -STOP "$victim"
+  start=$(date +%s)
+  for _ in $(seq 400); do
+    grep -q 'world rank 2 did not answer' "$tmp/out" && break
+    sleep 0.1
+  done
+  took=$(( $(date +%s) - start ))
+  kill -KILL "$victim" 2>/dev/null
+  wait $job
+  code=$?
+  cat "$tmp/out"
+  [ $code -ne 0 ] || fail "a stopped rank must fail the job"
+  grep -Eq 'late: world rank\(s\) 2\.' "$tmp/out" || fail "the message does not name rank 2"
+  [ "$took" -le 8 ] || fail "took ${took} s to name the stopped rank (deadline 3 s + 5 s)"
   ;;
 calibrate_writes_fit)
   expect_exit 0 'wrote' -- mpi 2 "$cpfill" calibrate --heads 2 --kv-heads 1 --head-dim 16 \
