@@ -12,6 +12,7 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -21,8 +22,12 @@
 #include "base/status.h"
 
 namespace cpfill {
+namespace parallel::internal {
+class ProgressEngine;
+}
 namespace {
 std::atomic<int> g_world_rank{-1};
+std::atomic<parallel::internal::ProgressEngine*> g_engine{nullptr};  // while an MpiRuntime lives
 }  // namespace
 
 namespace internal {
@@ -102,6 +107,28 @@ class ProgressEngine {
     MPI_Comm_free(&census_);
   }
 
+  void NoteWait(std::string what) {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    outside_wait_.emplace(std::move(what), Clock::now());
+  }
+  void EndWait() {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    outside_wait_.reset();
+  }
+  // The census from any thread: it runs on the progress thread, as every MPI call does.
+  std::string CensusNow(std::chrono::milliseconds timeout) {
+    auto text = std::make_shared<std::string>();
+    auto done = Submit(
+        "census of the world",
+        [this, text](std::vector<MPI_Request>*) {
+          *text = Census(active_, nullptr);
+          return MPI_SUCCESS;
+        },
+        timeout);
+    if (done.wait_for(timeout + kCensusWait) != std::future_status::ready) return "";
+    return *text;
+  }
+
   std::future<OpResult> Submit(std::string description, StartFn start,
                                std::chrono::milliseconds timeout) {
     auto op = std::make_unique<Op>();
@@ -128,7 +155,7 @@ class ProgressEngine {
   };
 
   void Loop() {
-    std::vector<std::unique_ptr<Op>> active;
+    std::vector<std::unique_ptr<Op>>& active = active_;
     int idle_polls = 0;
     while (true) {
       std::deque<std::unique_ptr<Op>> incoming;
@@ -210,9 +237,17 @@ class ProgressEngine {
     r.ops_started = ops_started_;
     const auto now = Clock::now();
     std::string what = last_what_;
+    std::optional<std::pair<std::string, Clock::time_point>> outside;
+    {
+      std::lock_guard<std::mutex> lock(wait_mu_);
+      outside = outside_wait_;
+    }
     if (!active.empty()) {
       r.waiting_s = std::chrono::duration<double>(now - active.front()->started).count();
       what = active.front()->description;
+    } else if (outside) {  // a wait outside MPI (NCCL) counts as communication too
+      r.waiting_s = std::chrono::duration<double>(now - outside->second).count();
+      what = outside->first;
     } else {
       r.idle_s = std::chrono::duration<double>(now - last_ended_).count();
     }
@@ -297,7 +332,8 @@ class ProgressEngine {
       }
     }
     if (late.empty()) {
-      absl::StrAppend(&out, " every rank is communicating: a peer of ", late_op->description,
+      absl::StrAppend(&out, " every rank is communicating: a peer of ",
+                      late_op ? late_op->description : "this wait",
                       " is in another operation (a mismatch) or much slower");
     } else {
       absl::StrAppend(&out, " late: world rank(s) ", absl::StrJoin(late, ", "), ".");
@@ -306,6 +342,9 @@ class ProgressEngine {
   }
 
   MPI_Comm census_;
+  std::vector<std::unique_ptr<Op>> active_;  // the progress thread's alone
+  mutable std::mutex wait_mu_;
+  std::optional<std::pair<std::string, Clock::time_point>> outside_wait_;  // under wait_mu_
   MPI_Request ask_req_ = MPI_REQUEST_NULL;
   int64_t ask_buf_ = 0;
   std::vector<std::unique_ptr<CensusReply>> replies_;
@@ -612,10 +651,12 @@ absl::StatusOr<std::unique_ptr<MpiRuntime>> MpiRuntime::Create(int* argc, char**
   CPFILL_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &census));
   MPI_Comm_set_errhandler(census, MPI_ERRORS_RETURN);
   rt->engine_ = std::make_unique<internal::ProgressEngine>(census);
+  g_engine = rt->engine_.get();
   return rt;
 }
 
 MpiRuntime::~MpiRuntime() {
+  g_engine = nullptr;
   engine_.reset();  // joins the progress thread: no MPI call runs past this point
   MPI_Finalize();
 }
@@ -662,6 +703,19 @@ absl::StatusOr<std::unique_ptr<Communicator>> MpiRuntime::SplitShared(Communicat
   MPI_Comm_set_errhandler(*out, MPI_ERRORS_RETURN);
   return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(
       *out, /*owned=*/true, std::move(name), engine_.get(), options_));
+}
+
+void NoteWaitOutsideMpi(std::string what) {
+  if (auto* e = g_engine.load()) e->NoteWait(std::move(what));
+}
+
+void EndWaitOutsideMpi() {
+  if (auto* e = g_engine.load()) e->EndWait();
+}
+
+std::string CensusOfWorld(std::chrono::milliseconds timeout) {
+  auto* e = g_engine.load();
+  return e == nullptr ? "" : e->CensusNow(timeout);
 }
 
 void MpiRuntime::Abort(int code, const std::string& message) {

@@ -13,6 +13,41 @@ mpi() { mpirun -np "$@"; }
 
 fail() { echo "FAIL: $*"; exit 1; }
 
+# stop_rank_mid_ring NP RANK ARGS...: `cpfill attention ARGS` on NP ranks runs many times; once
+# the runs go, world rank RANK gets SIGSTOP. The others must end the job, naming RANK as late,
+# within the deadline (3 s) + 5 s of the stop.
+stop_rank_mid_ring() {
+  local np=$1 rank=$2 victim="" job p took code
+  shift 2
+  mpi "$np" "$cpfill" attention "$@" --repeat 1000000 --timeout-s 3 >"$tmp/out" 2>&1 &
+  job=$!
+  for _ in $(seq 600); do  # until the runs have started, then find world rank RANK's process
+    if grep -q '^run 2/' "$tmp/out"; then
+      for p in $(pgrep -f "cpfill attention"); do
+        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$rank" &&
+          victim=$p
+      done
+    fi
+    [ -n "$victim" ] && break
+    sleep 0.1
+  done
+  [ -n "$victim" ] || { pkill -KILL -P $job; kill $job; fail "rank $rank never started its runs"; }
+  kill -STOP "$victim"
+  start=$(date +%s)
+  for _ in $(seq 400); do
+    grep -q "late: world rank(s) $rank\." "$tmp/out" && break
+    sleep 0.1
+  done
+  took=$(( $(date +%s) - start ))
+  kill -KILL "$victim" 2>/dev/null
+  wait $job
+  code=$?
+  grep -v '^run ' "$tmp/out"
+  [ $code -ne 0 ] || fail "a stopped rank must fail the job"
+  grep -Eq "late: world rank\(s\) $rank\." "$tmp/out" || fail "the message does not name rank $rank"
+  [ "$took" -le 8 ] || fail "took ${took} s to name the stopped rank (deadline 3 s + 5 s)"
+}
+
 # expect_exit CODE PATTERN -- command...: runs it, checks its exit code and that its output
 # (stdout + stderr) matches PATTERN (grep -E).
 expect_exit() {
@@ -134,35 +169,13 @@ stalled_rank_ends_job)
 stopped_rank_named)
   # SIGSTOP world rank 2 in the middle of the ring: every other rank's deadline fires, the census
   # names rank 2 as not answering, and the job ends within --timeout-s + 5 s of the stop.
-  mpi 4 "$cpfill" attention --seq-lens 4000 --heads 2 --kv-heads 1 \
-    --head-dim 16 --repeat 1000000 --timeout-s 3 >"$tmp/out" 2>&1 &
-  job=$!
-  victim=""
-  for _ in $(seq 300); do  # until the runs have started, then find world rank 2's process
-    if grep -q '^run 2/' "$tmp/out"; then
-      for p in $(pgrep -f "cpfill attention"); do
-        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=2' &&
-          victim=$p
-      done
-    fi
-    [ -n "$victim" ] && break
-    sleep 0.1
-  done
-  [ -n "$victim" ] || { pkill -KILL -P $job; kill $job; fail "world rank 2 never started its runs"; }
-  kill -STOP "$victim"
-  start=$(date +%s)
-  for _ in $(seq 400); do
-    grep -q 'world rank 2 did not answer' "$tmp/out" && break
-    sleep 0.1
-  done
-  took=$(( $(date +%s) - start ))
-  kill -KILL "$victim" 2>/dev/null
-  wait $job
-  code=$?
-  cat "$tmp/out"
-  [ $code -ne 0 ] || fail "a stopped rank must fail the job"
-  grep -Eq 'late: world rank\(s\) 2\.' "$tmp/out" || fail "the message does not name rank 2"
-  [ "$took" -le 8 ] || fail "took ${took} s to name the stopped rank (deadline 3 s + 5 s)"
+  stop_rank_mid_ring 4 2 --backend cpu --seq-lens 4000 --heads 2 --kv-heads 1 --head-dim 16
+  ;;
+multigpu_stopped_rank_named)
+  # The same on the NCCL path: two GPUs, world rank 1 stopped while the device ring runs.
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
+  if [ "$gpus" -lt 2 ]; then echo "SKIPPED: needs 2 GPUs, this machine has $gpus"; exit 77; fi
+  stop_rank_mid_ring 2 1 --backend cuda --seq-lens 65536 --heads 16 --kv-heads 1 --head-dim 128
   ;;
 calibrate_writes_fit)
   expect_exit 0 'wrote' -- mpi 2 "$cpfill" calibrate --heads 2 --kv-heads 1 --head-dim 16 \
