@@ -12,14 +12,20 @@
 namespace cpfill::launch {
 
 void AddSessionFlags(FlagSet& flags, SessionFlags* sf) {
-  flags.Int("tp", &sf->tp, "tensor-parallel group size; divides the ranks per node");
-  flags.Int("ranks-per-node", &sf->ranks_per_node,
-            "cut each host into emulated nodes of R ranks (also CPFILL_RANKS_PER_NODE); "
-            "0 = one node per host");
-  flags.Double("timeout-s", &sf->timeout_s,
-               "deadline of every distributed wait, seconds; a peer silent for longer ends the "
-               "job with an error");
-  flags.Int("threads", &sf->threads, "kernel threads per rank; 0 = host cores / host ranks");
+  flags.Int("tp", &sf->tp, "tensor-parallel group size; divides the ranks per node")
+      .Within({1, 65536});
+  flags
+      .Int("ranks-per-node", &sf->ranks_per_node,
+           "cut each host into emulated nodes of R ranks (also CPFILL_RANKS_PER_NODE); "
+           "0 = one node per host")
+      .Within({0, 1 << 20});
+  flags
+      .Double("timeout-s", &sf->timeout_s,
+              "deadline of every distributed wait, seconds; a peer silent for longer ends the "
+              "job with an error")
+      .Within(Range::LeftOpen(0, 1e6));
+  flags.Int("threads", &sf->threads, "kernel threads per rank; 0 = host cores / host ranks")
+      .Within({0, 4096});
 }
 
 std::unique_ptr<Session> Session::Start(int* argc, char*** argv, const SessionFlags& flags) {
