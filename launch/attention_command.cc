@@ -52,7 +52,7 @@ void DefineFlags(FlagSet& flags, AttentionFlags* f) {
   flags.Bool("check", &f->check,
              "compare with a single-rank computation; exit 1 above --tolerance");
   flags.Double("tolerance", &f->tolerance, "max abs error of O and LSE that --check accepts")
-      .Within(Range::AtLeast(0));
+      .Within(Range::Above(0));
   flags.String("save", &f->save_file,
                "write q, k, v, o, lse in global token order to this safetensors file");
   flags.String("json", &f->json_file, "write the report as JSON to this file");
@@ -178,6 +178,7 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
+  if (auto bad = session.CheckOutputs({{"save", f.save_file}, {"json", f.json_file}})) return *bad;
 
   // Plan: every rank reaches the same verdict on the input.
   f.spec.causal = !f.non_causal;

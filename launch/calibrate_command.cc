@@ -161,6 +161,7 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
+  if (auto bad = session.CheckOutputs({{"out", f.out}, {"json", f.json_file}})) return *bad;
 
   // Plan.
   const int threads = session.ThreadsPerRank(grid);

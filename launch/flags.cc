@@ -1,7 +1,11 @@
 #include "launch/flags.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -69,6 +73,23 @@ std::string Range::ToString() const {
   if (has_min) return absl::StrCat(min_open ? "> " : ">= ", BoundText(min));
   if (has_max) return absl::StrCat(max_open ? "< " : "<= ", BoundText(max));
   return "any finite number";
+}
+
+absl::Status CheckWritable(const std::string& flag, const std::string& path) {
+  std::error_code ec;
+  const bool existed = std::filesystem::exists(path, ec);
+  if (existed && std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": '", path, "' is a directory, not a file"));
+  }
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  if (f == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": cannot write '", path, "': ", std::strerror(errno)));
+  }
+  std::fclose(f);
+  if (!existed) std::filesystem::remove(path, ec);
+  return absl::OkStatus();
 }
 
 FlagSet::FlagSet(std::string command, std::string summary)

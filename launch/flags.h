@@ -54,6 +54,12 @@ struct Range {
   std::string ToString() const;  // "[0, 4096]", "(0, 1000000]", ">= 0", "> 0"
 };
 
+// Whether `path` (given by --`flag`) can be written, tried before any work: opened for
+// appending (an existing file is left as it was) or created and removed again. InvalidArgument
+// naming the flag and the path otherwise: a bad output path is an input error, not a failure
+// found after minutes of work.
+absl::Status CheckWritable(const std::string& flag, const std::string& path);
+
 class FlagSet {
  public:
   FlagSet(std::string command, std::string summary);

@@ -58,7 +58,7 @@ void DefineFlags(FlagSet& flags, PrefillFlags* f) {
   flags.Bool("check", &f->check,
              "compare last-position logits and first tokens with a one-rank run");
   flags.Double("tolerance", &f->tolerance, "max abs logit difference --check accepts")
-      .Within(Range::AtLeast(0));
+      .Within(Range::Above(0));
   flags.String("json", &f->json_file, "write the report as JSON to this file");
   flags.String("save-logits", &f->logits_file,
                "write the last-position logits [sequences, vocab] and first tokens as "
@@ -264,6 +264,9 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
+  if (auto bad = session.CheckOutputs({{"json", f.json_file}, {"save-logits", f.logits_file}})) {
+    return *bad;
+  }
 
   // Plan: backend (every rank must see a GPU for cuda), geometry, prompts, options.
   auto backend = ResolveBackendName(f.backend, {"cpu", "cuda"}, *grid.world);

@@ -107,6 +107,22 @@ bool Session::VerdictFromRoot(parallel::Communicator& world, const std::function
   return verdict == 1;
 }
 
+std::optional<int> Session::CheckOutputs(
+    const std::vector<std::pair<std::string, std::string>>& outputs) {
+  absl::Status verdict = absl::OkStatus();
+  if (is_root()) {
+    for (const auto& [flag, path] : outputs) {
+      if (path.empty()) continue;
+      verdict = CheckWritable(flag, path);
+      if (!verdict.ok()) break;
+    }
+  }
+  int32_t ok = verdict.ok() ? 1 : 0;
+  if (absl::Status s = mpi_->World()->Broadcast(&ok, sizeof(ok), 0); !s.ok()) Fail(s);
+  if (ok == 1) return std::nullopt;
+  return ConfigError(verdict);  // only rank 0 prints, and only it has the message
+}
+
 int Session::ConfigError(const absl::Status& status) {
   if (is_root()) {
     std::fprintf(stderr, "cpfill: error: %s\n", std::string(status.message()).c_str());
