@@ -92,6 +92,24 @@ bad_input_flags)
     expect_exit 2 'a rank sees no CUDA device' -- mpi 2 "$cpfill" attention --seq-lens 100 \
       --backend cuda
   fi
+  # Hardening (issue 15): a repeated flag, out-of-range and non-finite values, unwritable outputs.
+  expect_exit 2 '--seq-lens given twice' -- mpi 2 "$cpfill" attention --seq-lens 100 --seq-lens 5
+  expect_exit 2 '--timeout-s: -1 is negative; allowed \(0, 1000000\]' -- mpi 2 "$cpfill" attention \
+    --seq-lens 100 --timeout-s -1
+  expect_exit 2 '--timeout-s: 1e18 is out of range' -- mpi 2 "$cpfill" attention --seq-lens 100 \
+    --timeout-s 1e18
+  expect_exit 2 '--threads: -1 is negative; allowed \[0, 4096\]' -- mpi 2 "$cpfill" attention \
+    --seq-lens 100 --threads -1
+  expect_exit 2 "--tolerance: 'nan' is not a finite number" -- mpi 2 "$cpfill" attention \
+    --seq-lens 100 --tolerance nan
+  expect_exit 2 '--new-tokens: 3000000000 is out of range' -- "$cpfill" select --heads 8 \
+    --kv-heads 1 --cp 4 --new-tokens 3000000000
+  expect_exit 2 "--json: cannot write '/nonexistent-dir/x.json'" -- mpi 2 "$cpfill" attention \
+    --seq-lens 100 --json /nonexistent-dir/x.json
+  expect_exit 2 "--save: cannot write '/nonexistent-dir/x.safetensors'" -- mpi 2 "$cpfill" \
+    attention --seq-lens 100 --save /nonexistent-dir/x.safetensors
+  expect_exit 2 "--json: cannot write '/nonexistent-dir/x.json'" -- "$cpfill" env \
+    --json /nonexistent-dir/x.json
   # One message, not one per rank.
   mpi 4 "$cpfill" attention --seq-lens 100,-1 >"$tmp/o" 2>&1
   [ "$(grep -c 'negative' "$tmp/o")" -eq 1 ] || fail "the message should print once"
@@ -277,6 +295,12 @@ prefill_bad_input)
     --model tiny --tokens "$tmp/f.json"
   expect_exit 2 'KV cache' -- mpi 2 "$cpfill" prefill --model tiny --prompt-lens 5000 \
     --kv-capacity-tokens 100
+  expect_exit 2 '--layers 99: the model has only 4 layers' -- mpi 2 "$cpfill" prefill --model tiny \
+    --prompt-lens 5 --layers 99
+  expect_exit 2 "--save-logits: cannot write '/nonexistent-dir/l.safetensors'" -- mpi 2 "$cpfill" \
+    prefill --model tiny --prompt-lens 5 --save-logits /nonexistent-dir/l.safetensors
+  mkdir -p "$tmp/ckpt" && printf '{"model_type": "llama", "hidden_act": "gelu"}' > "$tmp/ckpt/config.json"
+  expect_exit 2 '"hidden_act" is "gelu"' -- mpi 2 "$cpfill" prefill --model "$tmp/ckpt" --prompt-lens 5
   mkdir -p "$tmp/ckpt" && printf '{"model_type": "llama", "hidden_size": 64}' > "$tmp/ckpt/config.json"
   expect_exit 2 'num_attention_heads' -- mpi 2 "$cpfill" prefill --model "$tmp/ckpt" --prompt-lens 5
   # Duplicate keys: which value would win is refused, not guessed.
