@@ -5,6 +5,18 @@
 set(CPFILL_MPI_TEST_ENV OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none)
 
+# In a sanitized build (CPFILL_SANITIZE) every test runs with the sanitizers' options: halt on
+# the first error, stack traces for UB, and Open MPI's own leaks suppressed by library name.
+set(CPFILL_SANITIZE_TEST_ENV "")
+if(CPFILL_SANITIZE)
+  set(supp ${CMAKE_CURRENT_SOURCE_DIR}/tests/sanitizer/lsan.supp)
+  set(CPFILL_SANITIZE_TEST_ENV
+      ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1:strict_string_checks=1
+      LSAN_OPTIONS=suppressions=${supp}:print_suppressions=0
+      UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1)
+  list(APPEND CPFILL_MPI_TEST_ENV ${CPFILL_SANITIZE_TEST_ENV})
+endif()
+
 # cpfill_test(name SOURCES ... LIBS ... [LABEL unit] [TIMEOUT s]); "NAME name" also accepted.
 function(cpfill_test name)
   cmake_parse_arguments(T "" "LABEL;TIMEOUT" "SOURCES;LIBS" ${ARGN})
@@ -21,6 +33,9 @@ function(cpfill_test name)
   target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
   add_test(NAME ${name} COMMAND ${name})
   set_tests_properties(${name} PROPERTIES LABELS ${T_LABEL} TIMEOUT ${T_TIMEOUT})
+  if(CPFILL_SANITIZE_TEST_ENV)
+    set_tests_properties(${name} PROPERTIES ENVIRONMENT "${CPFILL_SANITIZE_TEST_ENV}")
+  endif()
 endfunction()
 
 # cpfill_mpi_test(NAME SOURCES ... LIBS ... RANKS 2 3 4 [LABEL mpi]): one CTest per rank count,
