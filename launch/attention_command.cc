@@ -195,6 +195,14 @@ int Run(int argc, char** argv) {
   if (!choice.ok()) return session.Refuse(choice.status());
   auto batch = MakeAttentionBatch(f.spec, grid);
   if (!batch.ok()) return session.ConfigError(batch.status());
+  const bool gather = f.check || !f.save_file.empty();
+  const BatchMemory need = AttentionMemory(*batch, grid, (*backend)->on_device(), gather, f.check);
+  if (absl::Status s = CheckAttentionFits(
+          need, **backend, *grid.world,
+          "use more ranks (CP splits the tokens, --tp the heads) or fewer or shorter sequences");
+      !s.ok()) {
+    return session.Refuse(s);
+  }
   auto sel = SelectForBatch(*batch, grid.cp_size, choice->system, choice->rule, choice->fitted);
   if (!sel.ok()) return session.ConfigError(sel.status());
   const RingAlgorithm algo = choice->auto_algorithm ? sel->batch.choice : choice->algorithm;
@@ -226,7 +234,7 @@ int Run(int argc, char** argv) {
       "on this rank, %.2f GFLOP/s\n",
       Ms(last.total_s), f.repeat, Ms(runs->median_s), gflop, gflop / last.total_s);
   GlobalAttention global;
-  if (f.check || !f.save_file.empty()) {
+  if (gather) {
     auto g = GatherGlobal(**runner, *batch, grid, (*backend)->bf16());
     if (!g.ok()) session.Fail(g.status());
     global = std::move(*g);

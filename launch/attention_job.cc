@@ -9,6 +9,7 @@
 #include "base/status.h"
 #include "base/thread_pool.h"
 #include "parallel/gather_outputs.h"
+#include "runtime/memory.h"
 #include "runtime/safetensors.h"
 
 namespace cpfill::launch {
@@ -69,6 +70,52 @@ absl::StatusOr<AttentionBatch> MakeAttentionBatch(const AttentionSpec& spec,
               .seed = spec.seed};
   b.slice = runtime::HeadSlice::ForTpRank(spec.heads, spec.kv_heads, grid.tp_rank, grid.tp_size);
   return b;
+}
+
+BatchMemory AttentionMemory(const AttentionBatch& b, const parallel::ProcessGrid& grid,
+                            bool device, bool gather, bool check) {
+  // Element counts in double: lengths up to 2^31 times heads times head_dim overflow int64
+  // for a batch of many sequences; the count is only compared with what is free.
+  double q_rows = 0, kv_rows = 0, padded_new = 0, padded_kv = 0;
+  for (int s = 0; s < b.plan.num_sequences(); ++s) {
+    const sharding::RankSequenceShard& mine = b.plan.shard(grid.cp_rank, s);
+    q_rows += mine.new_tokens();
+    kv_rows += mine.kv_tokens();
+    padded_new += b.plan.PaddedNewTokens(s);
+    padded_kv += b.plan.PaddedKvTokens(s);
+  }
+  const double hq = b.shape.num_heads, hkv = b.shape.num_kv_heads, d = b.shape.head_dim;
+  const double inputs = q_rows * hq * d + 2 * kv_rows * hkv * d;
+  const double outputs = q_rows * hq * (d + 1);  // O and LSE
+  // Pass-KV sends and receives padded KV; pass-Q padded Q, and gathers a partial O and LSE
+  // from every CP rank for the merge.
+  const double ring = 2 * (2 * padded_kv * hkv * d) + 2 * padded_new * hq * d +
+                      grid.cp_size * padded_new * hq * (d + 1);
+  double host = 4 * (inputs + outputs);
+  double dev = 0;
+  if (device) {
+    host += 2 * inputs;                       // the bf16 copy uploaded
+    dev = 2 * (inputs + ring) + 4 * outputs;  // bf16 shard and messages, fp32 LSE and merge
+  } else {
+    host += 4 * ring;
+  }
+  if (gather && grid.world_rank == 0) {
+    const runtime::SyntheticAttention& in = b.inputs;
+    const double all_q = double(in.total_new_tokens()) * in.num_heads * in.head_dim;
+    const double all_kv = 2.0 * in.total_kv_tokens() * in.num_kv_heads * in.head_dim;
+    const double all_out = double(in.total_new_tokens()) * in.num_heads * (in.head_dim + 1);
+    host += 4 * (all_q + all_kv + 2 * all_out + (check ? all_out : 0));  // + gathered blocks
+  }
+  return {runtime::SaturatingBytes(host), runtime::SaturatingBytes(dev)};
+}
+
+absl::Status CheckAttentionFits(const BatchMemory& need, Backend& backend,
+                                parallel::Communicator& world, const std::string& remedy) {
+  CPFILL_RETURN_IF_ERROR(runtime::CheckFitsOnEveryRank(
+      world, "the batch's host buffers", need.host, [] { return runtime::HostBytesAvailable(); },
+      remedy));
+  return runtime::CheckFitsOnEveryRank(world, "the batch's GPU buffers", need.device,
+                                       [&] { return backend.FreeDeviceBytes(); }, remedy);
 }
 
 absl::StatusOr<BatchSelection> SelectForBatch(const AttentionBatch& b, int cp_size,

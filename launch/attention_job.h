@@ -44,6 +44,21 @@ struct AttentionBatch {
 absl::StatusOr<AttentionBatch> MakeAttentionBatch(const AttentionSpec& spec,
                                                   const parallel::ProcessGrid& grid);
 
+// Bytes one rank will hold for the batch, counted from the plan before anything is allocated:
+// its shard of the fp32 inputs and outputs and the ring's message buffers; on world rank 0 with
+// `gather` (--check, --save) the whole batch in global order and, with `check`, the reference.
+// `device`: a CUDA ring, which holds the shard and its messages in bf16 on the GPU (the host
+// keeps the fp32 shard and a bf16 copy for the upload).
+struct BatchMemory {
+  int64_t host = 0, device = 0;
+};
+BatchMemory AttentionMemory(const AttentionBatch& b, const parallel::ProcessGrid& grid,
+                            bool device, bool gather, bool check);
+// AttentionMemory against what every rank has free (collective): ResourceExhausted, the same on
+// every rank, naming the tightest rank's need, its free bytes and `remedy`.
+absl::Status CheckAttentionFits(const BatchMemory& need, Backend& backend,
+                                parallel::Communicator& world, const std::string& remedy);
+
 // The selector's decision for the whole batch, and for each sequence alone.
 struct BatchSelection {
   parallel::Selection batch;

@@ -288,6 +288,13 @@ class DeviceBackend : public Backend {
     return Median(rates);
   }
 
+  absl::StatusOr<int64_t> FreeDeviceBytes() override {
+    size_t free = 0, total = 0;
+    CPFILL_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return static_cast<int64_t>(free);
+  }
+  bool on_device() const override { return true; }
+
   absl::StatusOr<double> MeasureRingGbps(int64_t bytes, int repeat) override {
     if (nccl_.cp->size() == 1) return 0.0;
     parallel::DeviceBuffer send, recv;

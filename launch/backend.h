@@ -9,6 +9,7 @@
 //   CPFILL_RETURN_IF_ERROR(runner->Run(RingAlgorithm::kPassKV, &timings, nullptr));
 #pragma once
 
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,6 +64,12 @@ class Backend {
                                                int64_t tokens, int repeat) = 0;
   // BW: one ring exchange of `bytes` on the CP ring, GB/s per rank (median of `repeat`).
   virtual absl::StatusOr<double> MeasureRingGbps(int64_t bytes, int repeat) = 0;
+  // Free memory on this rank's GPU (a host ring has none to run out of: unlimited).
+  virtual absl::StatusOr<int64_t> FreeDeviceBytes() {
+    return std::numeric_limits<int64_t>::max();
+  }
+  // Whether the ring's buffers live on the GPU (memory checks count them there).
+  virtual bool on_device() const { return false; }
 
  protected:
   explicit Backend(std::string name) : name_(std::move(name)) {}

@@ -173,6 +173,14 @@ int Run(int argc, char** argv) {
       {.new_lens = {1}, .heads = f.g.heads, .kv_heads = f.g.kv_heads, .head_dim = f.g.head_dim},
       grid);
   if (!one.ok()) return session.ConfigError(one.status());
+  auto need = CalibrationMemory(f.g, grid, (*backend)->on_device());
+  if (!need.ok()) return session.ConfigError(need.status());
+  if (absl::Status s = CheckAttentionFits(
+          *need, **backend, *grid.world,
+          "lower --context-lens, --compute-tokens or --bandwidth-bytes, or use more ranks");
+      !s.ok()) {
+    return session.Refuse(s);
+  }
   session.Print("cpfill calibrate: %s; %d / %d heads per rank x %d; %s backend\n", grid.Describe(),
                 one->model.num_heads, one->model.num_kv_heads, f.g.head_dim,
                 (*backend)->Description());

@@ -4,11 +4,46 @@
 #include <cmath>
 
 #include "base/status.h"
+#include "runtime/memory.h"
 #include "launch/attention_job.h"
 
 namespace cpfill::launch {
 
 using parallel::RingAlgorithm;
+
+namespace {
+
+// The grid point (T new after P cached) with T = miss * ctx, at least one token.
+AttentionSpec GridPoint(const CalibrationGrid& f, int64_t ctx, double miss) {
+  const int64_t t_new = std::clamp<int64_t>(std::llround(miss * ctx), 1, ctx);
+  return {.new_lens = {t_new},
+          .cached_lens = {ctx - t_new},
+          .heads = f.heads,
+          .kv_heads = f.kv_heads,
+          .head_dim = f.head_dim};
+}
+
+}  // namespace
+
+absl::StatusOr<BatchMemory> CalibrationMemory(const CalibrationGrid& f,
+                                              const parallel::ProcessGrid& grid, bool device) {
+  // The compute square: q, k, v, o, lse of compute_tokens (fp32 on the host; bf16 on a GPU).
+  const double t = f.compute_tokens, hq = f.heads / grid.tp_size, hkv = f.kv_heads / grid.tp_size;
+  const double square = t * f.head_dim * (2 * hq + 2 * hkv) + t * hq;
+  BatchMemory most{.host = runtime::SaturatingBytes(4 * square + (device ? 2 * square : 0)),
+                   .device = runtime::SaturatingBytes(device ? 2 * square : 0)};
+  const int64_t message = runtime::SaturatingBytes(2.0 * f.bandwidth_bytes);  // send + receive
+  (device ? most.device : most.host) = std::max(device ? most.device : most.host, message);
+  for (int64_t ctx : f.context_lens) {
+    for (double miss : f.miss_rates) {
+      CPFILL_ASSIGN_OR_RETURN(AttentionBatch b, MakeAttentionBatch(GridPoint(f, ctx, miss), grid));
+      const BatchMemory point = AttentionMemory(b, grid, device, false, false);
+      most.host = std::max(most.host, point.host);
+      most.device = std::max(most.device, point.device);
+    }
+  }
+  return most;
+}
 
 // Steps 1-2: C, the attention compute rate of one rank (all ranks at once, as in a real run,
 // averaged), and BW, the ring bandwidth per rank (the slowest rank's).
@@ -32,15 +67,10 @@ absl::StatusOr<std::vector<parallel::CalibrationPoint>> TimeGrid(
   std::vector<parallel::CalibrationPoint> points;
   for (int64_t ctx : f.context_lens) {
     for (double miss : f.miss_rates) {
-      const int64_t t_new = std::clamp<int64_t>(std::llround(miss * ctx), 1, ctx);
-      CPFILL_ASSIGN_OR_RETURN(AttentionBatch b, MakeAttentionBatch({.new_lens = {t_new},
-                                                                    .cached_lens = {ctx - t_new},
-                                                                    .heads = f.heads,
-                                                                    .kv_heads = f.kv_heads,
-                                                                    .head_dim = f.head_dim},
-                                                                   grid));
+      CPFILL_ASSIGN_OR_RETURN(AttentionBatch b, MakeAttentionBatch(GridPoint(f, ctx, miss), grid));
       CPFILL_ASSIGN_OR_RETURN(auto runner, backend.MakeRunner(b.plan, b.shape, b.inputs, b.slice));
-      parallel::CalibrationPoint pt{.new_tokens = t_new, .cached_tokens = ctx - t_new};
+      parallel::CalibrationPoint pt{.new_tokens = b.requests[0].new_tokens,
+                                    .cached_tokens = b.requests[0].cached_tokens};
       CPFILL_ASSIGN_OR_RETURN(
           TimedRuns kv, RunTimed(*runner, *grid.world, RingAlgorithm::kPassKV, f.repeat, 1, {}));
       CPFILL_ASSIGN_OR_RETURN(

@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "attention/attention.h"
+#include "launch/attention_job.h"
 #include "launch/backend.h"
 #include "parallel/grid.h"
 #include "parallel/selector.h"
@@ -29,6 +30,12 @@ struct CalibrationGrid {
   int64_t bandwidth_bytes = 64 << 20;           // the ring message that measures BW
   double elem_bytes = 2;                        // e, as the rules assume
 };
+
+// The most one rank holds at any moment of the calibration (the compute square of
+// compute_tokens, the two ring messages of bandwidth_bytes, the largest grid point), counted
+// before anything runs. InvalidArgument when a grid point does not split over the grid.
+absl::StatusOr<BatchMemory> CalibrationMemory(const CalibrationGrid& f,
+                                              const parallel::ProcessGrid& grid, bool device);
 
 // Steps 1-2: C (TFLOP/s of one rank, all ranks at once, averaged) and BW (GB/s per rank, the
 // slowest rank's), agreed over `world`.

@@ -239,18 +239,9 @@ absl::Status LlamaModel::CheckActivationMemory(Running& r) {
   int64_t need = 0;
   for (const Activation& a : Activations(r)) need += a.rows * a.cols * ElemBytes(a.type);
   need = std::max<int64_t>(0, need - backend_->ScratchBytesHeld());
-  int64_t free = 0;
-  if (need > 0) {
-    CPFILL_ASSIGN_OR_RETURN(free, backend_->FreeMemoryBytes());
-  }
-  int64_t worst[2] = {need - free, need};
-  CPFILL_RETURN_IF_ERROR(
-      world_.AllReduce(worst, 2, parallel::DataType::kInt64, parallel::ReduceOp::kMax));
-  if (worst[0] <= 0) return absl::OkStatus();
-  return CheckFits(absl::StrCat("the batch's activations (", r.b.layout.q_rows(),
-                                " new token rows on this rank)"),
-                   worst[1], worst[1] - worst[0],
-                   "use more ranks (CP splits the tokens) or send fewer tokens per batch");
+  return CheckFitsOnEveryRank(
+      world_, "the batch's activations", need, [&] { return backend_->FreeMemoryBytes(); },
+      "use more ranks (CP splits the tokens) or send fewer tokens per batch");
 }
 
 // Steps 1-2: the embedding and the layers, then one wait for the device.

@@ -99,7 +99,9 @@ absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
   msg[0] = static_cast<uint32_t>(rows.size());
   msg[1] = static_cast<uint32_t>(tp_rank);
   for (size_t i = 0; i < rows.size(); ++i) msg[2 + i] = static_cast<uint32_t>(rows[i].first);
-  std::memcpy(&msg[2 + rows.size()], logits.data(), logits.size() * 4);
+  if (!logits.empty()) {  // a rank with no last positions has no logits (and a null data())
+    std::memcpy(&msg[2 + rows.size()], logits.data(), logits.size() * 4);
+  }
   const int n = world.size();
   int64_t my_bytes = static_cast<int64_t>(msg.size() * 4);
   std::vector<int64_t> all_bytes(n);
