@@ -18,6 +18,7 @@
 #include "launch/selector_flags.h"
 #include "launch/session.h"
 #include "runtime/llama_model.h"
+#include "runtime/memory.h"
 #include "runtime/model_config.h"
 #include "runtime/safetensors.h"
 
@@ -87,6 +88,17 @@ void DefineFlags(FlagSet& flags, PrefillFlags* f) {
                "auto | cpu | cuda (auto: cuda when every rank sees a GPU); cuda computes in "
                "bf16 and --check compares with the fp32 CPU model at a relative tolerance");
   AddSessionFlags(flags, &f->session);
+}
+
+// Every rank generates every synthetic prompt: their token ids must fit in every rank's memory
+// before they are made (collective).
+absl::Status PromptsFit(const PrefillFlags& f, parallel::Communicator& world) {
+  double tokens = 0;
+  for (int64_t n : f.prompt_lens) tokens += n;
+  return runtime::CheckFitsOnEveryRank(
+      world, absl::StrCat("the prompts' token ids (", tokens, " tokens, on every rank)"),
+      runtime::SaturatingBytes(4 * tokens), [] { return runtime::HostBytesAvailable(); },
+      "send fewer or shorter prompts (--prompt-lens)");
 }
 
 // The model's geometry (cut to --layers) and the prompts: bad input, the same on every rank.
@@ -276,6 +288,7 @@ int Run(int argc, char** argv) {
   if (bf16 && !flags.IsSet("tolerance")) f.tolerance = 3e-2;  // relative, for bf16
   runtime::ModelConfig config;
   std::vector<runtime::PrefillRequest> batch;
+  if (absl::Status s = PromptsFit(f, *grid.world); !s.ok()) return session.Refuse(s);
   if (absl::Status s = PlanInputs(f, grid.tp_size, &config, &batch); !s.ok()) {
     return session.ConfigError(s);
   }

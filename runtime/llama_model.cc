@@ -96,6 +96,15 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
   }
   CPFILL_ASSIGN_OR_RETURN(KvCacheSpec spec,
                           KvSpecFor(config, tp, backend->kv_dtype(), options, free_bytes));
+  // Whole blocks, as KvCache::Create rounds; in double: a capacity near 2^31 tokens times a
+  // large model's bytes per token passes int64 on the way.
+  const double blocks = std::ceil(double(spec.capacity_tokens) / spec.block_tokens);
+  CPFILL_RETURN_IF_ERROR(CheckFitsOnEveryRank(
+      world, absl::StrCat("the KV cache (", spec.capacity_tokens, " tokens per rank)"),
+      SaturatingBytes(blocks * spec.block_tokens * double(spec.bytes_per_token())),
+      [&] { return backend->FreeMemoryBytes(); },
+      "lower --kv-capacity-tokens or --kv-memory-fraction, send fewer or shorter prompts, or use "
+      "more CP ranks (each holds 1/N of every sequence)"));
   CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv,
                           KvCache::Create(spec, backend->MakeKvStorage()));
   return std::unique_ptr<LlamaModel>(
