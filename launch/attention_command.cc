@@ -37,22 +37,28 @@ struct AttentionFlags {
 };
 
 void DefineFlags(FlagSet& flags, AttentionFlags* f) {
-  flags.IntList("seq-lens", &f->spec.new_lens, "new tokens per sequence, comma separated", true);
-  flags.IntList("cached-lens", &f->spec.cached_lens,
-                "tokens already in the KV cache per sequence (partial prefill); laid out as one "
-                "earlier full prefill left them");
-  flags.Int("heads", &f->spec.heads, "query heads of the model (all TP ranks together)");
-  flags.Int("kv-heads", &f->spec.kv_heads, "key/value heads of the model");
-  flags.Int("head-dim", &f->spec.head_dim, "head dimension");
+  flags.IntList("seq-lens", &f->spec.new_lens, "new tokens per sequence, comma separated", true)
+      .Within({0, kMaxTokens});
+  flags
+      .IntList("cached-lens", &f->spec.cached_lens,
+               "tokens already in the KV cache per sequence (partial prefill); laid out as one "
+               "earlier full prefill left them")
+      .Within({0, kMaxTokens});
+  flags.Int("heads", &f->spec.heads, "query heads of the model (all TP ranks together)")
+      .Within({1, 65536});
+  flags.Int("kv-heads", &f->spec.kv_heads, "key/value heads of the model").Within({1, 65536});
+  flags.Int("head-dim", &f->spec.head_dim, "head dimension").Within({1, 1024});
   AddSelectorFlags(flags, &f->selector);
   flags.Bool("check", &f->check,
              "compare with a single-rank computation; exit 1 above --tolerance");
-  flags.Double("tolerance", &f->tolerance, "max abs error of O and LSE that --check accepts");
+  flags.Double("tolerance", &f->tolerance, "max abs error of O and LSE that --check accepts")
+      .Within(Range::Above(0));
   flags.String("save", &f->save_file,
                "write q, k, v, o, lse in global token order to this safetensors file");
   flags.String("json", &f->json_file, "write the report as JSON to this file");
-  flags.Int("repeat", &f->repeat, "runs of the batch (timings of each; the median is reported)");
-  flags.Int("seed", &f->seed, "seed of the synthetic inputs");
+  flags.Int("repeat", &f->repeat, "runs of the batch (timings of each; the median is reported)")
+      .Within({1, 1e6});
+  flags.Int("seed", &f->seed, "seed of the synthetic inputs").Within(Range::AtLeast(0));
   flags.Bool("non-causal", &f->non_causal, "attend to every key (default: causal)");
   flags.String("backend", &f->backend,
                "auto | cpu | cuda: where partial attention runs (auto: cuda when a GPU is "
@@ -172,6 +178,7 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
+  if (auto bad = session.CheckOutputs({{"save", f.save_file}, {"json", f.json_file}})) return *bad;
 
   // Plan: every rank reaches the same verdict on the input.
   f.spec.causal = !f.non_causal;
@@ -197,20 +204,18 @@ int Run(int argc, char** argv) {
   auto runner = (*backend)->MakeRunner(batch->plan, batch->shape, batch->inputs, batch->slice);
   if (!runner.ok()) session.Fail(runner.status());
   InjectFaultForTests(grid.world_rank);
-  auto runs = RunTimed(**runner, *grid.world, algo, f.repeat, 0,
-                       [&](int run, const parallel::RingStepTiming& step, int steps) {
-                         // A line per ring step once steps take long enough to wonder about.
-                         if (step.compute_s + step.wait_s <= 1.0) return;
-                         session.Print(
-                             "  run %d, ring step %d/%d done: compute %s ms, exposed "
-                             "wait %s ms\n",
-                             run + 1, step.step + 1, steps, Ms(step.compute_s), Ms(step.wait_s));
-                       });
+  RunProgress progress;
+  progress.on_step = [&](int run, const parallel::RingStepTiming& step, int steps) {
+    // A line per ring step once steps take long enough to wonder about.
+    if (step.compute_s + step.wait_s <= 1.0) return;
+    session.Print("  run %d, ring step %d/%d done: compute %s ms, exposed wait %s ms\n", run + 1,
+                  step.step + 1, steps, Ms(step.compute_s), Ms(step.wait_s));
+  };
+  progress.on_run = [&](int run, double slowest_s) {
+    session.Print("run %d/%d: %s ms on the slowest rank\n", run + 1, f.repeat, Ms(slowest_s));
+  };
+  auto runs = RunTimed(**runner, *grid.world, algo, f.repeat, 0, progress);
   if (!runs.ok()) session.Fail(runs.status());
-  for (size_t r = 0; r < runs->slowest_s.size(); ++r) {
-    session.Print("run %d/%d: %s ms on the slowest rank\n", r + 1, f.repeat,
-                  Ms(runs->slowest_s[r]));
-  }
 
   // Report: Table 5 for world rank 0's ring position, then the check, the file, the JSON.
   const parallel::RingTimings& last = runs->runs.back();

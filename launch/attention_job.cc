@@ -102,7 +102,7 @@ absl::StatusOr<TimedRuns> RunTimed(Runner& runner, parallel::Communicator& world
     CPFILL_RETURN_IF_ERROR(world.Barrier());
     parallel::RingTimings t;
     auto on_step = [&](const parallel::RingStepTiming& step, int steps) {
-      if (progress && r >= 0) progress(r, step, steps);
+      if (progress.on_step && r >= 0) progress.on_step(r, step, steps);
     };
     CPFILL_RETURN_IF_ERROR(runner.Run(algo, &t, on_step));
     double slowest = t.total_s;
@@ -111,6 +111,7 @@ absl::StatusOr<TimedRuns> RunTimed(Runner& runner, parallel::Communicator& world
     if (r < 0) continue;  // warm-up: sizes the buffers, loads the kernels
     out.runs.push_back(t);
     out.slowest_s.push_back(slowest);
+    if (progress.on_run) progress.on_run(r, slowest);
   }
   out.median_s = Median(out.slowest_s);
   return out;

@@ -5,7 +5,7 @@
 //   CPFILL_ASSIGN_OR_RETURN(AttentionBatch batch, MakeAttentionBatch(spec, grid));
 //   CPFILL_ASSIGN_OR_RETURN(auto runner, backend.MakeRunner(batch.plan, batch.shape,
 //                                                         batch.inputs, batch.slice));
-//   CPFILL_ASSIGN_OR_RETURN(TimedRuns runs, RunTimed(*runner, *grid.world, algo, 5, 0, nullptr));
+//   CPFILL_ASSIGN_OR_RETURN(TimedRuns runs, RunTimed(*runner, *grid.world, algo, 5, 0, {}));
 #pragma once
 
 #include <cstdint>
@@ -61,7 +61,12 @@ struct TimedRuns {
   std::vector<double> slowest_s;            // per run, the slowest rank's total
   double median_s = 0;
 };
-using RunProgress = std::function<void(int run, const parallel::RingStepTiming&, int steps)>;
+// Progress: `on_step` after every ring step of a timed run, `on_run` after each timed run with
+// its slowest-rank time (either may be null).
+struct RunProgress {
+  std::function<void(int run, const parallel::RingStepTiming&, int steps)> on_step;
+  std::function<void(int run, double slowest_s)> on_run;
+};
 absl::StatusOr<TimedRuns> RunTimed(Runner& runner, parallel::Communicator& world,
                                    parallel::RingAlgorithm algo, int repeat, int warmup,
                                    const RunProgress& progress);

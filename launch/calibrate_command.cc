@@ -52,15 +52,22 @@ void UseGpuDefaults(CalibrateFlags& f, const FlagSet& flags) {
 }
 
 void DefineFlags(FlagSet& flags, CalibrateFlags* f) {
-  flags.Int("heads", &f->g.heads, "query heads of the model (all TP ranks together)");
-  flags.Int("kv-heads", &f->g.kv_heads, "key/value heads of the model");
-  flags.Int("head-dim", &f->g.head_dim, "head dimension");
-  flags.IntList("context-lens", &f->g.context_lens, "T + P of the grid, comma separated");
-  flags.DoubleList("miss-rates", &f->g.miss_rates, "T / (T + P) of the grid, in (0, 1]");
-  flags.Int("repeat", &f->g.repeat, "timed runs per point (median), after one warm-up");
-  flags.Int("compute-tokens", &f->g.compute_tokens, "square causal attention that measures C");
-  flags.Int("bandwidth-bytes", &f->g.bandwidth_bytes, "ring message that measures BW");
-  flags.Double("elem-bytes", &f->g.elem_bytes, "bytes per element e the rules assume");
+  flags.Int("heads", &f->g.heads, "query heads of the model (all TP ranks together)")
+      .Within({1, 65536});
+  flags.Int("kv-heads", &f->g.kv_heads, "key/value heads of the model").Within({1, 65536});
+  flags.Int("head-dim", &f->g.head_dim, "head dimension").Within({1, 1024});
+  flags.IntList("context-lens", &f->g.context_lens, "T + P of the grid, comma separated")
+      .Within({1, kMaxTokens});
+  flags.DoubleList("miss-rates", &f->g.miss_rates, "T / (T + P) of the grid")
+      .Within(Range::LeftOpen(0, 1));
+  flags.Int("repeat", &f->g.repeat, "timed runs per point (median), after one warm-up")
+      .Within({1, 1e6});
+  flags.Int("compute-tokens", &f->g.compute_tokens, "square causal attention that measures C")
+      .Within({1, kMaxTokens});
+  flags.Int("bandwidth-bytes", &f->g.bandwidth_bytes, "ring message that measures BW")
+      .Within({1, int64_t{1} << 40});
+  flags.Double("elem-bytes", &f->g.elem_bytes, "bytes per element e the rules assume")
+      .Within(Range::LeftOpen(0, 64));
   flags.String("out", &f->out, "calibration JSON to write (read by --fit)");
   flags.String("json", &f->json_file,
                "write the grid's times, every rule's choices and regrets as JSON");
@@ -154,6 +161,7 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
+  if (auto bad = session.CheckOutputs({{"out", f.out}, {"json", f.json_file}})) return *bad;
 
   // Plan.
   const int threads = session.ThreadsPerRank(grid);

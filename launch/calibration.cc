@@ -41,10 +41,10 @@ absl::StatusOr<std::vector<parallel::CalibrationPoint>> TimeGrid(
                                                                    grid));
       CPFILL_ASSIGN_OR_RETURN(auto runner, backend.MakeRunner(b.plan, b.shape, b.inputs, b.slice));
       parallel::CalibrationPoint pt{.new_tokens = t_new, .cached_tokens = ctx - t_new};
-      CPFILL_ASSIGN_OR_RETURN(TimedRuns kv, RunTimed(*runner, *grid.world, RingAlgorithm::kPassKV,
-                                                     f.repeat, 1, nullptr));
-      CPFILL_ASSIGN_OR_RETURN(TimedRuns pq, RunTimed(*runner, *grid.world, RingAlgorithm::kPassQ,
-                                                     f.repeat, 1, nullptr));
+      CPFILL_ASSIGN_OR_RETURN(
+          TimedRuns kv, RunTimed(*runner, *grid.world, RingAlgorithm::kPassKV, f.repeat, 1, {}));
+      CPFILL_ASSIGN_OR_RETURN(
+          TimedRuns pq, RunTimed(*runner, *grid.world, RingAlgorithm::kPassQ, f.repeat, 1, {}));
       pt.pass_kv_s = kv.median_s;
       pt.pass_q_s = pq.median_s;
       points.push_back(pt);

@@ -76,6 +76,12 @@ int RunEnvCommand(int argc, char** argv) {
     std::fputs(flags.Usage().c_str(), stdout);
     return kExitOk;
   }
+  if (!json_file.empty()) {
+    if (absl::Status s = CheckWritable("json", json_file); !s.ok()) {
+      std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
+      return kExitBadInput;
+    }
+  }
   for (const knobs::KnobSpec& k : knobs::All()) {
     std::printf("%s=%s  (%s; %s, default %s, allowed %s)\n    %s\n", std::string(k.name).c_str(),
                 InEffect(k).c_str(), Where(k).c_str(), TypeName(k.type).c_str(),

@@ -3,9 +3,11 @@
 #include <cstdio>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "base/knobs.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
+#include "launch/model_setup.h"
 #include "runtime/model_config.h"
 #include "runtime/weights.h"
 
@@ -21,8 +23,9 @@ int RunExportCommand(int argc, char** argv) {
                 "directory (no MPI)");
   flags.String("model", &model, "preset: tiny, llama3-8b, llama3-70b, llama3-405b", true);
   flags.String("out", &out, "directory to write config.json and model.safetensors to", true);
-  flags.Int("seed", &seed, "seed of the synthetic weights (as cpfill prefill --seed)");
-  flags.Int("layers", &layers, "keep only the first K layers (0: all)");
+  flags.Int("seed", &seed, "seed of the synthetic weights (as cpfill prefill --seed)")
+      .Within(Range::AtLeast(0));
+  flags.Int("layers", &layers, "keep only the first K layers (0: all)").Within({0, 1e6});
   flags.Bool("bf16", &bf16, "store bf16 (default fp32)");
   auto fail = [](const absl::Status& s) {
     std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
@@ -40,8 +43,12 @@ int RunExportCommand(int argc, char** argv) {
   }
   auto config = runtime::LoadModelConfig(model);
   if (!config.ok()) return fail(config.status());
-  if (layers < 0) return fail(absl::InvalidArgumentError("--layers must be >= 0"));
-  if (layers > 0 && layers < config->num_layers) config->num_layers = layers;
+  if (layers > config->num_layers) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--layers ", layers, ": ", model, " has only ", config->num_layers, " layers")));
+  }
+  if (layers > 0) config->num_layers = layers;
+  if (absl::Status s = WeightsFit(*config, 1); !s.ok()) return fail(s);
   auto weights = runtime::SyntheticWeights(*config, static_cast<uint64_t>(seed), 0, 1);
   if (!weights.ok()) return fail(weights.status());
   if (absl::Status s = runtime::SaveHfCheckpoint(*config, *weights, out, bf16); !s.ok()) {

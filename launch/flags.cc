@@ -1,7 +1,11 @@
 #include "launch/flags.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -16,22 +20,95 @@ absl::Status BadValue(const std::string& name, const std::string& value, const c
   return absl::InvalidArgumentError(absl::StrCat("--", name, ": '", value, "' is not ", what));
 }
 
-absl::Status ParseInt64(const std::string& name, const std::string& v, int64_t* out) {
-  if (!absl::SimpleAtoi(v, out)) return BadValue(name, v, "an integer");
+// A bound as a user writes it: integers in full (2147483647, not 2.14748e+09).
+std::string BoundText(double x) {
+  if (x == std::trunc(x) && std::fabs(x) < 1e15) return absl::StrCat(static_cast<int64_t>(x));
+  return absl::StrCat(x);
+}
+
+absl::Status CheckRange(const std::string& name, const std::string& v, double x,
+                        const Range& range) {
+  if (range.Contains(x)) return absl::OkStatus();
+  const char* what = x < 0 && range.min >= 0 ? "is negative" : "is out of range";
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", name, ": ", v, " ", what, "; allowed ", range.ToString()));
+}
+
+absl::Status ParseInt64(const std::string& name, const std::string& v, const Range& range,
+                        int64_t* out) {
+  int64_t x = 0;
+  if (!absl::SimpleAtoi(v, &x)) {
+    const bool digits = !v.empty() && v.find_first_not_of("+-0123456789") == std::string::npos;
+    return BadValue(name, v, digits ? "a 64-bit integer" : "an integer");
+  }
+  CPFILL_RETURN_IF_ERROR(CheckRange(name, v, static_cast<double>(x), range));
+  *out = x;
   return absl::OkStatus();
 }
 
-absl::Status ParseDouble(const std::string& name, const std::string& v, double* out) {
-  if (!absl::SimpleAtod(v, out) || !std::isfinite(*out)) return BadValue(name, v, "a number");
+absl::Status ParseDouble(const std::string& name, const std::string& v, const Range& range,
+                         double* out) {
+  double x = 0;
+  if (!absl::SimpleAtod(v, &x)) return BadValue(name, v, "a number");
+  if (!std::isfinite(x)) return BadValue(name, v, "a finite number");
+  CPFILL_RETURN_IF_ERROR(CheckRange(name, v, x, range));
+  *out = x;
   return absl::OkStatus();
 }
 
 }  // namespace
 
+bool Range::Contains(double x) const {
+  const bool above = min_open ? x > min : x >= min;
+  const bool below = max_open ? x < max : x <= max;
+  return above && below;
+}
+
+std::string Range::ToString() const {
+  const bool has_min = std::isfinite(min), has_max = std::isfinite(max);
+  if (has_min && has_max) {
+    return absl::StrCat(min_open ? "(" : "[", BoundText(min), ", ", BoundText(max),
+                        max_open ? ")" : "]");
+  }
+  if (has_min) return absl::StrCat(min_open ? "> " : ">= ", BoundText(min));
+  if (has_max) return absl::StrCat(max_open ? "< " : "<= ", BoundText(max));
+  return "any finite number";
+}
+
+absl::Status CheckWritable(const std::string& flag, const std::string& path) {
+  std::error_code ec;
+  const bool existed = std::filesystem::exists(path, ec);
+  if (existed && std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": '", path, "' is a directory, not a file"));
+  }
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  if (f == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": cannot write '", path, "': ", std::strerror(errno)));
+  }
+  std::fclose(f);
+  if (!existed) std::filesystem::remove(path, ec);
+  return absl::OkStatus();
+}
+
 FlagSet::FlagSet(std::string command, std::string summary)
     : command_(std::move(command)), summary_(std::move(summary)) {}
 
-void FlagSet::Add(Flag flag) { flags_.push_back(std::move(flag)); }
+FlagSet& FlagSet::Add(Flag flag) {
+  flags_.push_back(std::move(flag));
+  return *this;
+}
+
+FlagSet& FlagSet::Within(Range range) {
+  Flag& last = flags_.back();
+  // Int flags bound to an int keep their 32-bit limit whatever range is asked for.
+  last.range.min = std::max(last.range.min, range.min);
+  last.range.max = std::min(last.range.max, range.max);
+  last.range.min_open = range.min_open && last.range.min == range.min;
+  last.range.max_open = range.max_open && last.range.max == range.max;
+  return *this;
+}
 
 FlagSet::Flag* FlagSet::Find(const std::string& name) {
   for (Flag& f : flags_) {
@@ -47,99 +124,109 @@ bool FlagSet::IsSet(const std::string& name) const {
   return false;
 }
 
-void FlagSet::String(const std::string& name, std::string* target, const std::string& help,
-                     bool required) {
-  Add({.name = name,
-       .help = help,
-       .default_text = *target,
-       .required = required,
-       .parse = [target](const std::string& v) {
-         *target = v;
-         return absl::OkStatus();
-       }});
+FlagSet& FlagSet::String(const std::string& name, std::string* target, const std::string& help,
+                         bool required) {
+  return Add({.name = name,
+              .help = help,
+              .default_text = *target,
+              .required = required,
+              .parse = [target](const std::string& v, const Range&) {
+                *target = v;
+                return absl::OkStatus();
+              }});
 }
 
-void FlagSet::Int(const std::string& name, int64_t* target, const std::string& help,
-                  bool required) {
-  Add({.name = name,
-       .help = help,
-       .default_text = absl::StrCat(*target),
-       .required = required,
-       .parse = [name, target](const std::string& v) { return ParseInt64(name, v, target); }});
+FlagSet& FlagSet::Int(const std::string& name, int64_t* target, const std::string& help,
+                      bool required) {
+  return Add({.name = name,
+              .help = help,
+              .default_text = absl::StrCat(*target),
+              .required = required,
+              .numeric = true,
+              .parse = [name, target](const std::string& v, const Range& range) {
+                return ParseInt64(name, v, range, target);
+              }});
 }
 
-void FlagSet::Int(const std::string& name, int* target, const std::string& help, bool required) {
-  Add({.name = name,
-       .help = help,
-       .default_text = absl::StrCat(*target),
-       .required = required,
-       .parse = [name, target](const std::string& v) {
-         int64_t x;
-         CPFILL_RETURN_IF_ERROR(ParseInt64(name, v, &x));
-         if (x < INT32_MIN || x > INT32_MAX) return BadValue(name, v, "a 32-bit integer");
-         *target = static_cast<int>(x);
-         return absl::OkStatus();
-       }});
+FlagSet& FlagSet::Int(const std::string& name, int* target, const std::string& help,
+                      bool required) {
+  return Add({.name = name,
+              .help = help,
+              .default_text = absl::StrCat(*target),
+              .required = required,
+              .numeric = true,
+              .range = Range(INT32_MIN, INT32_MAX),
+              .parse = [name, target](const std::string& v, const Range& range) {
+                int64_t x = 0;
+                CPFILL_RETURN_IF_ERROR(ParseInt64(name, v, range, &x));
+                *target = static_cast<int>(x);
+                return absl::OkStatus();
+              }});
 }
 
-void FlagSet::Double(const std::string& name, double* target, const std::string& help,
-                     bool required) {
-  Add({.name = name,
-       .help = help,
-       .default_text = absl::StrCat(*target),
-       .required = required,
-       .parse = [name, target](const std::string& v) { return ParseDouble(name, v, target); }});
+FlagSet& FlagSet::Double(const std::string& name, double* target, const std::string& help,
+                         bool required) {
+  return Add({.name = name,
+              .help = help,
+              .default_text = absl::StrCat(*target),
+              .required = required,
+              .numeric = true,
+              .parse = [name, target](const std::string& v, const Range& range) {
+                return ParseDouble(name, v, range, target);
+              }});
 }
 
-void FlagSet::Bool(const std::string& name, bool* target, const std::string& help) {
-  Add({.name = name,
-       .help = help,
-       .default_text = *target ? "true" : "false",
-       .is_bool = true,
-       .parse = [name, target](const std::string& v) {
-         if (v == "true" || v == "1") {
-           *target = true;
-         } else if (v == "false" || v == "0") {
-           *target = false;
-         } else {
-           return BadValue(name, v, "true or false");
-         }
-         return absl::OkStatus();
-       }});
+FlagSet& FlagSet::Bool(const std::string& name, bool* target, const std::string& help) {
+  return Add({.name = name,
+              .help = help,
+              .default_text = *target ? "true" : "false",
+              .is_bool = true,
+              .parse = [name, target](const std::string& v, const Range&) {
+                if (v == "true" || v == "1") {
+                  *target = true;
+                } else if (v == "false" || v == "0") {
+                  *target = false;
+                } else {
+                  return BadValue(name, v, "true or false");
+                }
+                return absl::OkStatus();
+              }});
 }
 
-void FlagSet::IntList(const std::string& name, std::vector<int64_t>* target,
-                      const std::string& help, bool required) {
-  Add({.name = name,
-       .help = help,
-       .default_text = absl::StrJoin(*target, ","),
-       .required = required,
-       .parse = [name, target](const std::string& v) {
-         target->clear();
-         for (absl::string_view piece : absl::StrSplit(v, ',')) {
-           int64_t x;
-           CPFILL_RETURN_IF_ERROR(ParseInt64(name, std::string(piece), &x));
-           target->push_back(x);
-         }
-         return absl::OkStatus();
-       }});
+FlagSet& FlagSet::IntList(const std::string& name, std::vector<int64_t>* target,
+                          const std::string& help, bool required) {
+  return Add({.name = name,
+              .help = help,
+              .default_text = absl::StrJoin(*target, ","),
+              .required = required,
+              .numeric = true,
+              .parse = [name, target](const std::string& v, const Range& range) {
+                target->clear();
+                for (absl::string_view piece : absl::StrSplit(v, ',')) {
+                  int64_t x = 0;
+                  CPFILL_RETURN_IF_ERROR(ParseInt64(name, std::string(piece), range, &x));
+                  target->push_back(x);
+                }
+                return absl::OkStatus();
+              }});
 }
 
-void FlagSet::DoubleList(const std::string& name, std::vector<double>* target,
-                         const std::string& help, bool required) {
-  Add({.name = name,
-       .help = help,
-       .default_text = absl::StrJoin(*target, ","),
-       .required = required,
-       .parse = [name, target](const std::string& v) {
-         target->clear();
-         for (absl::string_view piece : absl::StrSplit(v, ',')) {
-           double x;
-           CPFILL_RETURN_IF_ERROR(ParseDouble(name, std::string(piece), &x));
-           target->push_back(x);
-         }
-         return absl::OkStatus();
-       }});
+FlagSet& FlagSet::DoubleList(const std::string& name, std::vector<double>* target,
+                             const std::string& help, bool required) {
+  return Add({.name = name,
+              .help = help,
+              .default_text = absl::StrJoin(*target, ","),
+              .required = required,
+              .numeric = true,
+              .parse = [name, target](const std::string& v, const Range& range) {
+                target->clear();
+                for (absl::string_view piece : absl::StrSplit(v, ',')) {
+                  double x = 0;
+                  CPFILL_RETURN_IF_ERROR(ParseDouble(name, std::string(piece), range, &x));
+                  target->push_back(x);
+                }
+                return absl::OkStatus();
+              }});
 }
 
 absl::Status FlagSet::Parse(int argc, char** argv, int first) {
@@ -166,6 +253,8 @@ absl::Status FlagSet::Parse(int argc, char** argv, int first) {
       return absl::InvalidArgumentError(
           absl::StrCat("unknown flag --", name, " for 'cpfill ", command_, "'", see));
     }
+    // The last of two values would win silently; which one the user meant is not ours to guess.
+    if (flag->set) return absl::InvalidArgumentError(absl::StrCat("--", name, " given twice", see));
     if (!has_value) {
       if (flag->is_bool) {
         value = "true";
@@ -175,7 +264,7 @@ absl::Status FlagSet::Parse(int argc, char** argv, int first) {
         return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value", see));
       }
     }
-    absl::Status s = flag->parse(value);
+    absl::Status s = flag->parse(value, flag->range);
     if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(s.message(), see));
     flag->set = true;
   }
@@ -199,6 +288,7 @@ std::string FlagSet::Usage() const {
     } else if (!f.default_text.empty()) {
       absl::StrAppend(&out, " [", f.default_text, "]");
     }
+    if (f.numeric) absl::StrAppend(&out, " {", f.range.ToString(), "}");
     absl::StrAppend(&out, "\n");
   }
   return out;

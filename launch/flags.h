@@ -2,18 +2,23 @@
 //
 // Each subcommand declares its flags with a target variable and a help line; Parse() accepts
 // `--name value` and `--name=value` (booleans: `--name`, `--name=true|false`), and rejects
-// unknown flags, missing values, malformed numbers and stray arguments with one message that
-// names the flag and says where to look.
+// unknown flags, a flag given twice, missing values, malformed numbers, NaN and infinities,
+// values outside a flag's range and stray arguments with one message that names the flag, the
+// value and the allowed range. Numeric flags take their range by chaining Within(); the help
+// text shows it, so every numeric flag documents what it accepts.
 //
 //   FlagSet flags("attention", "one fused batch of context-parallel attention");
-//   flags.Int("heads", &heads, "query heads of the model (all TP ranks together)");
-//   flags.IntList("seq-lens", &lens, "new tokens per sequence, comma separated",
-//   /*required=*/true); CPFILL_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2)); if
-//   (flags.help()) { std::cout << flags.Usage(); return 0; }
+//   flags.Int("heads", &heads, "query heads of the model").Within({1, 65536});
+//   flags.IntList("seq-lens", &lens, "new tokens per sequence", /*required=*/true)
+//       .Within({0, kMaxTokens});
+//   flags.Double("timeout-s", &t, "deadline, seconds").Within(Range::LeftOpen(0, 1e6));
+//   CPFILL_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2));
+//   if (flags.help()) { std::cout << flags.Usage(); return 0; }
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -21,22 +26,61 @@
 
 namespace cpfill::launch {
 
+// The most tokens one length flag accepts: token positions and counts are int32 downstream.
+inline constexpr int64_t kMaxTokens = 2147483647;
+
+// The values a numeric flag accepts (every element, for lists). Bounds are doubles: every bound
+// cpfill uses is exact in a double (integers below 2^53).
+struct Range {
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  bool min_open = false;  // min itself is refused
+  bool max_open = false;
+
+  Range() = default;
+  Range(double lo, double hi) : min(lo), max(hi) {}  // [lo, hi]
+  static Range AtLeast(double lo) { return Range(lo, std::numeric_limits<double>::infinity()); }
+  static Range Above(double lo) {  // (lo, inf)
+    Range r = AtLeast(lo);
+    r.min_open = true;
+    return r;
+  }
+  static Range LeftOpen(double lo, double hi) {  // (lo, hi]
+    Range r(lo, hi);
+    r.min_open = true;
+    return r;
+  }
+  bool Contains(double x) const;
+  std::string ToString() const;  // "[0, 4096]", "(0, 1000000]", ">= 0", "> 0"
+};
+
+// Whether `path` (given by --`flag`) can be written, tried before any work: opened for
+// appending (an existing file is left as it was) or created and removed again. InvalidArgument
+// naming the flag and the path otherwise: a bad output path is an input error, not a failure
+// found after minutes of work.
+absl::Status CheckWritable(const std::string& flag, const std::string& path);
+
 class FlagSet {
  public:
   FlagSet(std::string command, std::string summary);
 
-  void String(const std::string& name, std::string* target, const std::string& help,
-              bool required = false);
-  void Int(const std::string& name, int64_t* target, const std::string& help,
-           bool required = false);
-  void Int(const std::string& name, int* target, const std::string& help, bool required = false);
-  void Double(const std::string& name, double* target, const std::string& help,
-              bool required = false);
-  void Bool(const std::string& name, bool* target, const std::string& help);
-  void IntList(const std::string& name, std::vector<int64_t>* target, const std::string& help,
-               bool required = false);
-  void DoubleList(const std::string& name, std::vector<double>* target, const std::string& help,
+  FlagSet& String(const std::string& name, std::string* target, const std::string& help,
                   bool required = false);
+  FlagSet& Int(const std::string& name, int64_t* target, const std::string& help,
+               bool required = false);
+  FlagSet& Int(const std::string& name, int* target, const std::string& help,
+               bool required = false);
+  FlagSet& Double(const std::string& name, double* target, const std::string& help,
+                  bool required = false);
+  FlagSet& Bool(const std::string& name, bool* target, const std::string& help);
+  FlagSet& IntList(const std::string& name, std::vector<int64_t>* target, const std::string& help,
+                   bool required = false);
+  FlagSet& DoubleList(const std::string& name, std::vector<double>* target, const std::string& help,
+                      bool required = false);
+
+  // Narrows the values the flag declared last accepts (numeric flags). The default value is
+  // not checked: a default outside the range means "not given" (e.g. 0 = automatic).
+  FlagSet& Within(Range range);
 
   // Parses argv[first..argc). InvalidArgument naming the flag on any problem.
   absl::Status Parse(int argc, char** argv, int first);
@@ -52,9 +96,11 @@ class FlagSet {
     bool is_bool = false;
     bool required = false;
     bool set = false;
-    std::function<absl::Status(const std::string&)> parse;
+    bool numeric = false;
+    Range range;
+    std::function<absl::Status(const std::string&, const Range&)> parse;
   };
-  void Add(Flag flag);
+  FlagSet& Add(Flag flag);
   Flag* Find(const std::string& name);
 
   std::string command_;

@@ -23,12 +23,12 @@ struct Fixture {
   std::vector<int64_t> lens;
   FlagSet flags{"test", "a test"};
   Fixture() {
-    flags.Int("heads", &heads, "heads");
+    flags.Int("heads", &heads, "heads").Within({1, 64});
     flags.Int("seed", &seed, "seed");
-    flags.Double("gbps", &gbps, "bandwidth");
+    flags.Double("gbps", &gbps, "bandwidth").Within(Range::LeftOpen(0, 1e6));
     flags.Bool("check", &check, "check");
     flags.String("algo", &algo, "algorithm");
-    flags.IntList("seq-lens", &lens, "lengths", /*required=*/true);
+    flags.IntList("seq-lens", &lens, "lengths", /*required=*/true).Within({0, kMaxTokens});
   }
 };
 
@@ -59,8 +59,16 @@ TEST(FlagSet, RejectsWithAMessageNamingTheFlag) {
            {{"--seq-lens", "1", "stray"}, "unexpected argument 'stray'"},
            {{"--heads", "4"}, "--seq-lens is required"},
            {{"--seq-lens", "1", "--check=maybe"}, "true or false"},
-           {{"--seq-lens", "1", "--gbps", "nan"}, "not a number"},
-           {{"--seq-lens", "1", "--heads", "99999999999"}, "32-bit"},
+           {{"--seq-lens", "1", "--gbps", "nan"}, "'nan' is not a finite number"},
+           {{"--seq-lens", "1", "--heads", "99999999999"}, "--heads: 99999999999 is out of range"},
+           {{"--seq-lens", "1", "--seed", "99999999999999999999"}, "not a 64-bit integer"},
+           {{"--seq-lens", "1", "--gbps", "inf"}, "--gbps: 'inf' is not a finite number"},
+           {{"--seq-lens", "1", "--seq-lens", "2"}, "--seq-lens given twice"},
+           {{"--seq-lens", "1", "--check", "--check=false"}, "--check given twice"},
+           {{"--seq-lens", "1,-3"}, "--seq-lens: -3 is negative; allowed [0, 2147483647]"},
+           {{"--seq-lens", "1", "--heads", "0"}, "--heads: 0 is out of range; allowed [1, 64]"},
+           {{"--seq-lens", "1", "--gbps", "0"}, "--gbps: 0 is out of range; allowed (0, 1000000]"},
+           {{"--seq-lens", "1", "--gbps", "1e18"}, "--gbps: 1e18 is out of range"},
        }) {
     Fixture f;
     absl::Status s = ParseArgs(f.flags, c.args);
@@ -77,6 +85,21 @@ TEST(FlagSet, HelpSkipsRequiredChecksAndListsFlags) {
   const std::string usage = f.flags.Usage();
   EXPECT_NE(usage.find("--seq-lens"), std::string::npos);
   EXPECT_NE(usage.find("(required)"), std::string::npos);
+  EXPECT_NE(usage.find("{(0, 1000000]}"), std::string::npos) << usage;
+  EXPECT_NE(usage.find("{[0, 2147483647]}"), std::string::npos) << usage;
+}
+
+TEST(FlagSet, BoundsAreInclusiveUnlessOpen) {
+  Fixture f;
+  ASSERT_TRUE(
+      ParseArgs(f.flags, {"--seq-lens", "0,2147483647", "--heads", "64", "--gbps", "1e6"}).ok());
+  EXPECT_EQ(f.lens, (std::vector<int64_t>{0, 2147483647}));
+  EXPECT_EQ(f.heads, 64);
+  EXPECT_FALSE(ParseArgs(f.flags, {"--seq-lens", "2147483648"}).ok());
+  EXPECT_EQ(Range::AtLeast(0).ToString(), ">= 0");
+  EXPECT_EQ(Range::Above(0).ToString(), "> 0");
+  EXPECT_FALSE(Range::Above(0).Contains(0));
+  EXPECT_TRUE(Range::AtLeast(0).Contains(0));
 }
 
 }  // namespace

@@ -3,10 +3,12 @@
 #include <limits>
 #include <optional>
 
+#include "absl/strings/str_cat.h"
 #include "base/json_io.h"
 #include "base/random.h"
 #include "base/status.h"
 #include "runtime/cpu/cpu_backend.h"
+#include "runtime/memory.h"
 #if CPFILL_HAVE_CUDA
 #include "parallel/cuda/nccl_communicator.h"
 #include "runtime/cuda/cuda_backend.h"
@@ -57,10 +59,21 @@ absl::StatusOr<runtime::ModelWeights> MakeWeights(const runtime::ModelConfig& co
   return runtime::LoadWeights(config, model, tp_rank, tp_size);
 }
 
+absl::Status WeightsFit(const runtime::ModelConfig& config, int tp_size) {
+  CPFILL_ASSIGN_OR_RETURN(const int64_t free, runtime::HostBytesAvailable());
+  return runtime::CheckFits(
+      absl::StrCat("the weights of ", config.name, " (fp32, one TP slice of ", tp_size, ")"),
+      runtime::HostWeightBytes(config, tp_size), free,
+      "use more tensor-parallel ranks (--tp) or fewer layers (--layers)");
+}
+
 absl::StatusOr<runtime::ModelWeights> LoadWeightsAgreed(const runtime::ModelConfig& config,
                                                         const std::string& model, uint64_t seed,
                                                         const parallel::ProcessGrid& grid) {
-  auto weights = MakeWeights(config, model, seed, grid.tp_rank, grid.tp_size);
+  const absl::Status fits = WeightsFit(config, grid.tp_size);
+  absl::StatusOr<runtime::ModelWeights> weights =
+      fits.ok() ? MakeWeights(config, model, seed, grid.tp_rank, grid.tp_size)
+                : absl::StatusOr<runtime::ModelWeights>(fits);
   CPFILL_ASSIGN_OR_RETURN(bool all_ok, parallel::AllRanksOk(*grid.world, weights.ok()));
   if (!weights.ok()) return weights.status();
   if (!all_ok) return absl::AbortedError("another rank could not read its weights");

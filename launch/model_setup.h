@@ -33,8 +33,13 @@ absl::StatusOr<runtime::ModelWeights> MakeWeights(const runtime::ModelConfig& co
                                                   const std::string& model, uint64_t seed,
                                                   int tp_rank, int tp_size);
 
-// MakeWeights on every rank, one verdict: each rank reads only its own slice, so a bad file may
-// show on some ranks only. A rank that failed returns its own error; the others return Aborted.
+// ResourceExhausted, with the bytes needed and free, when one TP slice of the weights (fp32)
+// does not fit in this rank's share of the host's memory.
+absl::Status WeightsFit(const runtime::ModelConfig& config, int tp_size);
+
+// WeightsFit and MakeWeights on every rank, one verdict: each rank reads only its own slice, so a
+// bad file may show on some ranks only. A rank that failed returns its own error; the others return
+// Aborted.
 absl::StatusOr<runtime::ModelWeights> LoadWeightsAgreed(const runtime::ModelConfig& config,
                                                         const std::string& model, uint64_t seed,
                                                         const parallel::ProcessGrid& grid);

@@ -49,30 +49,40 @@ void DefineFlags(FlagSet& flags, PrefillFlags* f) {
                "a preset (tiny, llama3-8b, llama3-70b, llama3-405b; synthetic weights) or a "
                "Hugging Face checkpoint directory (config.json + safetensors)",
                true);
-  flags.IntList("prompt-lens", &f->prompt_lens, "synthetic prompts of these lengths");
+  flags.IntList("prompt-lens", &f->prompt_lens, "synthetic prompts of these lengths")
+      .Within({1, kMaxTokens});
   flags.String("tokens", &f->tokens_file,
                "a JSON list of lists of token ids (instead of --prompt-lens)");
-  flags.Int("layers", &f->layers, "run only the first K layers (0: all)");
+  flags.Int("layers", &f->layers, "run only the first K layers (0: all)").Within({0, 1e6});
   AddSelectorFlags(flags, &f->selector);
   flags.Bool("check", &f->check,
              "compare last-position logits and first tokens with a one-rank run");
-  flags.Double("tolerance", &f->tolerance, "max abs logit difference --check accepts");
+  flags.Double("tolerance", &f->tolerance, "max abs logit difference --check accepts")
+      .Within(Range::Above(0));
   flags.String("json", &f->json_file, "write the report as JSON to this file");
   flags.String("save-logits", &f->logits_file,
                "write the last-position logits [sequences, vocab] and first tokens as "
                "safetensors");
-  flags.Int("seed", &f->seed, "seed of synthetic weights and prompts");
-  flags.Int("kv-capacity-tokens", &f->kv_capacity_tokens,
-            "KV cache capacity per rank, in tokens (every layer's K and V), allocated at start-up "
-            "(0: what this run's prompts need)");
-  flags.Double("kv-memory-fraction", &f->kv_memory_fraction,
-               "instead of --kv-capacity-tokens: this fraction of the rank's free memory (after "
-               "the weights) for the KV cache");
-  flags.Int("kv-block-tokens", &f->kv_block_tokens, "tokens per KV cache block (16..256)");
-  flags.Double("peak-tflops", &f->peak_tflops,
-               "peak dense TFLOP/s of one rank, for model FLOPs utilisation (0: not shown)");
-  flags.Int("repeat", &f->repeat,
-            "timed prefills of the batch after one untimed warm-up when > 1 (median reported)");
+  flags.Int("seed", &f->seed, "seed of synthetic weights and prompts").Within(Range::AtLeast(0));
+  flags
+      .Int("kv-capacity-tokens", &f->kv_capacity_tokens,
+           "KV cache capacity per rank, in tokens (every layer's K and V), allocated at start-up "
+           "(0: what this run's prompts need)")
+      .Within({0, kMaxTokens});
+  flags
+      .Double("kv-memory-fraction", &f->kv_memory_fraction,
+              "instead of --kv-capacity-tokens: this fraction of the rank's free memory (after "
+              "the weights) for the KV cache")
+      .Within({0, 1});
+  flags.Int("kv-block-tokens", &f->kv_block_tokens, "tokens per KV cache block").Within({16, 256});
+  flags
+      .Double("peak-tflops", &f->peak_tflops,
+              "peak dense TFLOP/s of one rank, for model FLOPs utilisation (0: not shown)")
+      .Within(Range::AtLeast(0));
+  flags
+      .Int("repeat", &f->repeat,
+           "timed prefills of the batch after one untimed warm-up when > 1 (median reported)")
+      .Within({1, 1e6});
   flags.String("backend", &f->backend,
                "auto | cpu | cuda (auto: cuda when every rank sees a GPU); cuda computes in "
                "bf16 and --check compares with the fp32 CPU model at a relative tolerance");
@@ -85,7 +95,11 @@ absl::Status PlanInputs(const PrefillFlags& f, int tp_size, runtime::ModelConfig
   CPFILL_ASSIGN_OR_RETURN(*config, runtime::LoadModelConfig(f.model));
   CPFILL_CHECK_ARG(f.layers >= 0, "--layers must be >= 0");
   CPFILL_CHECK_ARG(f.repeat >= 1, "--repeat must be >= 1");
-  if (f.layers > 0) config->num_layers = std::min(config->num_layers, f.layers);
+  // A cut longer than the model would silently run all of it: the user asked for something
+  // this model cannot give.
+  CPFILL_CHECK_ARG(f.layers <= config->num_layers, "--layers ", f.layers, ": the model has only ",
+                   config->num_layers, " layers");
+  if (f.layers > 0) config->num_layers = f.layers;
   CPFILL_RETURN_IF_ERROR(config->ValidateForTp(tp_size));
   CPFILL_CHECK_ARG(f.prompt_lens.empty() != f.tokens_file.empty(),
                    "give exactly one of --prompt-lens and --tokens");
@@ -250,6 +264,9 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
+  if (auto bad = session.CheckOutputs({{"json", f.json_file}, {"save-logits", f.logits_file}})) {
+    return *bad;
+  }
 
   // Plan: backend (every rank must see a GPU for cuda), geometry, prompts, options.
   auto backend = ResolveBackendName(f.backend, {"cpu", "cuda"}, *grid.world);

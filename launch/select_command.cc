@@ -18,16 +18,20 @@ int RunSelectCommand(int argc, char** argv) {
   FlagSet flags("select",
                 "choose ring pass-KV or pass-Q for one request; prints JSON with 'choice' and "
                 "the rule's quantities");
-  flags.Int("heads", &heads, "query heads N_H (per rank or of the model: only N_KV/N_H matters)",
-            true);
-  flags.Int("kv-heads", &kv_heads, "key/value heads N_KV", true);
-  flags.Int("cp", &cp, "context-parallel ranks N", true);
-  flags.Double("tflops", &tflops, "attention compute per rank C, TFLOP/s (alg1/alg5)");
-  flags.Double("gbps", &gbps, "ring bandwidth per rank BW, gigabytes per second (alg1/alg5)");
-  flags.Double("elem-bytes", &elem_bytes, "bytes per element e");
-  flags.Int("new-tokens", &new_tokens, "new tokens T", true);
-  flags.Int("cached-tokens", &cached_tokens, "cached tokens P");
-  flags.Int("head-dim", &head_dim, "head dimension (predicted times only)");
+  flags
+      .Int("heads", &heads, "query heads N_H (per rank or of the model: only N_KV/N_H matters)",
+           true)
+      .Within({1, 65536});
+  flags.Int("kv-heads", &kv_heads, "key/value heads N_KV", true).Within({1, 65536});
+  flags.Int("cp", &cp, "context-parallel ranks N", true).Within({1, 1 << 20});
+  flags.Double("tflops", &tflops, "attention compute per rank C, TFLOP/s (alg1/alg5)")
+      .Within({0, 1e9});
+  flags.Double("gbps", &gbps, "ring bandwidth per rank BW, gigabytes per second (alg1/alg5)")
+      .Within({0, 1e9});
+  flags.Double("elem-bytes", &elem_bytes, "bytes per element e").Within(Range::LeftOpen(0, 64));
+  flags.Int("new-tokens", &new_tokens, "new tokens T", true).Within({0, kMaxTokens});
+  flags.Int("cached-tokens", &cached_tokens, "cached tokens P").Within({0, kMaxTokens});
+  flags.Int("head-dim", &head_dim, "head dimension (predicted times only)").Within({1, 1024});
   flags.String("rule", &rule_name, "alg1 | alg5 | fitted [fitted with --fit, else alg5]");
   flags.String("fit", &fit_file, "calibration JSON from 'cpfill calibrate'");
   if (absl::Status s = flags.Parse(argc, argv, 2); !s.ok()) {

@@ -10,9 +10,12 @@ void AddSelectorFlags(FlagSet& flags, SelectorFlags* sf) {
                "selector rule for --algo auto: alg1 | alg5 | fitted [fitted with --fit, else "
                "alg5]");
   flags.String("fit", &sf->fit_file, "calibration JSON from 'cpfill calibrate' (a, b, c; C, BW)");
-  flags.Double("tflops", &sf->tflops, "selector: attention compute per rank C, TFLOP/s");
-  flags.Double("gbps", &sf->gbps, "selector: ring bandwidth per rank BW, GB/s (bytes)");
-  flags.Double("elem-bytes", &sf->elem_bytes, "selector: bytes per element e");
+  flags.Double("tflops", &sf->tflops, "selector: attention compute per rank C, TFLOP/s")
+      .Within({0, 1e9});
+  flags.Double("gbps", &sf->gbps, "selector: ring bandwidth per rank BW, GB/s (bytes)")
+      .Within({0, 1e9});
+  flags.Double("elem-bytes", &sf->elem_bytes, "selector: bytes per element e")
+      .Within(Range::LeftOpen(0, 64));
 }
 
 absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const FlagSet& flags) {

@@ -12,14 +12,20 @@
 namespace cpfill::launch {
 
 void AddSessionFlags(FlagSet& flags, SessionFlags* sf) {
-  flags.Int("tp", &sf->tp, "tensor-parallel group size; divides the ranks per node");
-  flags.Int("ranks-per-node", &sf->ranks_per_node,
-            "cut each host into emulated nodes of R ranks (also CPFILL_RANKS_PER_NODE); "
-            "0 = one node per host");
-  flags.Double("timeout-s", &sf->timeout_s,
-               "deadline of every distributed wait, seconds; a peer silent for longer ends the "
-               "job with an error");
-  flags.Int("threads", &sf->threads, "kernel threads per rank; 0 = host cores / host ranks");
+  flags.Int("tp", &sf->tp, "tensor-parallel group size; divides the ranks per node")
+      .Within({1, 65536});
+  flags
+      .Int("ranks-per-node", &sf->ranks_per_node,
+           "cut each host into emulated nodes of R ranks (also CPFILL_RANKS_PER_NODE); "
+           "0 = one node per host")
+      .Within({0, 1 << 20});
+  flags
+      .Double("timeout-s", &sf->timeout_s,
+              "deadline of every distributed wait, seconds; a peer silent for longer ends the "
+              "job with an error")
+      .Within(Range::LeftOpen(0, 1e6));
+  flags.Int("threads", &sf->threads, "kernel threads per rank; 0 = host cores / host ranks")
+      .Within({0, 4096});
 }
 
 std::unique_ptr<Session> Session::Start(int* argc, char*** argv, const SessionFlags& flags) {
@@ -99,6 +105,22 @@ bool Session::VerdictFromRoot(parallel::Communicator& world, const std::function
   if (is_root()) verdict = check() ? 1 : 0;
   if (absl::Status s = world.Broadcast(&verdict, sizeof(verdict), 0); !s.ok()) Fail(s);
   return verdict == 1;
+}
+
+std::optional<int> Session::CheckOutputs(
+    const std::vector<std::pair<std::string, std::string>>& outputs) {
+  absl::Status verdict = absl::OkStatus();
+  if (is_root()) {
+    for (const auto& [flag, path] : outputs) {
+      if (path.empty()) continue;
+      verdict = CheckWritable(flag, path);
+      if (!verdict.ok()) break;
+    }
+  }
+  int32_t ok = verdict.ok() ? 1 : 0;
+  if (absl::Status s = mpi_->World()->Broadcast(&ok, sizeof(ok), 0); !s.ok()) Fail(s);
+  if (ok == 1) return std::nullopt;
+  return ConfigError(verdict);  // only rank 0 prints, and only it has the message
 }
 
 int Session::ConfigError(const absl::Status& status) {

@@ -19,6 +19,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
@@ -69,6 +71,12 @@ class Session {
   absl::StatusOr<parallel::ProcessGrid> CreateGrid();
   // Worker threads for this rank's kernels (flag, or host cores shared among host ranks).
   int ThreadsPerRank(const parallel::ProcessGrid& grid) const;
+
+  // The output files a command will write, {flag name, path} (empty paths skipped): world rank
+  // 0 tries each (CheckWritable) before any work and every rank gets its verdict, so an
+  // unwritable path is bad input (exit 2 on every rank), not a runtime failure at the end.
+  // Returns kExitBadInput (the message printed on rank 0) or nullopt when all are writable.
+  std::optional<int> CheckOutputs(const std::vector<std::pair<std::string, std::string>>& outputs);
 
   // Bad input, identical on every rank: rank 0 prints it; returns kExitBadInput.
   int ConfigError(const absl::Status& status);

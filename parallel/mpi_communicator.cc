@@ -12,15 +12,22 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "base/status.h"
 
 namespace cpfill {
+namespace parallel::internal {
+class ProgressEngine;
+}
 namespace {
 std::atomic<int> g_world_rank{-1};
+std::atomic<parallel::internal::ProgressEngine*> g_engine{nullptr};  // while an MpiRuntime lives
 }  // namespace
 
 namespace internal {
@@ -66,11 +73,25 @@ struct OpResult {
 // Posts requests on the progress thread. Returns an MPI error code (MPI_SUCCESS when posted).
 using StartFn = std::function<int(std::vector<MPI_Request>* requests)>;
 
+// What a rank tells a census: where it is in its communication (fixed size: one message).
+struct CensusReply {
+  int64_t ops_started = 0;
+  double waiting_s = -1;  // how long its oldest pending operation has waited; -1: none pending
+  double idle_s = 0;      // with none pending: since its last operation ended
+  char what[200] = {0};   // the pending operation, or the last one
+};
+
 // One MPI thread for the whole process (see the header for why). Operations are started in the
 // order submitted, so every rank posts its collectives in the same order as its caller did.
+//
+// The census: when an operation misses its deadline, this rank asks every other world rank, on a
+// communicator of its own, where it is (an ask each, a CensusReply back), and waits a short,
+// bounded time for the answers. Every progress thread keeps an ask posted and answers at once,
+// also while its rank's main thread computes or is stuck elsewhere; a rank that is dead or
+// stopped does not answer. The deadline message then says which ranks are late and why.
 class ProgressEngine {
  public:
-  ProgressEngine() : thread_([this] { Loop(); }) {}
+  explicit ProgressEngine(MPI_Comm census) : census_(census), thread_([this] { Loop(); }) {}
   ~ProgressEngine() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -78,6 +99,34 @@ class ProgressEngine {
     }
     cv_.notify_all();
     thread_.join();
+    // The progress thread is gone: this thread may make the last MPI calls.
+    if (ask_req_ != MPI_REQUEST_NULL) {
+      MPI_Cancel(&ask_req_);
+      MPI_Request_free(&ask_req_);
+    }
+    MPI_Comm_free(&census_);
+  }
+
+  void NoteWait(std::string what) {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    outside_wait_.emplace(std::move(what), Clock::now());
+  }
+  void EndWait() {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    outside_wait_.reset();
+  }
+  // The census from any thread: it runs on the progress thread, as every MPI call does.
+  std::string CensusNow(std::chrono::milliseconds timeout) {
+    auto text = std::make_shared<std::string>();
+    auto done = Submit(
+        "census of the world",
+        [this, text](std::vector<MPI_Request>*) {
+          *text = Census(active_, nullptr);
+          return MPI_SUCCESS;
+        },
+        timeout);
+    if (done.wait_for(timeout + kCensusWait) != std::future_status::ready) return "";
+    return *text;
   }
 
   std::future<OpResult> Submit(std::string description, StartFn start,
@@ -106,14 +155,15 @@ class ProgressEngine {
   };
 
   void Loop() {
-    std::vector<std::unique_ptr<Op>> active;
+    std::vector<std::unique_ptr<Op>>& active = active_;
     int idle_polls = 0;
     while (true) {
       std::deque<std::unique_ptr<Op>> incoming;
       {
         std::unique_lock<std::mutex> lock(mu_);
         if (active.empty()) {
-          cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+          // Idle: wake now and then to answer census asks.
+          cv_.wait_for(lock, kIdlePoll, [&] { return stop_ || !queue_.empty(); });
         } else if (idle_polls > 64) {
           // Nothing completed for a while: back off, so four ranks on two cores leave the
           // compute threads their cycles; a new submission wakes us at once.
@@ -123,7 +173,9 @@ class ProgressEngine {
         if (stop_ && queue_.empty() && active.empty()) return;
         incoming.swap(queue_);
       }
+      ServeAsks(active);
       for (auto& op : incoming) {
+        ++ops_started_;
         op->started = Clock::now();
         const int rc = op->start(&op->requests);
         if (rc != MPI_SUCCESS) {
@@ -158,13 +210,16 @@ class ProgressEngine {
                    "world rank ", g_world_rank.load(), ": ", op.description,
                    " did not complete within ", std::chrono::duration<double>(op.timeout).count(),
                    " s (a peer is dead, stuck or much slower; raise --timeout-s "
-                   "if it is only slow)")),
+                   "if it is only slow). ",
+                   Census(active, &op))),
                elapsed});
         } else {
           ++it;
           continue;
         }
         progressed = true;
+        last_ended_ = Clock::now();
+        last_what_ = op.description;
         it = active.erase(it);
       }
       idle_polls = progressed ? 0 : idle_polls + 1;
@@ -172,6 +227,131 @@ class ProgressEngine {
     }
   }
 
+  static constexpr std::chrono::milliseconds kIdlePoll{20};
+  static constexpr std::chrono::seconds kCensusWait{2};
+  enum CensusTag : int { kTagAsk = 21, kTagReply = 22 };
+
+  // This rank's answer: its oldest pending operation (the one it waits in), or its last one.
+  CensusReply Describe(const std::vector<std::unique_ptr<Op>>& active) const {
+    CensusReply r;
+    r.ops_started = ops_started_;
+    const auto now = Clock::now();
+    std::string what = last_what_;
+    std::optional<std::pair<std::string, Clock::time_point>> outside;
+    {
+      std::lock_guard<std::mutex> lock(wait_mu_);
+      outside = outside_wait_;
+    }
+    if (!active.empty()) {
+      r.waiting_s = std::chrono::duration<double>(now - active.front()->started).count();
+      what = active.front()->description;
+    } else if (outside) {  // a wait outside MPI (NCCL) counts as communication too
+      r.waiting_s = std::chrono::duration<double>(now - outside->second).count();
+      what = outside->first;
+    } else {
+      r.idle_s = std::chrono::duration<double>(now - last_ended_).count();
+    }
+    std::snprintf(r.what, sizeof(r.what), "%s", what.c_str());
+    return r;
+  }
+
+  // Answers every ask that has arrived, and keeps one ask posted.
+  void ServeAsks(const std::vector<std::unique_ptr<Op>>& active) {
+    while (true) {
+      if (ask_req_ == MPI_REQUEST_NULL) {
+        if (MPI_Irecv(&ask_buf_, 1, MPI_INT64_T, MPI_ANY_SOURCE, kTagAsk, census_, &ask_req_) !=
+            MPI_SUCCESS) {
+          return;
+        }
+      }
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Test(&ask_req_, &flag, &st) != MPI_SUCCESS || !flag) break;
+      ask_req_ = MPI_REQUEST_NULL;
+      replies_.push_back(std::make_unique<CensusReply>(Describe(active)));
+      MPI_Request r;
+      MPI_Isend(replies_.back().get(), sizeof(CensusReply), MPI_BYTE, st.MPI_SOURCE, kTagReply,
+                census_, &r);
+      MPI_Request_free(&r);  // the reply buffer lives as long as the engine
+    }
+  }
+
+  // Asks every other rank where it is; waits kCensusWait at most; names who is late.
+  std::string Census(const std::vector<std::unique_ptr<Op>>& active, const Op* late_op) {
+    int me = 0, n = 1;
+    MPI_Comm_rank(census_, &me);
+    MPI_Comm_size(census_, &n);
+    if (n == 1) return "";
+    std::vector<CensusReply> got(n);
+    std::vector<MPI_Request> asks(n, MPI_REQUEST_NULL), answers(n, MPI_REQUEST_NULL);
+    // The ask's buffer must outlive a send that a dead peer never receives: the engine keeps it.
+    asks_sent_.push_back(std::make_unique<int64_t>(ops_started_));
+    const int64_t* ask = asks_sent_.back().get();
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      MPI_Irecv(&got[p], sizeof(CensusReply), MPI_BYTE, p, kTagReply, census_, &answers[p]);
+      MPI_Isend(ask, 1, MPI_INT64_T, p, kTagAsk, census_, &asks[p]);
+    }
+    std::vector<bool> answered(n, false);
+    const auto until = Clock::now() + kCensusWait;
+    int missing = n - 1;
+    while (missing > 0 && Clock::now() < until) {
+      ServeAsks(active);
+      for (int p = 0; p < n; ++p) {
+        if (p == me || answered[p]) continue;
+        int flag = 0;
+        MPI_Test(&answers[p], &flag, MPI_STATUS_IGNORE);
+        if (flag) answered[p] = true, --missing;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    for (int p = 0; p < n; ++p) {
+      if (answers[p] != MPI_REQUEST_NULL) {
+        MPI_Cancel(&answers[p]);
+        MPI_Request_free(&answers[p]);
+      }
+      if (asks[p] != MPI_REQUEST_NULL) MPI_Request_free(&asks[p]);
+    }
+    std::string out = absl::StrCat("Census of the ", n, " world ranks (", kCensusWait.count(),
+                                   " s for answers):");
+    std::vector<int> late;
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      if (!answered[p]) {
+        late.push_back(p);
+        absl::StrAppend(&out, " world rank ", p, " did not answer (dead or stopped);");
+      } else if (got[p].waiting_s < 0) {
+        late.push_back(p);
+        absl::StrAppendFormat(&out,
+                              " world rank %d is in no communication (busy or stuck elsewhere "
+                              "for %.1f s; its last: %s);",
+                              p, got[p].idle_s, got[p].what);
+      } else {
+        absl::StrAppendFormat(&out, " world rank %d waits in %s (%.1f s);", p, got[p].what,
+                              got[p].waiting_s);
+      }
+    }
+    if (late.empty()) {
+      absl::StrAppend(&out, " every rank is communicating: a peer of ",
+                      late_op ? late_op->description : "this wait",
+                      " is in another operation (a mismatch) or much slower");
+    } else {
+      absl::StrAppend(&out, " late: world rank(s) ", absl::StrJoin(late, ", "), ".");
+    }
+    return out;
+  }
+
+  MPI_Comm census_;
+  std::vector<std::unique_ptr<Op>> active_;  // the progress thread's alone
+  mutable std::mutex wait_mu_;
+  std::optional<std::pair<std::string, Clock::time_point>> outside_wait_;  // under wait_mu_
+  MPI_Request ask_req_ = MPI_REQUEST_NULL;
+  int64_t ask_buf_ = 0;
+  std::vector<std::unique_ptr<CensusReply>> replies_;
+  std::vector<std::unique_ptr<int64_t>> asks_sent_;
+  int64_t ops_started_ = 0;
+  Clock::time_point last_ended_ = Clock::now();
+  std::string last_what_ = "none yet";
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Op>> queue_;
@@ -466,11 +646,17 @@ absl::StatusOr<std::unique_ptr<MpiRuntime>> MpiRuntime::Create(int* argc, char**
   MPI_Comm_size(MPI_COMM_WORLD, &rt->world_size_);
   g_world_rank = rt->world_rank_;
   rt->options_ = options;
-  rt->engine_ = std::make_unique<internal::ProgressEngine>();
+  // The census of late ranks talks on a communicator of its own, apart from the job's traffic.
+  MPI_Comm census = MPI_COMM_NULL;
+  CPFILL_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &census));
+  MPI_Comm_set_errhandler(census, MPI_ERRORS_RETURN);
+  rt->engine_ = std::make_unique<internal::ProgressEngine>(census);
+  g_engine = rt->engine_.get();
   return rt;
 }
 
 MpiRuntime::~MpiRuntime() {
+  g_engine = nullptr;
   engine_.reset();  // joins the progress thread: no MPI call runs past this point
   MPI_Finalize();
 }
@@ -517,6 +703,19 @@ absl::StatusOr<std::unique_ptr<Communicator>> MpiRuntime::SplitShared(Communicat
   MPI_Comm_set_errhandler(*out, MPI_ERRORS_RETURN);
   return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(
       *out, /*owned=*/true, std::move(name), engine_.get(), options_));
+}
+
+void NoteWaitOutsideMpi(std::string what) {
+  if (auto* e = g_engine.load()) e->NoteWait(std::move(what));
+}
+
+void EndWaitOutsideMpi() {
+  if (auto* e = g_engine.load()) e->EndWait();
+}
+
+std::string CensusOfWorld(std::chrono::milliseconds timeout) {
+  auto* e = g_engine.load();
+  return e == nullptr ? "" : e->CensusNow(timeout);
 }
 
 void MpiRuntime::Abort(int code, const std::string& message) {

@@ -13,6 +13,7 @@
 //   mpi->Abort(1, "message");   // on an error that other ranks may not see: ends every rank
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -24,6 +25,13 @@ namespace cpfill::parallel {
 namespace internal {
 class ProgressEngine;
 }
+
+// The census of late ranks for waits outside MPI (NCCL): while a rank waits in `what`, a census
+// another rank takes reports it as communicating; CensusOfWorld() asks every world rank where it
+// is (bounded) and returns the sentence that names the late ones ("" before MPI starts).
+void NoteWaitOutsideMpi(std::string what);
+void EndWaitOutsideMpi();
+std::string CensusOfWorld(std::chrono::milliseconds timeout);
 
 class MpiRuntime {
  public:

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "runtime/memory.h"
 
 namespace cpfill::runtime {
 namespace {
@@ -189,6 +190,7 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
     auto it = sessions_.find(req.session);
     r.seq.push_back(req.session.empty() || it == sessions_.end() ? next_seq_++ : it->second.seq);
   }
+  CPFILL_RETURN_IF_ERROR(CheckActivationMemory(r));
   CPFILL_RETURN_IF_ERROR(ReserveKv(r));
 
   absl::Status status =
@@ -206,6 +208,51 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
   return out;
 }
 
+// Every activation of a batch: its tensor, scratch slot, element type and shape.
+std::vector<LlamaModel::Activation> LlamaModel::Activations(Running& r) const {
+  const ModelConfig& c = config_;
+  const int tp = backend_->tp().size();
+  const int64_t hq = c.num_heads / tp, hkv = c.num_kv_heads / tp, hd = c.head_dim;
+  const int64_t D = c.hidden_size, I = c.intermediate_size / tp;
+  const int64_t T = r.b.layout.q_rows(), R = r.b.layout.kv_rows();
+  const ElemType f32 = ElemType::kF32, i32 = ElemType::kI32, ct = backend_->compute_type();
+  return {{&r.ids, kIds, i32, T, 1},
+          {&r.positions, kPositions, i32, T, 1},
+          {&r.x, kX, f32, T, D},
+          {&r.h, kH, ct, T, D},
+          {&r.q, kQ, ct, T, hq * hd},
+          {&r.k, kK, ct, T, hkv * hd},
+          {&r.v, kV, ct, T, hkv * hd},
+          {&r.k_all, kKAll, ct, R, hkv * hd},
+          {&r.v_all, kVAll, ct, R, hkv * hd},
+          {&r.attn, kAttn, f32, T, hq * hd},
+          {&r.lse, kLse, f32, T, hq},
+          {&r.attn_compute, kAttnCompute, ct, T, hq * hd},
+          {&r.proj, kProj, f32, T, D},
+          {&r.gate, kGate, ct, T, I},
+          {&r.up, kUp, ct, T, I}};
+}
+
+// Step 0a: the batch's activations must fit beside what the backend already holds, on every
+// rank (agreed), before anything is allocated: a batch too large is refused, not a bad_alloc.
+absl::Status LlamaModel::CheckActivationMemory(Running& r) {
+  int64_t need = 0;
+  for (const Activation& a : Activations(r)) need += a.rows * a.cols * ElemBytes(a.type);
+  need = std::max<int64_t>(0, need - backend_->ScratchBytesHeld());
+  int64_t free = 0;
+  if (need > 0) {
+    CPFILL_ASSIGN_OR_RETURN(free, backend_->FreeMemoryBytes());
+  }
+  int64_t worst[2] = {need - free, need};
+  CPFILL_RETURN_IF_ERROR(
+      world_.AllReduce(worst, 2, parallel::DataType::kInt64, parallel::ReduceOp::kMax));
+  if (worst[0] <= 0) return absl::OkStatus();
+  return CheckFits(absl::StrCat("the batch's activations (", r.b.layout.q_rows(),
+                                " new token rows on this rank)"),
+                   worst[1], worst[1] - worst[0],
+                   "use more ranks (CP splits the tokens) or send fewer tokens per batch");
+}
+
 // Steps 1-2: the embedding and the layers, then one wait for the device.
 absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
                                  const std::function<void(int)>& progress) {
@@ -213,11 +260,7 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
   const ModelConfig& c = config_;
   const int tp = be.tp().size();
   const int hq = c.num_heads / tp, hkv = c.num_kv_heads / tp, hd = c.head_dim;
-  const int64_t D = c.hidden_size, I = c.intermediate_size / tp;
   const sharding::LocalLayout& layout = r.b.layout;
-  const int64_t T = layout.q_rows(), R = layout.kv_rows();
-  const ElemType f32 = ElemType::kF32, ct = be.compute_type();
-
   const attention::AttentionShape shape{.num_heads = hq,
                                         .num_kv_heads = hkv,
                                         .head_dim = hd,
@@ -227,28 +270,8 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
       r.ring, parallel::RingAttention::Create(be.cp(), r.b.plan, shape, &be.ring_ops()));
 
   // Buffers for this batch, kept by the backend and grown if this batch is the largest so far.
-  struct Want {
-    Tensor* t;
-    Slot slot;
-    ElemType type;
-    int64_t rows, cols;
-  };
-  for (const Want& w : {Want{&r.ids, kIds, ElemType::kI32, T, 1},
-                        {&r.positions, kPositions, ElemType::kI32, T, 1},
-                        {&r.x, kX, f32, T, D},
-                        {&r.h, kH, ct, T, D},
-                        {&r.q, kQ, ct, T, hq * hd},
-                        {&r.k, kK, ct, T, hkv * hd},
-                        {&r.v, kV, ct, T, hkv * hd},
-                        {&r.k_all, kKAll, ct, R, hkv * hd},
-                        {&r.v_all, kVAll, ct, R, hkv * hd},
-                        {&r.attn, kAttn, f32, T, hq * hd},
-                        {&r.lse, kLse, f32, T, hq},
-                        {&r.attn_compute, kAttnCompute, ct, T, hq * hd},
-                        {&r.proj, kProj, f32, T, D},
-                        {&r.gate, kGate, ct, T, I},
-                        {&r.up, kUp, ct, T, I}}) {
-    CPFILL_ASSIGN_OR_RETURN(*w.t, be.Scratch(w.slot, w.type, w.rows, w.cols));
+  for (const Activation& a : Activations(r)) {
+    CPFILL_ASSIGN_OR_RETURN(*a.tensor, be.Scratch(a.slot, a.type, a.rows, a.cols));
   }
   CPFILL_RETURN_IF_ERROR(be.Upload(r.b.local_ids.data(), &r.ids));
   CPFILL_RETURN_IF_ERROR(be.Upload(layout.q_positions.data(), &r.positions));

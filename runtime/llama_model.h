@@ -79,6 +79,14 @@ class LlamaModel {
              parallel::Communicator& world, const PrefillOptions& options,
              std::unique_ptr<KvCache> kv);
 
+  struct Activation {
+    Tensor* tensor;
+    int slot;
+    ElemType type;
+    int64_t rows, cols;
+  };
+  std::vector<Activation> Activations(Running& r) const;
+  absl::Status CheckActivationMemory(Running& r);
   absl::Status ReserveKv(Running& r);
   void RollBackKv(const Running& r);
   absl::Status Forward(Running& r, PrefillTimings& t, const std::function<void(int)>& progress);

@@ -173,6 +173,29 @@ absl::StatusOr<std::optional<Llama3RopeScaling>> ParseRopeScaling(const ConfigRe
   return std::optional<Llama3RopeScaling>(s);
 }
 
+// Keys of LlamaConfig (and its relatives) that change the forward pass in a way cpfill does not
+// implement: running such a checkpoint as a plain Llama would give wrong logits without a
+// word, so each is refused by name. Absent, null and the plain-Llama value are accepted.
+absl::Status RefuseUnimplemented(const ConfigReader& reader, const nlohmann::json& config) {
+  if (const nlohmann::json* act = json::Find(config, "hidden_act");
+      act != nullptr && !act->is_null()) {
+    if (!act->is_string() || act->get_ref<const std::string&>() != "silu") {
+      return reader.Error("hidden_act",
+                          absl::StrCat("is ", json::Show(*act), "; only \"silu\" is implemented"));
+    }
+  }
+  for (const char* key : {"attention_bias", "mlp_bias", "use_sliding_window"}) {
+    CPFILL_ASSIGN_OR_RETURN(bool on, reader.Bool(key, false));
+    if (on) return reader.Error(key, "is true; cpfill implements only the bias-free full Llama");
+  }
+  if (reader.Has("sliding_window")) {
+    return reader.Error("sliding_window",
+                        absl::StrCat("is ", json::Show(*json::Find(config, "sliding_window")),
+                                     "; sliding-window attention is not implemented (null only)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int64_t ModelConfig::ParameterCount() const {
@@ -232,6 +255,7 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::str
                           absl::StrCat("is ", json::Show(*type), "; only \"llama\" is supported"));
     }
   }
+  CPFILL_RETURN_IF_ERROR(RefuseUnimplemented(reader, config));
   CPFILL_ASSIGN_OR_RETURN(c.hidden_size, reader.PositiveInt<int>("hidden_size"));
   CPFILL_ASSIGN_OR_RETURN(c.num_heads, reader.PositiveInt<int>("num_attention_heads"));
   if (reader.Has("num_key_value_heads")) {

@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/json_io.h"
@@ -195,6 +197,35 @@ TEST(ParseHfConfig, MalformedValuesAreNamed) {
 
   absl::StatusOr<ModelConfig> c = ParseHfConfig(nlohmann::json::array(), "not-an-object");
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Each key whose value changes the forward pass beyond a plain Llama is refused by name; the
+// plain value (or null) is accepted, so the refusal is about the value, not the key.
+TEST(ParseHfConfig, RefusesUnimplementedFeaturesByName) {
+  const nlohmann::json v = Llama8BJson();
+  ExpectInvalid(With(v, "hidden_act", "gelu"), "\"hidden_act\" is \"gelu\"");
+  ExpectInvalid(With(v, "hidden_act", 3), "\"hidden_act\"");
+  ExpectInvalid(With(v, "attention_bias", true), "\"attention_bias\" is true");
+  ExpectInvalid(With(v, "mlp_bias", true), "\"mlp_bias\" is true");
+  ExpectInvalid(With(v, "mlp_bias", "no"), "\"mlp_bias\"");
+  ExpectInvalid(With(v, "use_sliding_window", true), "\"use_sliding_window\" is true");
+  ExpectInvalid(With(v, "sliding_window", 4096), "\"sliding_window\" is 4096");
+  ExpectInvalid(With(v, "model_type", "qwen2"), "\"model_type\" is \"qwen2\"");
+  ExpectInvalid(With(v, "rope_scaling", nlohmann::json{{"rope_type", "yarn"}, {"factor", 4.0}}),
+                "\"yarn\"");
+  for (const auto& [key, plain] :
+       std::vector<std::pair<std::string, nlohmann::json>>{{"hidden_act", "silu"},
+                                                           {"attention_bias", false},
+                                                           {"mlp_bias", false},
+                                                           {"sliding_window", nullptr},
+                                                           {"use_sliding_window", false},
+                                                           {"hidden_act", nullptr}}) {
+    absl::StatusOr<ModelConfig> c = ParseHfConfig(With(v, key, plain), "plain");
+    EXPECT_TRUE(c.ok()) << key << ": " << c.status();
+  }
+  absl::StatusOr<ModelConfig> tied = ParseHfConfig(With(v, "tie_word_embeddings", true), "tied");
+  ASSERT_TRUE(tied.ok()) << tied.status();
+  EXPECT_TRUE(tied->tie_word_embeddings);
 }
 
 TEST(ParseHfConfig, RejectsUnsupportedRopeScaling) {

@@ -13,6 +13,41 @@ mpi() { mpirun -np "$@"; }
 
 fail() { echo "FAIL: $*"; exit 1; }
 
+# stop_rank_mid_ring NP RANK ARGS...: `cpfill attention ARGS` on NP ranks runs many times; once
+# the runs go, world rank RANK gets SIGSTOP. The others must end the job, naming RANK as late,
+# within the deadline (3 s) + 5 s of the stop.
+stop_rank_mid_ring() {
+  local np=$1 rank=$2 victim="" job p took code
+  shift 2
+  mpi "$np" "$cpfill" attention "$@" --repeat 1000000 --timeout-s 3 >"$tmp/out" 2>&1 &
+  job=$!
+  for _ in $(seq 600); do  # until the runs have started, then find world rank RANK's process
+    if grep -q '^run 2/' "$tmp/out"; then
+      for p in $(pgrep -f "cpfill attention"); do
+        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$rank" &&
+          victim=$p
+      done
+    fi
+    [ -n "$victim" ] && break
+    sleep 0.1
+  done
+  [ -n "$victim" ] || { pkill -KILL -P $job; kill $job; fail "rank $rank never started its runs"; }
+  kill -STOP "$victim"
+  start=$(date +%s)
+  for _ in $(seq 400); do
+    grep -q "late: world rank(s) $rank\." "$tmp/out" && break
+    sleep 0.1
+  done
+  took=$(( $(date +%s) - start ))
+  kill -KILL "$victim" 2>/dev/null
+  wait $job
+  code=$?
+  grep -v '^run ' "$tmp/out"
+  [ $code -ne 0 ] || fail "a stopped rank must fail the job"
+  grep -Eq "late: world rank\(s\) $rank\." "$tmp/out" || fail "the message does not name rank $rank"
+  [ "$took" -le 8 ] || fail "took ${took} s to name the stopped rank (deadline 3 s + 5 s)"
+}
+
 # expect_exit CODE PATTERN -- command...: runs it, checks its exit code and that its output
 # (stdout + stderr) matches PATTERN (grep -E).
 expect_exit() {
@@ -64,6 +99,24 @@ bad_input_flags)
     expect_exit 2 'a rank sees no CUDA device' -- mpi 2 "$cpfill" attention --seq-lens 100 \
       --backend cuda
   fi
+  # Hardening (issue 15): a repeated flag, out-of-range and non-finite values, unwritable outputs.
+  expect_exit 2 '--seq-lens given twice' -- mpi 2 "$cpfill" attention --seq-lens 100 --seq-lens 5
+  expect_exit 2 '--timeout-s: -1 is negative; allowed \(0, 1000000\]' -- mpi 2 "$cpfill" attention \
+    --seq-lens 100 --timeout-s -1
+  expect_exit 2 '--timeout-s: 1e18 is out of range' -- mpi 2 "$cpfill" attention --seq-lens 100 \
+    --timeout-s 1e18
+  expect_exit 2 '--threads: -1 is negative; allowed \[0, 4096\]' -- mpi 2 "$cpfill" attention \
+    --seq-lens 100 --threads -1
+  expect_exit 2 "--tolerance: 'nan' is not a finite number" -- mpi 2 "$cpfill" attention \
+    --seq-lens 100 --tolerance nan
+  expect_exit 2 '--new-tokens: 3000000000 is out of range' -- "$cpfill" select --heads 8 \
+    --kv-heads 1 --cp 4 --new-tokens 3000000000
+  expect_exit 2 "--json: cannot write '/nonexistent-dir/x.json'" -- mpi 2 "$cpfill" attention \
+    --seq-lens 100 --json /nonexistent-dir/x.json
+  expect_exit 2 "--save: cannot write '/nonexistent-dir/x.safetensors'" -- mpi 2 "$cpfill" \
+    attention --seq-lens 100 --save /nonexistent-dir/x.safetensors
+  expect_exit 2 "--json: cannot write '/nonexistent-dir/x.json'" -- "$cpfill" env \
+    --json /nonexistent-dir/x.json
   # One message, not one per rank.
   mpi 4 "$cpfill" attention --seq-lens 100,-1 >"$tmp/o" 2>&1
   [ "$(grep -c 'negative' "$tmp/o")" -eq 1 ] || fail "the message should print once"
@@ -150,7 +203,19 @@ stalled_rank_ends_job)
   # The others wait at the world barrier before the timed runs; rank 1 never arrives.
   grep -Eq 'world rank [023]: barrier on world \(rank [023] of 4\) did not complete within 3 s' \
     "$tmp/out" || fail "message lacks the operation"
+  grep -Eq 'late: world rank\(s\) 1\.' "$tmp/out" || fail "the message does not name rank 1"
   [ $(( $(date +%s) - start )) -lt 90 ] || fail "took too long to notice the stalled rank"
+  ;;
+stopped_rank_named)
+  # SIGSTOP world rank 2 in the middle of the ring: every other rank's deadline fires, the census
+  # names rank 2 as not answering, and the job ends within --timeout-s + 5 s of the stop.
+  stop_rank_mid_ring 4 2 --backend cpu --seq-lens 4000 --heads 2 --kv-heads 1 --head-dim 16
+  ;;
+multigpu_stopped_rank_named)
+  # The same on the NCCL path: two GPUs, world rank 1 stopped while the device ring runs.
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
+  if [ "$gpus" -lt 2 ]; then echo "SKIPPED: needs 2 GPUs, this machine has $gpus"; exit 77; fi
+  stop_rank_mid_ring 2 1 --backend cuda --seq-lens 65536 --heads 16 --kv-heads 1 --head-dim 128
   ;;
 calibrate_writes_fit)
   expect_exit 0 'wrote' -- mpi 2 "$cpfill" calibrate --heads 2 --kv-heads 1 --head-dim 16 \
@@ -179,6 +244,17 @@ cuda_backend_check)
     --prompt-lens 700,33,1 --repeat 2 --check --json "$tmp/g.json"
   python3 -c "import json; assert json.load(open('$tmp/g.json'))['backend'] == 'cuda'" ||
     fail "prefill JSON names the backend"
+  ;;
+memory_checked_first)
+  # Weights, KV and activations too large for this machine are refused with the numbers and a
+  # remedy (exit 2 on every rank), before anything is allocated: no bad_alloc, no signal.
+  expect_exit 2 'weights of llama3-405b .* need .* GiB .* free .*--tp' -- "$cpfill" export \
+    --model llama3-405b --out "$tmp/x"
+  [ ! -e "$tmp/x" ] || fail "export wrote something after refusing"
+  expect_exit 2 'weights of llama3-405b .* need' -- mpi 2 "$cpfill" prefill --model llama3-405b \
+    --prompt-lens 10
+  expect_exit 2 'KV .*(cannot|capacity)' -- mpi 2 "$cpfill" prefill --model tiny \
+    --prompt-lens 100000000
   ;;
 multigpu_device_ring)
   # The device ring over NCCL on 2 and (where there are 4) 4 GPUs: every algorithm, full and
@@ -244,6 +320,12 @@ prefill_bad_input)
     --model tiny --tokens "$tmp/f.json"
   expect_exit 2 'KV cache' -- mpi 2 "$cpfill" prefill --model tiny --prompt-lens 5000 \
     --kv-capacity-tokens 100
+  expect_exit 2 '--layers 99: the model has only 4 layers' -- mpi 2 "$cpfill" prefill --model tiny \
+    --prompt-lens 5 --layers 99
+  expect_exit 2 "--save-logits: cannot write '/nonexistent-dir/l.safetensors'" -- mpi 2 "$cpfill" \
+    prefill --model tiny --prompt-lens 5 --save-logits /nonexistent-dir/l.safetensors
+  mkdir -p "$tmp/ckpt" && printf '{"model_type": "llama", "hidden_act": "gelu"}' > "$tmp/ckpt/config.json"
+  expect_exit 2 '"hidden_act" is "gelu"' -- mpi 2 "$cpfill" prefill --model "$tmp/ckpt" --prompt-lens 5
   mkdir -p "$tmp/ckpt" && printf '{"model_type": "llama", "hidden_size": 64}' > "$tmp/ckpt/config.json"
   expect_exit 2 'num_attention_heads' -- mpi 2 "$cpfill" prefill --model "$tmp/ckpt" --prompt-lens 5
   # Duplicate keys: which value would win is refused, not guessed.

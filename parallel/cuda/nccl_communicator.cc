@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/attention_cuda.h"
 #include "base/status.h"
+#include "parallel/mpi_communicator.h"
 
 namespace cpfill::parallel {
 namespace {
@@ -283,6 +284,11 @@ absl::Status NcclCommunicator::Synchronize() {
   CPFILL_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, computed, 0));
   CPFILL_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
   const auto deadline = Clock::now() + options_.timeout;
+  // While this host waits, a census another rank takes counts it as communicating.
+  NoteWaitOutsideMpi(absl::StrCat("NCCL: ", last_op_));
+  struct EndWait {
+    ~EndWait() { EndWaitOutsideMpi(); }
+  } end_wait;
   while (true) {
     const cudaError_t e = cudaEventQuery(done);
     if (e == cudaSuccess) return absl::OkStatus();
@@ -305,7 +311,8 @@ absl::Status NcclCommunicator::Synchronize() {
       return absl::DeadlineExceededError(
           absl::StrCat(last_op_, " did not complete within ",
                        std::chrono::duration<double>(options_.timeout).count(),
-                       " s (a peer is dead, stuck or much slower); NCCL communicator aborted"));
+                       " s (a peer is dead, stuck or much slower); NCCL communicator aborted. ",
+                       CensusOfWorld(std::chrono::seconds(5))));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }

@@ -2,15 +2,14 @@
 
 #include <chrono>
 #include <cstring>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "base/host_buffer.h"
-#include "base/knobs.h"
 #include "base/status.h"
 #include "base/thread_pool.h"
 #include "runtime/cpu/layers.h"
+#include "runtime/memory.h"
 
 namespace cpfill::runtime::cpu {
 namespace {
@@ -47,6 +46,11 @@ class CpuBackend : public ModelBackend {
     if (scratch_[slot].size() < t.bytes()) scratch_[slot].Resize(t.bytes());
     t.data = scratch_[slot].data();
     return t;
+  }
+  int64_t ScratchBytesHeld() const override {
+    int64_t held = 0;
+    for (const HostBuffer& b : scratch_) held += static_cast<int64_t>(b.size());
+    return held;
   }
   absl::Status Upload(const void* host, Tensor* dst) override {
     std::memcpy(dst->data, host, dst->bytes());
@@ -110,17 +114,7 @@ class CpuBackend : public ModelBackend {
   void ResetPhases() override {}
 
   std::unique_ptr<KvStorage> MakeKvStorage() override { return MakeHostKvStorage(); }
-  // MemAvailable of /proc/meminfo, shared by the ranks on this host.
-  absl::StatusOr<int64_t> FreeMemoryBytes() override {
-    std::ifstream meminfo("/proc/meminfo");
-    std::string key;
-    int64_t kib = 0;
-    while (meminfo >> key >> kib) {
-      if (key == "MemAvailable:") return kib * 1024 / knobs::Int(knobs::kLocalRanks);
-      meminfo.ignore(256, '\n');
-    }
-    return absl::FailedPreconditionError("cannot read MemAvailable from /proc/meminfo");
-  }
+  absl::StatusOr<int64_t> FreeMemoryBytes() override { return HostBytesAvailable(); }
 
  private:
   void WrapWeights(const ModelConfig& c, int tp) {

@@ -85,6 +85,11 @@ class CudaBackend : public ModelBackend {
     t.data = scratch_[slot].As<void>();
     return t;
   }
+  int64_t ScratchBytesHeld() const override {
+    int64_t held = 0;
+    for (const DeviceBuffer& b : scratch_) held += static_cast<int64_t>(b.capacity());
+    return held;
+  }
   // Pageable host memory: the call returns once the bytes are staged, so the caller may reuse it.
   absl::Status Upload(const void* host, Tensor* dst) override {
     CPFILL_CUDA_CHECK(
