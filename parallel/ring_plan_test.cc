@@ -1,5 +1,6 @@
 #include "parallel/ring_plan.h"
 
+#include <chrono>
 #include <random>
 #include <vector>
 
@@ -66,6 +67,41 @@ TEST(RingPlan, ClosedFormPairsEqualCountingOnPositions) {
       }
     }
   }
+}
+
+// Every rank's ring plan and every step's slices for 100,000 one-token prompts on CP4 stay
+// near-linear in the batch (generous bound; bench/plan_bench.cc measures the real cost).
+TEST(RingPlan, HundredThousandOneTokenPromptsPlanQuickly) {
+  constexpr int kSeqs = 100000, kCp = 4;
+  const auto start = std::chrono::steady_clock::now();
+  auto plan =
+      sharding::PlanPrefill(std::vector<sharding::SequenceRequest>(kSeqs, {.new_tokens = 1}), kCp);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  int64_t kv_pairs = 0, q_pairs = 0, kv_slices = 0, q_slices = 0, gathered = 0;
+  std::vector<attention::SequenceSlice> slices;
+  for (int me = 0; me < kCp; ++me) {
+    RingPlan rp(*plan, me, /*causal=*/true);
+    for (int source = 0; source < kCp; ++source) {
+      RingStepTiming kv_step, q_step;
+      rp.PassKvSlices(source, &slices, &kv_step);
+      kv_slices += static_cast<int64_t>(slices.size());
+      rp.PassQSlices(source, &slices, &q_step);
+      q_slices += static_cast<int64_t>(slices.size());
+      kv_pairs += kv_step.visible_pairs;
+      q_pairs += q_step.visible_pairs;
+    }
+    gathered += rp.AllGatherVisiblePairs();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0);
+  // Each prompt's one token (on CP rank 0) sees itself only: one pair and one slice per prompt
+  // over the whole ring, under every algorithm.
+  EXPECT_EQ(kv_pairs, kSeqs);
+  EXPECT_EQ(q_pairs, kSeqs);
+  EXPECT_EQ(gathered, kSeqs);
+  EXPECT_EQ(kv_slices, kSeqs);
+  EXPECT_EQ(q_slices, kSeqs);
 }
 
 }  // namespace

@@ -157,12 +157,15 @@ absl::Status ChooseAlgorithm(const PrefillOptions& options, const ModelConfig& c
 }
 
 SessionLayout SessionAfter(const BatchPlan& b, int seq) {
-  const sharding::KvLayout after = b.plan.KvLayoutAfter();
+  // Only this sequence's runs: Commit calls this for every session of a batch, so building the
+  // whole KvLayoutAfter here made a batch of S sessions cost O(S^2).
   SessionLayout s;
   s.tokens = b.sequences[seq].cached_tokens + b.sequences[seq].new_tokens;
   s.layout.cp_size = b.plan.cp_size;
   s.layout.runs.assign(b.plan.cp_size, {});
-  for (int rank = 0; rank < b.plan.cp_size; ++rank) s.layout.runs[rank] = {after.runs[rank][seq]};
+  for (int rank = 0; rank < b.plan.cp_size; ++rank) {
+    s.layout.runs[rank] = {b.plan.KvRunsAfter(rank, seq)};
+  }
   return s;
 }
 

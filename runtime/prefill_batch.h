@@ -91,7 +91,8 @@ absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
 absl::Status ChooseAlgorithm(const PrefillOptions& options, const ModelConfig& config, int tp_size,
                              int cp_size, const BatchPlan& b, PrefillTimings* t);
 
-// The layout a session has after this batch: its runs in the plan's KvLayoutAfter.
+// The layout a session has after this batch: its runs in the plan's KvLayoutAfter (built for
+// this sequence alone, O(cp_size) per call).
 SessionLayout SessionAfter(const BatchPlan& b, int seq);
 
 }  // namespace cpfill::runtime

@@ -43,8 +43,9 @@ absl::Status ValidateCache(const std::vector<SequenceRequest>& sequences, int cp
     CPFILL_CHECK_ARG(cache.runs[r].size() == sequences.size(), "KV cache layout of CP rank ", r,
                      " has ", cache.runs[r].size(), " sequences, the batch ", sequences.size());
   }
+  std::vector<PositionRun> all;  // one sequence's runs over every rank; reused
   for (size_t s = 0; s < sequences.size(); ++s) {
-    std::vector<PositionRun> all;
+    all.clear();
     for (int r = 0; r < cp_size; ++r) {
       for (const PositionRun& run : cache.runs[r][s]) {
         CPFILL_CHECK_ARG(run.begin >= 0 && run.length >= 0, "sequence ", s, ": KV cache run [",
@@ -95,17 +96,18 @@ absl::Status AttachCache(ShardPlan& plan, const KvLayout* cache) {
   return absl::OkStatus();
 }
 
-// Runs of new positions [offset, offset + tokens) that CP rank `cp_rank` takes: chunks i and
-// 2N-1-i of the balanced 2N-way cut.
-std::vector<PositionRun> BalancedRuns(int64_t offset, int64_t tokens, int cp_size, int cp_rank) {
-  const std::vector<int64_t> sizes = ChunkSizes(tokens, cp_size);
-  std::vector<PositionRun> runs;
+// Gives every CP rank its runs of sequence `seq`'s new positions [offset, offset + tokens):
+// rank i takes chunks i and 2N-1-i of the balanced 2N-way cut. One pass over the 2N chunks for
+// all ranks, so planning costs O(N) per sequence.
+void AssignBalancedRuns(ShardPlan& plan, int seq, int64_t offset, int64_t tokens) {
+  const int n = plan.cp_size;
+  const std::vector<int64_t> sizes = ChunkSizes(tokens, n);
   int64_t start = offset;
-  for (int c = 0; c < 2 * cp_size; ++c) {
-    if (c == cp_rank || c == 2 * cp_size - 1 - cp_rank) AppendRun(runs, {start, sizes[c]});
+  for (int c = 0; c < 2 * n; ++c) {
+    const int cp_rank = c < n ? c : 2 * n - 1 - c;
+    AppendRun(plan.shards[cp_rank][seq].new_runs, {start, sizes[c]});
     start += sizes[c];
   }
-  return runs;
 }
 
 }  // namespace
@@ -154,17 +156,20 @@ int64_t ShardPlan::KvPadding() const {
   return pad;
 }
 
+std::vector<PositionRun> ShardPlan::KvRunsAfter(int cp_rank, int seq) const {
+  std::vector<PositionRun> runs;
+  for (const PositionRun& run : shards[cp_rank][seq].cached_runs) AppendRun(runs, run);
+  for (const PositionRun& run : shards[cp_rank][seq].new_runs) AppendRun(runs, run);
+  return runs;
+}
+
 KvLayout ShardPlan::KvLayoutAfter() const {
   KvLayout layout;
   layout.cp_size = cp_size;
   layout.runs.resize(cp_size);
   for (int r = 0; r < cp_size; ++r) {
-    layout.runs[r].resize(num_sequences());
-    for (int s = 0; s < num_sequences(); ++s) {
-      std::vector<PositionRun>& runs = layout.runs[r][s];
-      for (const PositionRun& run : shards[r][s].cached_runs) AppendRun(runs, run);
-      for (const PositionRun& run : shards[r][s].new_runs) AppendRun(runs, run);
-    }
+    layout.runs[r].reserve(num_sequences());
+    for (int s = 0; s < num_sequences(); ++s) layout.runs[r].push_back(KvRunsAfter(r, s));
   }
   return layout;
 }
@@ -202,11 +207,9 @@ absl::StatusOr<ShardPlan> PlanPrefill(const std::vector<SequenceRequest>& sequen
   plan.cp_size = cp_size;
   plan.sequences = sequences;
   plan.shards.assign(cp_size, std::vector<RankSequenceShard>(sequences.size()));
-  for (int r = 0; r < cp_size; ++r) {
-    for (size_t s = 0; s < sequences.size(); ++s) {
-      plan.shards[r][s].new_runs =
-          BalancedRuns(sequences[s].cached_tokens, sequences[s].new_tokens, cp_size, r);
-    }
+  for (size_t s = 0; s < sequences.size(); ++s) {
+    AssignBalancedRuns(plan, static_cast<int>(s), sequences[s].cached_tokens,
+                       sequences[s].new_tokens);
   }
   CPFILL_RETURN_IF_ERROR(AttachCache(plan, cache));
   return plan;

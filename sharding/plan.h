@@ -83,6 +83,9 @@ struct ShardPlan {
   // cached layout): each rank keeps its cached runs and appends its new runs (adjacent runs are
   // joined).
   KvLayout KvLayoutAfter() const;
+  // One entry of KvLayoutAfter, runs[cp_rank][seq], without building the others: callers that
+  // need one sequence (a session's layout) stay linear in the batch.
+  std::vector<PositionRun> KvRunsAfter(int cp_rank, int seq) const;
 
   std::string DebugString() const;  // one line per rank and sequence
 };

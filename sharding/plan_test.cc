@@ -1,6 +1,7 @@
 #include "sharding/plan.h"
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 #include <vector>
 
@@ -193,6 +194,43 @@ TEST(MakeLocalLayout, PacksQueriesThenCachedAndNewKeysWithPositions) {
   EXPECT_EQ(local.kv_positions, (std::vector<int32_t>{0, 3, 4, 5, 10, 11, 0, 3}));
   EXPECT_EQ(local.q_offset, (std::vector<int64_t>{0, 4}));
   EXPECT_EQ(local.kv_len, (std::vector<int64_t>{6, 2}));
+}
+
+TEST(ShardPlan, KvRunsAfterIsOneEntryOfKvLayoutAfter) {
+  auto plan = PlanPrefill({{.new_tokens = 301, .cached_tokens = 900},
+                           {.new_tokens = 17, .cached_tokens = 33},
+                           {.new_tokens = 5}},
+                          3);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const KvLayout after = plan->KvLayoutAfter();
+  for (int r = 0; r < 3; ++r) {
+    for (int s = 0; s < 3; ++s) EXPECT_EQ(plan->KvRunsAfter(r, s), after.runs[r][s]);
+  }
+}
+
+// Planning must stay near-linear in the number of sequences: a batch of 100,000 one-token
+// prompts on CP4 (a per-sequence scan inside a per-sequence loop would take minutes). The
+// bound is generous on purpose; bench/plan_bench.cc measures the real cost.
+TEST(PlanPrefill, HundredThousandOneTokenPromptsPlanQuickly) {
+  constexpr int kSeqs = 100000, kCp = 4;
+  const auto start = std::chrono::steady_clock::now();
+  auto plan = PlanPrefill(std::vector<SequenceRequest>(kSeqs, {.new_tokens = 1}), kCp);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<LocalLayout> locals;
+  for (int r = 0; r < kCp; ++r) locals.push_back(MakeLocalLayout(*plan, r));
+  const KvLayout after = plan->KvLayoutAfter();
+  auto next = PlanPrefill(
+      std::vector<SequenceRequest>(kSeqs, {.new_tokens = 1, .cached_tokens = 1}), kCp, &after);
+  ASSERT_TRUE(next.ok()) << next.status();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0);
+  // One token goes to chunk 0, i.e. CP rank 0, for every sequence.
+  EXPECT_EQ(locals[0].q_rows(), kSeqs);
+  for (int r = 1; r < kCp; ++r) EXPECT_EQ(locals[r].q_rows(), 0);
+  EXPECT_EQ(locals[0].q_positions[kSeqs - 1], 0);
+  EXPECT_EQ(next->shard(0, kSeqs - 1).cached_runs, (std::vector<PositionRun>{{0, 1}}));
+  EXPECT_EQ(next->shard(0, kSeqs - 1).new_runs, (std::vector<PositionRun>{{1, 1}}));
 }
 
 TEST(PlanPrefill, RejectsBadInput) {
