@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <unordered_set>
 
@@ -104,9 +105,12 @@ absl::StatusOr<nlohmann::json> Parse(std::string_view text,
 
 absl::StatusOr<nlohmann::json> ReadFile(const std::string& path) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
+  // A file that cannot be read is bad input (the user named it): NotFound when it is missing,
+  // InvalidArgument for the rest (permissions, a directory, an I/O error), with the reason.
   if (f == nullptr) {
-    // NotFound for a missing file, PermissionDenied for EACCES, and so on.
-    return absl::ErrnoToStatus(errno, absl::StrCat("json: cannot open '", path, "'"));
+    const int err = errno;
+    const std::string message = absl::StrCat("cannot open '", path, "': ", std::strerror(err));
+    return err == ENOENT ? absl::NotFoundError(message) : absl::InvalidArgumentError(message);
   }
   std::string text;
   char buf[1 << 16];
@@ -115,7 +119,10 @@ absl::StatusOr<nlohmann::json> ReadFile(const std::string& path) {
   const bool failed = std::ferror(f) != 0;
   const int err = errno;
   std::fclose(f);
-  if (failed) return absl::ErrnoToStatus(err, absl::StrCat("json: error reading '", path, "'"));
+  if (failed) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot read '", path, "': ", std::strerror(err)));
+  }
   absl::StatusOr<nlohmann::json> v = Parse(text);
   if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", v.status().message()));
   return v;

@@ -34,8 +34,9 @@ namespace cpfill::json {
 absl::StatusOr<nlohmann::json> Parse(std::string_view text,
                                      std::vector<std::string>* top_level_keys = nullptr);
 
-// Reads and parses a file. Open/read failures keep their errno code (NotFound, ...); parse
-// failures are InvalidArgument; both messages name the path.
+// Reads and parses a file. A missing file is NotFound; any other open or read failure (a
+// directory, permissions, I/O) and any parse failure is InvalidArgument: the file is the user's
+// input. Messages name the path and the reason.
 absl::StatusOr<nlohmann::json> ReadFile(const std::string& path);
 
 // The text of `v`; indent < 0: compact, one line. JSON has no NaN or infinity, and nlohmann

@@ -41,6 +41,12 @@ constexpr KnobSpec kKnobs[] = {
      "tests only: this world rank stops answering just before the ring starts"},
     {kLocalRanks, KnobType::kInt, "1", "1..1000000",
      "set by Open MPI: ranks on this host, which share its cores", /*external=*/true},
+    {kLaunchRankOmpi, KnobType::kInt, "-1", "-1..100000000",
+     "set by mpirun: this process's world rank (before MPI starts: who prints a refusal)",
+     /*external=*/true},
+    {kLaunchRankPmix, KnobType::kInt, "-1", "-1..100000000",
+     "set by srun --mpi=pmix: this process's world rank (as OMPI_COMM_WORLD_RANK)",
+     /*external=*/true},
 };
 
 const KnobSpec& Find(std::string_view name) {

@@ -47,6 +47,8 @@ inline constexpr std::string_view kRanksPerNode = "CPFILL_RANKS_PER_NODE";
 inline constexpr std::string_view kTestExitRank = "CPFILL_TEST_EXIT_RANK";
 inline constexpr std::string_view kTestStallRank = "CPFILL_TEST_STALL_RANK";
 inline constexpr std::string_view kLocalRanks = "OMPI_COMM_WORLD_LOCAL_SIZE";
+inline constexpr std::string_view kLaunchRankOmpi = "OMPI_COMM_WORLD_RANK";
+inline constexpr std::string_view kLaunchRankPmix = "PMIX_RANK";
 
 // Every declared knob, in the order `cpfill env` lists them.
 std::span<const KnobSpec> All();

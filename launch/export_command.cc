@@ -52,7 +52,7 @@ int RunExportCommand(int argc, char** argv) {
   auto weights = runtime::SyntheticWeights(*config, static_cast<uint64_t>(seed), 0, 1);
   if (!weights.ok()) return fail(weights.status());
   if (absl::Status s = runtime::SaveHfCheckpoint(*config, *weights, out, bf16); !s.ok()) {
-    return fail(s);
+    return fail(absl::InvalidArgumentError(absl::StrCat("--out: ", s.message())));
   }
   std::printf("saved %s (%d layers, %s) to %s\n", model.c_str(), config->num_layers,
               bf16 ? "bf16" : "fp32", out.c_str());

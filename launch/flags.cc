@@ -37,7 +37,9 @@ absl::Status CheckRange(const std::string& name, const std::string& v, double x,
 absl::Status ParseInt64(const std::string& name, const std::string& v, const Range& range,
                         int64_t* out) {
   int64_t x = 0;
-  if (!absl::SimpleAtoi(v, &x)) {
+  // Plain decimal digits only: SimpleAtoi would also take surrounding blanks.
+  const bool plain = !v.empty() && v.find_first_not_of("+-0123456789") == std::string::npos;
+  if (!plain || !absl::SimpleAtoi(v, &x)) {
     const bool digits = !v.empty() && v.find_first_not_of("+-0123456789") == std::string::npos;
     return BadValue(name, v, digits ? "a 64-bit integer" : "an integer");
   }
@@ -49,8 +51,11 @@ absl::Status ParseInt64(const std::string& name, const std::string& v, const Ran
 absl::Status ParseDouble(const std::string& name, const std::string& v, const Range& range,
                          double* out) {
   double x = 0;
+  // Decimal notation only: strtod would also take hexadecimal ("0x10") and blanks.
+  const bool plain = !v.empty() && v.find_first_not_of("+-.0123456789eE") == std::string::npos;
   if (!absl::SimpleAtod(v, &x)) return BadValue(name, v, "a number");
   if (!std::isfinite(x)) return BadValue(name, v, "a finite number");
+  if (!plain) return BadValue(name, v, "a decimal number");
   CPFILL_RETURN_IF_ERROR(CheckRange(name, v, x, range));
   *out = x;
   return absl::OkStatus();
@@ -142,7 +147,7 @@ FlagSet& FlagSet::Int(const std::string& name, int64_t* target, const std::strin
               .help = help,
               .default_text = absl::StrCat(*target),
               .required = required,
-              .numeric = true,
+              .kind = "integer",
               .parse = [name, target](const std::string& v, const Range& range) {
                 return ParseInt64(name, v, range, target);
               }});
@@ -154,7 +159,7 @@ FlagSet& FlagSet::Int(const std::string& name, int* target, const std::string& h
               .help = help,
               .default_text = absl::StrCat(*target),
               .required = required,
-              .numeric = true,
+              .kind = "integer",
               .range = Range(INT32_MIN, INT32_MAX),
               .parse = [name, target](const std::string& v, const Range& range) {
                 int64_t x = 0;
@@ -170,7 +175,7 @@ FlagSet& FlagSet::Double(const std::string& name, double* target, const std::str
               .help = help,
               .default_text = absl::StrCat(*target),
               .required = required,
-              .numeric = true,
+              .kind = "number",
               .parse = [name, target](const std::string& v, const Range& range) {
                 return ParseDouble(name, v, range, target);
               }});
@@ -199,7 +204,7 @@ FlagSet& FlagSet::IntList(const std::string& name, std::vector<int64_t>* target,
               .help = help,
               .default_text = absl::StrJoin(*target, ","),
               .required = required,
-              .numeric = true,
+              .kind = "integers",
               .parse = [name, target](const std::string& v, const Range& range) {
                 target->clear();
                 for (absl::string_view piece : absl::StrSplit(v, ',')) {
@@ -217,7 +222,7 @@ FlagSet& FlagSet::DoubleList(const std::string& name, std::vector<double>* targe
               .help = help,
               .default_text = absl::StrJoin(*target, ","),
               .required = required,
-              .numeric = true,
+              .kind = "numbers",
               .parse = [name, target](const std::string& v, const Range& range) {
                 target->clear();
                 for (absl::string_view piece : absl::StrSplit(v, ',')) {
@@ -264,6 +269,11 @@ absl::Status FlagSet::Parse(int argc, char** argv, int first) {
         return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value", see));
       }
     }
+    // An empty text value would read as "not given" and quietly pick the default.
+    if (value.empty() && flag->kind == nullptr && !flag->is_bool) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, ": empty value (leave the flag out for its default)", see));
+    }
     absl::Status s = flag->parse(value, flag->range);
     if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(s.message(), see));
     flag->set = true;
@@ -288,7 +298,7 @@ std::string FlagSet::Usage() const {
     } else if (!f.default_text.empty()) {
       absl::StrAppend(&out, " [", f.default_text, "]");
     }
-    if (f.numeric) absl::StrAppend(&out, " {", f.range.ToString(), "}");
+    if (f.kind != nullptr) absl::StrAppend(&out, " {", f.kind, ", ", f.range.ToString(), "}");
     absl::StrAppend(&out, "\n");
   }
   return out;

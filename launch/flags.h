@@ -5,7 +5,8 @@
 // unknown flags, a flag given twice, missing values, malformed numbers, NaN and infinities,
 // values outside a flag's range and stray arguments with one message that names the flag, the
 // value and the allowed range. Numeric flags take their range by chaining Within(); the help
-// text shows it, so every numeric flag documents what it accepts.
+// text shows kind and range ("{integer, [1, 65536]}", "{numbers, (0, 1]}" for a list), so every
+// numeric flag documents what it accepts (tests/fuzz/cli_fuzz.py reads it from there).
 //
 //   FlagSet flags("attention", "one fused batch of context-parallel attention");
 //   flags.Int("heads", &heads, "query heads of the model").Within({1, 65536});
@@ -96,7 +97,7 @@ class FlagSet {
     bool is_bool = false;
     bool required = false;
     bool set = false;
-    bool numeric = false;
+    const char* kind = nullptr;  // numeric flags: "integer", "number", "integers", "numbers"
     Range range;
     std::function<absl::Status(const std::string&, const Range&)> parse;
   };

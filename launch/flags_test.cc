@@ -85,8 +85,8 @@ TEST(FlagSet, HelpSkipsRequiredChecksAndListsFlags) {
   const std::string usage = f.flags.Usage();
   EXPECT_NE(usage.find("--seq-lens"), std::string::npos);
   EXPECT_NE(usage.find("(required)"), std::string::npos);
-  EXPECT_NE(usage.find("{(0, 1000000]}"), std::string::npos) << usage;
-  EXPECT_NE(usage.find("{[0, 2147483647]}"), std::string::npos) << usage;
+  EXPECT_NE(usage.find("{number, (0, 1000000]}"), std::string::npos) << usage;
+  EXPECT_NE(usage.find("{integers, [0, 2147483647]}"), std::string::npos) << usage;
 }
 
 TEST(FlagSet, BoundsAreInclusiveUnlessOpen) {

@@ -21,6 +21,7 @@ std::vector<runtime::PrefillRequest> SyntheticPrompts(const std::vector<int64_t>
   std::vector<runtime::PrefillRequest> out;
   for (size_t s = 0; s < lens.size(); ++s) {
     runtime::PrefillRequest r;
+    r.tokens.reserve(lens[s]);  // growing by doubling would briefly need 1.5x the memory
     for (int64_t i = 0; i < lens[s]; ++i) {
       r.tokens.push_back(static_cast<int32_t>(Mix64(Mix64(seed ^ 0x70ull) ^ (s << 40) ^ i) %
                                               static_cast<uint64_t>(vocab)));

@@ -60,7 +60,8 @@ int RunSelectCommand(int argc, char** argv) {
   if (rule_name.empty()) rule_name = fit_file.empty() ? "alg5" : "fitted";
   auto rule = parallel::ParseSelectorRule(rule_name);
   if (!rule.ok()) {
-    std::fprintf(stderr, "cpfill: error: %s\n", std::string(rule.status().message()).c_str());
+    std::fprintf(stderr, "cpfill: error: --rule: %s\n",
+                 std::string(rule.status().message()).c_str());
     return kExitBadInput;
   }
   auto selection = parallel::Select(

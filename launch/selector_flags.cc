@@ -1,5 +1,6 @@
 #include "launch/selector_flags.h"
 
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 
 namespace cpfill::launch {
@@ -18,22 +19,35 @@ void AddSelectorFlags(FlagSet& flags, SelectorFlags* sf) {
       .Within(Range::LeftOpen(0, 64));
 }
 
+namespace {
+
+// `status` with the flag it came from in front, so the message names what to change.
+absl::Status ForFlag(const char* flag, const absl::Status& status) {
+  return absl::Status(status.code(), absl::StrCat("--", flag, ": ", status.message()));
+}
+
+}  // namespace
+
 absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const FlagSet& flags) {
   SelectorChoice c;
   c.auto_algorithm = sf.algo == "auto";
   if (!c.auto_algorithm) {
-    CPFILL_ASSIGN_OR_RETURN(c.algorithm, parallel::ParseRingAlgorithm(sf.algo));
+    auto algorithm = parallel::ParseRingAlgorithm(sf.algo);
+    if (!algorithm.ok()) return ForFlag("algo", algorithm.status());
+    c.algorithm = *algorithm;
   }
   c.system = {.tflops = sf.tflops, .gbps = sf.gbps, .elem_bytes = sf.elem_bytes};
   if (!sf.fit_file.empty()) {
-    CPFILL_ASSIGN_OR_RETURN(parallel::CalibrationFile cal,
-                            parallel::ReadCalibrationFile(sf.fit_file));
-    c.fitted = cal.fitted;
-    if (!flags.IsSet("tflops") && cal.tflops > 0) c.system.tflops = cal.tflops;
-    if (!flags.IsSet("gbps") && cal.gbps > 0) c.system.gbps = cal.gbps;
+    auto cal = parallel::ReadCalibrationFile(sf.fit_file);
+    if (!cal.ok()) return ForFlag("fit", cal.status());
+    c.fitted = cal->fitted;
+    if (!flags.IsSet("tflops") && cal->tflops > 0) c.system.tflops = cal->tflops;
+    if (!flags.IsSet("gbps") && cal->gbps > 0) c.system.gbps = cal->gbps;
   }
   const std::string rule = sf.rule.empty() ? (sf.fit_file.empty() ? "alg5" : "fitted") : sf.rule;
-  CPFILL_ASSIGN_OR_RETURN(c.rule, parallel::ParseSelectorRule(rule));
+  auto parsed_rule = parallel::ParseSelectorRule(rule);
+  if (!parsed_rule.ok()) return ForFlag("rule", parsed_rule.status());
+  c.rule = *parsed_rule;
   return c;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -43,26 +44,43 @@ std::unique_ptr<Session> Session::Start(int* argc, char*** argv, const SessionFl
   return s;
 }
 
+namespace {
+
+// The world rank the launcher gave this process (mpirun, srun --mpi=pmix), or 0 alone: known
+// before MPI starts, so a refusal found in the arguments prints once without any communication.
+int LaunchRank() {
+  for (std::string_view knob : {knobs::kLaunchRankOmpi, knobs::kLaunchRankPmix}) {
+    if (const int64_t rank = knobs::Int(knob); rank >= 0) return static_cast<int>(rank);
+  }
+  return 0;
+}
+
+// Bad flags, --help and malformed knobs are the same on every rank (same argv, mpirun -x): they
+// are answered before MPI starts, which costs a launch nothing and cannot hang.
+std::optional<int> AnswerBeforeMpi(const FlagSet& flags, const absl::Status& parsed) {
+  absl::Status refusal = parsed;
+  if (refusal.ok() && !flags.help()) refusal = knobs::Validate();
+  if (refusal.ok() && !flags.help()) return std::nullopt;
+  if (LaunchRank() == 0) {
+    if (refusal.ok()) {
+      std::fputs(flags.Usage().c_str(), stdout);
+    } else {
+      std::fprintf(stderr, "cpfill: error: %s\n", std::string(refusal.message()).c_str());
+    }
+    std::fflush(nullptr);
+  }
+  return refusal.ok() ? kExitOk : kExitBadInput;
+}
+
+}  // namespace
+
 Started Session::Begin(int* argc, char*** argv, const FlagSet& flags, const absl::Status& parsed,
                        const SessionFlags& session_flags) {
   Started started;
+  started.exit_code = AnswerBeforeMpi(flags, parsed);
+  if (started.exit_code) return started;
   started.session = Start(argc, argv, session_flags);
   Session& session = *started.session;
-  if (!parsed.ok()) {
-    started.exit_code = session.ConfigError(parsed);
-    return started;
-  }
-  if (flags.help()) {
-    session.Print("%s", flags.Usage());
-    started.exit_code = kExitOk;
-    return started;
-  }
-  // Every rank reads the same environment (mpirun -x): a malformed knob is bad input, refused
-  // before any work instead of running with the default in its place.
-  if (absl::Status knobs_ok = knobs::Validate(); !knobs_ok.ok()) {
-    started.exit_code = session.ConfigError(knobs_ok);
-    return started;
-  }
   auto grid = session.CreateGrid();
   if (!grid.ok()) {
     started.exit_code = session.Refuse(grid.status());

@@ -55,8 +55,9 @@ struct Started {
 
 class Session {
  public:
-  // The common start of a distributed subcommand whose flags were parsed into `parsed`: starts
-  // MPI (also when parsing failed, so the message prints once), handles --help, builds the grid.
+  // The common start of a distributed subcommand whose flags were parsed into `parsed`: bad
+  // flags, malformed knobs and --help are answered before MPI starts (the same on every rank;
+  // the launcher's rank 0 prints), then MPI starts and the grid is built.
   static Started Begin(int* argc, char*** argv, const FlagSet& flags, const absl::Status& parsed,
                        const SessionFlags& session_flags);
 

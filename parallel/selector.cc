@@ -397,6 +397,8 @@ absl::StatusOr<CalibrationFile> ReadCalibrationFile(const std::string& path) {
     if (json::Find(v, key) == nullptr) continue;
     absl::StatusOr<double> x = json::GetNumber(v, key);
     if (!x.ok()) return wrap(x.status());
+    // 0 means "not measured" (BW on one CP rank); a negative rate is no measurement at all.
+    CPFILL_CHECK_ARG(*x >= 0, where, "\"", key, "\" is ", *x, ", must be >= 0");
     *field = *x;
   }
   if (const nlohmann::json* points = json::Find(v, "points"); points != nullptr) {

@@ -118,7 +118,7 @@ absl::StatusOr<int64_t> CapacityFromMemory(const KvCacheSpec& spec, double fract
   const double usable = fraction * static_cast<double>(free_bytes);
   const int64_t usable_bytes =
       usable >= static_cast<double>(free_bytes) ? free_bytes : static_cast<int64_t>(usable);
-  const int64_t blocks = std::min(usable_bytes / per_id, kMaxBlockId);
+  const int64_t blocks = std::min(usable_bytes / (per_id + kHostBytesPerBlock), kMaxBlockId);
   return blocks * spec.block_tokens;
 }
 
@@ -149,9 +149,12 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheSpec& spec
   int64_t pool_bytes = 0;
   CPFILL_CHECK_ARG(CheckedMul(blocks, per_id, &pool_bytes), "KV cache: ", blocks, " blocks of ",
                    per_id, " bytes do not fit in int64 bytes");
-  CPFILL_RETURN_IF_ERROR(storage->Allocate(pool_bytes));
-  CPFILL_RETURN_IF_ERROR(storage->ReserveRuns(std::min(2 * blocks + 64, kMaxPreReservedRuns)));
-  return std::unique_ptr<KvCache>(new KvCache(spec, blocks, std::move(storage)));
+  // The block lists first, the pool last: a pool sized to what is free leaves nothing for them.
+  KvStorage& pool = *storage;
+  std::unique_ptr<KvCache> cache(new KvCache(spec, blocks, std::move(storage)));
+  CPFILL_RETURN_IF_ERROR(pool.ReserveRuns(std::min(2 * blocks + 64, kMaxPreReservedRuns)));
+  CPFILL_RETURN_IF_ERROR(pool.Allocate(pool_bytes));
+  return cache;
 }
 
 int64_t KvCache::BlocksFor(int64_t tokens) const {

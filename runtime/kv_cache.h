@@ -67,7 +67,11 @@ struct KvCacheSpec {
   int64_t bytes_per_token() const;
 };
 
-// The capacity in tokens (whole blocks) that `fraction` (0 < f <= 1) of `free_bytes` holds.
+// Host bytes the cache keeps per block besides its K and V (its free list and reference count).
+inline constexpr int64_t kHostBytesPerBlock = 8;
+
+// The capacity in tokens (whole blocks) that `fraction` (0 < f <= 1) of `free_bytes` holds,
+// the blocks' bookkeeping (kHostBytesPerBlock) counted.
 // InvalidArgument for a bad fraction, negative bytes or a bad geometry (capacity_tokens ignored).
 absl::StatusOr<int64_t> CapacityFromMemory(const KvCacheSpec& spec, double fraction,
                                            int64_t free_bytes);

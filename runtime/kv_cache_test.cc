@@ -533,7 +533,8 @@ TEST(KvCache, UsageFigures) {
 
 TEST(KvCache, CapacityFromMemory) {
   const KvCacheSpec spec = SmallSpec(64, 0);
-  const int64_t per_block = 2 * spec.num_layers * spec.block_bytes();
+  // A block's K and V of every layer, and its bookkeeping.
+  const int64_t per_block = 2 * spec.num_layers * spec.block_bytes() + kHostBytesPerBlock;
   auto cap = CapacityFromMemory(spec, 1.0, 10 * per_block + per_block - 1);
   ASSERT_TRUE(cap.ok()) << cap.status();
   EXPECT_EQ(*cap, 10 * 64);

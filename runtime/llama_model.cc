@@ -101,7 +101,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
   const double blocks = std::ceil(double(spec.capacity_tokens) / spec.block_tokens);
   CPFILL_RETURN_IF_ERROR(CheckFitsOnEveryRank(
       world, absl::StrCat("the KV cache (", spec.capacity_tokens, " tokens per rank)"),
-      SaturatingBytes(blocks * spec.block_tokens * double(spec.bytes_per_token())),
+      SaturatingBytes(blocks * (spec.block_tokens * double(spec.bytes_per_token()) +
+                                kHostBytesPerBlock)),
       [&] { return backend->FreeMemoryBytes(); },
       "lower --kv-capacity-tokens or --kv-memory-fraction, send fewer or shorter prompts, or use "
       "more CP ranks (each holds 1/N of every sequence)"));

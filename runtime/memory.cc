@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <string>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -18,15 +19,18 @@ constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
 
 std::string GiB(int64_t bytes) { return absl::StrFormat("%.2f GiB", bytes / double(1 << 30)); }
 
-// The value after `key` in a "Key: value [kB]" file such as /proc/meminfo, times `scale`; -1
-// when the key is absent.
+// The number after `key` on its line of a "Key: value [kB]" file such as /proc/meminfo or
+// /proc/self/status, times `scale`; -1 when the key is absent.
 int64_t FieldOf(const char* file, const std::string& key, int64_t scale) {
   std::ifstream in(file);
-  std::string k;
-  int64_t value = 0;
-  while (in >> k >> value) {
-    if (k == key) return value * scale;
-    in.ignore(256, '\n');
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) != 0) continue;
+    try {
+      return std::stoll(line.substr(key.size())) * scale;
+    } catch (...) {
+      return -1;
+    }
   }
   return -1;
 }

@@ -274,8 +274,11 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   SafetensorsFile file;
   file.path_ = path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("safetensors: cannot open '", path, "'"));
+  if (fd < 0) {  // the user named this file: NotFound, or InvalidArgument with the reason
+    const int err = errno;
+    const std::string message =
+        absl::StrCat("safetensors: cannot open '", path, "': ", std::strerror(err));
+    return err == ENOENT ? absl::NotFoundError(message) : absl::InvalidArgumentError(message);
   }
   struct stat st;
   if (::fstat(fd, &st) != 0) {
@@ -387,21 +390,35 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     file.tensors_.push_back(std::move(info));
   }
 
-  // Step 4: no two non-empty tensors may share bytes.
+  // Step 4: as the reference library requires, the tensors tile the data buffer: sorted by
+  // offset, each begins where the one before ends, and the last ends with the file. A gap or
+  // bytes past the last tensor mean a header length that is off (every tensor would be read
+  // shifted) or bytes appended; an overlap means two tensors share bytes.
   std::vector<size_t> by_offset(file.tensors_.size());
   std::iota(by_offset.begin(), by_offset.end(), 0);
-  std::sort(by_offset.begin(), by_offset.end(),
-            [&](size_t l, size_t r) { return file.tensors_[l].offset < file.tensors_[r].offset; });
+  std::sort(by_offset.begin(), by_offset.end(), [&](size_t l, size_t r) {
+    const TensorInfo &a = file.tensors_[l], &b = file.tensors_[r];
+    return a.offset != b.offset ? a.offset < b.offset : a.bytes < b.bytes;
+  });
+  uint64_t covered = 0;
   const TensorInfo* prev = nullptr;
   for (const size_t i : by_offset) {
     const TensorInfo& t = file.tensors_[i];
-    if (t.bytes == 0) continue;
-    if (prev != nullptr && t.offset < prev->offset + prev->bytes) {
+    if (t.offset < covered) {
       return invalid("tensor \"", t.name, "\" [", t.offset, ", ", t.offset + t.bytes,
                      ") overlaps tensor \"", prev->name, "\" [", prev->offset, ", ",
                      prev->offset + prev->bytes, ")");
     }
-    if (prev == nullptr || t.offset + t.bytes > prev->offset + prev->bytes) prev = &t;
+    if (t.offset > covered) {
+      return invalid("bytes [", covered, ", ", t.offset, ") of the data buffer belong to no "
+                     "tensor (before tensor \"", t.name, "\"; a wrong header length or offsets)");
+    }
+    covered = t.offset + t.bytes;
+    prev = &t;
+  }
+  if (covered != buffer_bytes) {
+    return invalid("the data buffer holds ", buffer_bytes, " bytes but the tensors cover ",
+                   covered, " (header length ", header_bytes, " wrong, or bytes appended)");
   }
   return file;
 }
