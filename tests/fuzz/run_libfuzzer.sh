@@ -48,7 +48,7 @@ status=0
 for target in safetensors model_config; do
   echo "run_libfuzzer: fuzz_$target for $seconds s"
   mkdir -p "$build/corpus/$target"
-  if ! "$build/fuzz_$target" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+  if ! "$build/tests/fuzz/fuzz_$target" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
       -max_len=4096 -print_final_stats=1 -artifact_prefix="$build/crashes/$target-" \
       "$build/corpus/$target" "$seeds/$target" 2>"$build/fuzz_$target.log"; then
     tail -60 "$build/fuzz_$target.log"

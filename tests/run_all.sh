@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (.ci/run) and as the README's second command gives it:
+#   1. launch/setup.sh (packages, build/), then every CTest of build/: unit, mpi, the CLI fuzz
+#      suite (label fuzz); gpu and multigpu tests skip with a message where there is no GPU;
+#   2. build-asan: the same sources under AddressSanitizer + UndefinedBehaviorSanitizer (CPU
+#      only), running the unit and mpi tests: any finding fails;
+#   3. build-fuzz: the libFuzzer targets of the safetensors and config.json readers, each for
+#      FUZZ_SECONDS (default 45) from a valid seed: any crash or sanitizer report fails.
+# Each stage says where it failed; later stages do not run after a failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stage() { echo; echo "=== run_all: $* ==="; }
+
+stage "1/3 build and ctest (build/)"
+bash launch/setup.sh
+ctest --test-dir build --output-on-failure -j 2
+
+stage "2/3 ASan + UBSan (build-asan/): unit and mpi tests"
+asan=${ASAN_BUILD_DIR:-build-asan}
+if [ ! -f "$asan/build.ninja" ]; then
+  # -O1: ASan's reports stay exact and the kernels stay fast enough for the mpi tests.
+  launcher=()
+  command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  cmake -S . -B "$asan" -G Ninja -DCPFILL_CUDA=OFF -DCPFILL_BUILD_BENCH=OFF \
+      -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
+      -DCPFILL_SANITIZE=address,undefined "${launcher[@]}" ||
+    { echo "run_all: configuring the sanitized build ($asan) failed; see cmake above" >&2
+      exit 1; }
+fi
+cmake --build "$asan" -j "${JOBS:-$(nproc)}" ||
+  { echo "run_all: building the sanitized build ($asan) failed" >&2; exit 1; }
+ctest --test-dir "$asan" -L 'unit|mpi' --output-on-failure -j 2
+
+stage "3/3 libFuzzer (build-fuzz/): safetensors and config.json readers"
+bash tests/fuzz/run_libfuzzer.sh "${FUZZ_BUILD_DIR:-build-fuzz}" "${FUZZ_SECONDS:-45}"
+stage "all stages passed"
