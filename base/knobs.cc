@@ -36,9 +36,12 @@ constexpr KnobSpec kKnobs[] = {
     {kRanksPerNode, KnobType::kInt, "0", "0..1000000",
      "ranks per emulated node when --ranks-per-node is not given (0: the ranks of each host)"},
     {kTestExitRank, KnobType::kInt, "-1", "-1..1000000",
-     "tests only: this world rank exits abruptly just before the ring starts"},
+     "tests only: this world rank is killed (SIGKILL) just before the ring starts"},
     {kTestStallRank, KnobType::kInt, "-1", "-1..1000000",
      "tests only: this world rank stops answering just before the ring starts"},
+    {kTestFaultAt, KnobType::kChoice, "start", "start|merge",
+     "tests only: where the test fault strikes: before the ring, or (pass-Q, CPU) after the "
+     "last ring step, while the others merge"},
     {kLocalRanks, KnobType::kInt, "1", "1..1000000",
      "set by Open MPI: ranks on this host, which share its cores", /*external=*/true},
     {kLaunchRankOmpi, KnobType::kInt, "-1", "-1..100000000",

@@ -46,6 +46,7 @@ inline constexpr std::string_view kHopperSchedule = "CPFILL_HOPPER_SCHEDULE";
 inline constexpr std::string_view kRanksPerNode = "CPFILL_RANKS_PER_NODE";
 inline constexpr std::string_view kTestExitRank = "CPFILL_TEST_EXIT_RANK";
 inline constexpr std::string_view kTestStallRank = "CPFILL_TEST_STALL_RANK";
+inline constexpr std::string_view kTestFaultAt = "CPFILL_TEST_FAULT_AT";
 inline constexpr std::string_view kLocalRanks = "OMPI_COMM_WORLD_LOCAL_SIZE";
 inline constexpr std::string_view kLaunchRankOmpi = "OMPI_COMM_WORLD_RANK";
 inline constexpr std::string_view kLaunchRankPmix = "PMIX_RANK";

@@ -2,6 +2,7 @@
 // Table 5, optionally checked against a single-rank computation and saved for outside tools.
 // The work lives in attention_job.h (batch, selection, timed runs, check) and ring_report.h.
 #include <chrono>
+#include <csignal>
 #include <string>
 #include <thread>
 #include <vector>
@@ -66,11 +67,14 @@ void DefineFlags(FlagSet& flags, AttentionFlags* f) {
   AddSessionFlags(flags, &f->session);
 }
 
-// Fault injection for the end-to-end tests of a dead and a stalled rank (tests/cli_test.sh):
-// CPFILL_TEST_EXIT_RANK=r makes world rank r exit abruptly, CPFILL_TEST_STALL_RANK=r makes it
-// stop answering, both just before the ring starts.
-void InjectFaultForTests(int world_rank) {
-  if (knobs::Int(knobs::kTestExitRank) == world_rank) std::_Exit(9);
+// Fault injection for the end-to-end tests of a killed and a stalled rank (tests/cli_test.sh):
+// CPFILL_TEST_EXIT_RANK=r kills world rank r (SIGKILL), CPFILL_TEST_STALL_RANK=r makes it stop
+// answering, at CPFILL_TEST_FAULT_AT: "start" (just before the ring) or "merge" (after the last
+// ring step, where the others wait in pass-Q's all-to-all; CPU ring only, whose steps report as
+// they end).
+void InjectFaultForTests(int world_rank, std::string_view at) {
+  if (knobs::Choice(knobs::kTestFaultAt) != at) return;
+  if (knobs::Int(knobs::kTestExitRank) == world_rank) std::raise(SIGKILL);
   if (knobs::Int(knobs::kTestStallRank) == world_rank) {
     std::this_thread::sleep_for(std::chrono::hours(1));
   }
@@ -211,9 +215,10 @@ int Run(int argc, char** argv) {
   // Run.
   auto runner = (*backend)->MakeRunner(batch->plan, batch->shape, batch->inputs, batch->slice);
   if (!runner.ok()) session.Fail(runner.status());
-  InjectFaultForTests(grid.world_rank);
+  InjectFaultForTests(grid.world_rank, "start");
   RunProgress progress;
   progress.on_step = [&](int run, const parallel::RingStepTiming& step, int steps) {
+    if (step.step + 1 == steps) InjectFaultForTests(grid.world_rank, "merge");
     // A line per ring step once steps take long enough to wonder about.
     if (step.compute_s + step.wait_s <= 1.0) return;
     session.Print("  run %d, ring step %d/%d done: compute %s ms, exposed wait %s ms\n", run + 1,

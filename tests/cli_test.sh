@@ -13,12 +13,13 @@ mpi() { mpirun -np "$@"; }
 
 fail() { echo "FAIL: $*"; exit 1; }
 
-# stop_rank_mid_ring NP RANK ARGS...: `cpfill attention ARGS` on NP ranks runs many times; once
-# the runs go, world rank RANK gets SIGSTOP. The others must end the job, naming RANK as late,
-# within the deadline (3 s) + 5 s of the stop.
-stop_rank_mid_ring() {
-  local np=$1 rank=$2 victim="" job p took code
-  shift 2
+# signal_rank_mid_ring SIG NP RANK ARGS...: `cpfill attention ARGS` on NP ranks runs many times;
+# once the runs go, world rank RANK gets SIG (STOP or KILL). The job must end within the
+# deadline (3 s) + 5 s of the signal, naming RANK: a stopped rank by the others' census ("late:
+# world rank(s) RANK."), a killed one by the launcher ("process rank RANK ... signal 9").
+signal_rank_mid_ring() {
+  local sig=$1 np=$2 rank=$3 victim="" job p took code named
+  shift 3
   mpi "$np" "$cpfill" attention "$@" --repeat 1000000 --timeout-s 3 >"$tmp/out" 2>&1 &
   job=$!
   for _ in $(seq 600); do  # until the runs have started, then find world rank RANK's process
@@ -32,10 +33,16 @@ stop_rank_mid_ring() {
     sleep 0.1
   done
   [ -n "$victim" ] || { pkill -KILL -P $job; kill $job; fail "rank $rank never started its runs"; }
-  kill -STOP "$victim"
+  if [ "$sig" = STOP ]; then
+    named="late: world rank\(s\) $rank\."
+  else
+    named="process rank $rank .*signal 9"
+  fi
+  kill "-$sig" "$victim"
   start=$(date +%s)
   for _ in $(seq 400); do
-    grep -q "late: world rank(s) $rank\." "$tmp/out" && break
+    grep -Eq "$named" "$tmp/out" && break
+    kill -0 $job 2>/dev/null || break
     sleep 0.1
   done
   took=$(( $(date +%s) - start ))
@@ -43,9 +50,35 @@ stop_rank_mid_ring() {
   wait $job
   code=$?
   grep -v '^run ' "$tmp/out"
-  [ $code -ne 0 ] || fail "a stopped rank must fail the job"
-  grep -Eq "late: world rank\(s\) $rank\." "$tmp/out" || fail "the message does not name rank $rank"
-  [ "$took" -le 8 ] || fail "took ${took} s to name the stopped rank (deadline 3 s + 5 s)"
+  [ $code -ne 0 ] || fail "a ${sig}ped rank must fail the job"
+  grep -Eq "$named" "$tmp/out" || fail "the message does not name rank $rank (/$named/)"
+  [ "$took" -le 8 ] || fail "took ${took} s to name the ${sig}ped rank (deadline 3 s + 5 s)"
+}
+
+# fault_in_merge KIND NP RANK: world rank RANK is killed (KIND=EXIT) or stops answering
+# (KIND=STALL) after its last pass-Q ring step, while the others wait in the all-to-all merge.
+# The job must end within the deadline (3 s) + 5 s of the first run's start, naming RANK.
+fault_in_merge() {
+  local kind=$1 np=$2 rank=$3 named code
+  start=$(date +%s)
+  env "CPFILL_TEST_${kind}_RANK=$rank" CPFILL_TEST_FAULT_AT=merge \
+    mpirun -np "$np" -x "CPFILL_TEST_${kind}_RANK" -x CPFILL_TEST_FAULT_AT "$cpfill" attention \
+    --seq-lens 4000 --heads 2 --kv-heads 1 --head-dim 16 --algo pass-q --backend cpu \
+    --timeout-s 3 >"$tmp/out" 2>&1
+  code=$?
+  took=$(( $(date +%s) - start ))
+  cat "$tmp/out"
+  [ $code -ne 0 ] || fail "a fault in the merge must fail the job"
+  if [ "$kind" = STALL ]; then
+    grep -Eq "all-to-all.*did not complete within 3 s" "$tmp/out" ||
+      fail "the deadline message does not name the merge's all-to-all"
+    named="late: world rank\(s\) $rank\."
+  else
+    named="process rank $rank .*signal 9"
+  fi
+  grep -Eq "$named" "$tmp/out" || fail "the message does not name rank $rank (/$named/)"
+  # Start-up (MPI, the grid, the plan) takes a few seconds on a loaded 2-core machine.
+  [ "$took" -le 30 ] || fail "took ${took} s to end the job (deadline 3 s)"
 }
 
 # expect_exit CODE PATTERN -- command...: runs it, checks its exit code and that its output
@@ -209,13 +242,27 @@ stalled_rank_ends_job)
 stopped_rank_named)
   # SIGSTOP world rank 2 in the middle of the ring: every other rank's deadline fires, the census
   # names rank 2 as not answering, and the job ends within --timeout-s + 5 s of the stop.
-  stop_rank_mid_ring 4 2 --backend cpu --seq-lens 4000 --heads 2 --kv-heads 1 --head-dim 16
+  signal_rank_mid_ring STOP 4 2 --backend cpu --seq-lens 4000 --heads 2 --kv-heads 1 --head-dim 16
+  ;;
+killed_rank_named)
+  # SIGKILL world rank 1 in the middle of the ring: the launcher ends the job, naming rank 1.
+  signal_rank_mid_ring KILL 4 1 --backend cpu --seq-lens 4000 --heads 2 --kv-heads 1 --head-dim 16
+  ;;
+stalled_rank_in_merge)
+  fault_in_merge STALL 4 1
+  ;;
+killed_rank_in_merge)
+  fault_in_merge EXIT 4 3
   ;;
 multigpu_stopped_rank_named)
-  # The same on the NCCL path: two GPUs, world rank 1 stopped while the device ring runs.
+  # The same on the NCCL path: two GPUs, world rank 1 stopped, then killed, while the device
+  # ring runs.
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
   if [ "$gpus" -lt 2 ]; then echo "SKIPPED: needs 2 GPUs, this machine has $gpus"; exit 77; fi
-  stop_rank_mid_ring 2 1 --backend cuda --seq-lens 65536 --heads 16 --kv-heads 1 --head-dim 128
+  signal_rank_mid_ring STOP 2 1 --backend cuda --seq-lens 65536 --heads 16 --kv-heads 1 \
+    --head-dim 128
+  signal_rank_mid_ring KILL 2 0 --backend cuda --seq-lens 65536 --heads 16 --kv-heads 1 \
+    --head-dim 128
   ;;
 calibrate_writes_fit)
   expect_exit 0 'wrote' -- mpi 2 "$cpfill" calibrate --heads 2 --kv-heads 1 --head-dim 16 \
