@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every GPU and multi-GPU test of the system on a GPU host, in one device call, from the carried
+# binaries (bench/gpu/build-carry.sh): the kernel and KV cache tests, the CUDA model against the
+# CPU model, the CLI's CUDA check and memory refusals, the NCCL fault and device-ring tests
+# (two GPUs), and transformers' checkpoints on every backend. Logs go to $OUT (or /tmp/validate).
+#
+#   run(command="bash bench/gpu/validate.sh", carry=[".gpu-carry"], kind="nvidia-h200-x2")
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+carry=${CARRY:-.gpu-carry}
+out=${OUT:-/tmp/validate}
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$PWD/$carry/lib:${LD_LIBRARY_PATH:-}"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+nvidia-smi -L | tee "$out/gpus.txt"
+failed=()
+step() {  # step NAME command...: runs it, logs to $out/NAME.log, prints one verdict line
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc ($((SECONDS - t0)) s) $(grep -E '^\[  (PASSED|FAILED)|SKIPPED|^FAIL|PASS' \
+    "$out/$name.log" | tail -2 | tr '\n' ' ')"
+  [ $rc -eq 0 ] || [ $rc -eq 77 ] || failed+=("$name")
+}
+step attention_cuda_test "$carry/attention_cuda_test"
+step kv_cache_cuda_test "$carry/kv_cache_cuda_test"
+step llama_model_cuda_test mpirun -np 1 "$carry/llama_model_cuda_test"
+step cli_cuda_backend_check bash tests/cli_test.sh cuda_backend_check "$carry/cpfill"
+step cli_memory_checked_first bash tests/cli_test.sh memory_checked_first "$carry/cpfill"
+step cli_multigpu_stopped_rank_named bash tests/cli_test.sh multigpu_stopped_rank_named \
+  "$carry/cpfill"
+step cli_multigpu_device_ring bash tests/cli_test.sh multigpu_device_ring "$carry/cpfill"
+step hf_transformers_check python3 tests/hf_transformers_check.py "$carry/cpfill" /tmp/hf \
+  --backend all
+# A batch too large for the GPU but not for the host: refused on the GPU's numbers, exit 2.
+# (30M tokens of 2 + 2 heads: about 157 GiB of host and 172 GiB of GPU buffers; an H200 host
+# has 256 GiB of memory.)
+step gpu_memory_refusal bash -c "'$carry/cpfill' attention --backend cuda --seq-lens 30000000 \
+  --heads 2 --kv-heads 2 --head-dim 128 2>&1 | tee /dev/stderr | grep -q 'GPU buffers need'"
+echo "validate: ${#failed[@]} failed ${failed[*]:-}"
+[ ${#failed[@]} -eq 0 ]
