@@ -75,10 +75,22 @@ absl::StatusOr<runtime::ModelWeights> LoadWeightsAgreed(const runtime::ModelConf
   absl::StatusOr<runtime::ModelWeights> weights =
       fits.ok() ? MakeWeights(config, model, seed, grid.tp_rank, grid.tp_size)
                 : absl::StatusOr<runtime::ModelWeights>(fits);
-  CPFILL_ASSIGN_OR_RETURN(bool all_ok, parallel::AllRanksOk(*grid.world, weights.ok()));
-  if (!weights.ok()) return weights.status();
-  if (!all_ok) return absl::AbortedError("another rank could not read its weights");
-  return weights;
+  // The lowest failing world rank speaks for all (one message, however many ranks read the same
+  // bad file); every other rank returns Aborted.
+  int64_t first_failed = weights.ok() ? std::numeric_limits<int64_t>::max() : grid.world_rank;
+  int64_t failed = weights.ok() ? 0 : 1;
+  CPFILL_RETURN_IF_ERROR(grid.world->AllReduce(&first_failed, 1, parallel::DataType::kInt64,
+                                               parallel::ReduceOp::kMin));
+  CPFILL_RETURN_IF_ERROR(
+      grid.world->AllReduce(&failed, 1, parallel::DataType::kInt64, parallel::ReduceOp::kSum));
+  if (failed == 0) return weights;
+  if (first_failed != grid.world_rank) {
+    return absl::AbortedError(absl::StrCat("world rank ", first_failed, " could not read its weights"));
+  }
+  const absl::Status& s = weights.status();
+  return absl::Status(s.code(), failed == 1 ? s.message()
+                                            : absl::StrCat(s.message(), " (", failed,
+                                                           " ranks failed; this is the first)"));
 }
 
 LoadedModel::LoadedModel() = default;

@@ -534,6 +534,9 @@ def file_cases(cpfill, work):
         mutate(d)
         cases.append(Case(f"prefill checkpoint: {name}", "prefill", ["--model", d] + prefill,
                           expect))
+        if i % 25 == 0 and expect == "refused":  # every rank reads it: still one message
+            cases.append(Case(f"mpirun -np 2 prefill checkpoint: {name}", "prefill",
+                              ["--model", d] + prefill, expect, mpi=2))
     for i, (name, body, expect) in enumerate(tokens_files()):
         p = os.path.join(work, f"tokens{i:04d}.json")
         open(p, "wb").write(body)
