@@ -61,6 +61,22 @@ absl::Status ParseDouble(const std::string& name, const std::string& v, const Ra
   return absl::OkStatus();
 }
 
+// A comma-separated list flag: each element parsed and range-checked by `one`.
+template <typename T>
+std::function<absl::Status(const std::string&, const Range&)> ParseList(
+    std::string name, std::vector<T>* target,
+    absl::Status (*one)(const std::string&, const std::string&, const Range&, T*)) {
+  return [name = std::move(name), target, one](const std::string& v, const Range& range) {
+    target->clear();
+    for (absl::string_view piece : absl::StrSplit(v, ',')) {
+      T x{};
+      CPFILL_RETURN_IF_ERROR(one(name, std::string(piece), range, &x));
+      target->push_back(x);
+    }
+    return absl::OkStatus();
+  };
+}
+
 }  // namespace
 
 bool Range::Contains(double x) const {
@@ -205,15 +221,7 @@ FlagSet& FlagSet::IntList(const std::string& name, std::vector<int64_t>* target,
               .default_text = absl::StrJoin(*target, ","),
               .required = required,
               .kind = "integers",
-              .parse = [name, target](const std::string& v, const Range& range) {
-                target->clear();
-                for (absl::string_view piece : absl::StrSplit(v, ',')) {
-                  int64_t x = 0;
-                  CPFILL_RETURN_IF_ERROR(ParseInt64(name, std::string(piece), range, &x));
-                  target->push_back(x);
-                }
-                return absl::OkStatus();
-              }});
+              .parse = ParseList<int64_t>(name, target, ParseInt64)});
 }
 
 FlagSet& FlagSet::DoubleList(const std::string& name, std::vector<double>* target,
@@ -223,15 +231,7 @@ FlagSet& FlagSet::DoubleList(const std::string& name, std::vector<double>* targe
               .default_text = absl::StrJoin(*target, ","),
               .required = required,
               .kind = "numbers",
-              .parse = [name, target](const std::string& v, const Range& range) {
-                target->clear();
-                for (absl::string_view piece : absl::StrSplit(v, ',')) {
-                  double x = 0;
-                  CPFILL_RETURN_IF_ERROR(ParseDouble(name, std::string(piece), range, &x));
-                  target->push_back(x);
-                }
-                return absl::OkStatus();
-              }});
+              .parse = ParseList<double>(name, target, ParseDouble)});
 }
 
 absl::Status FlagSet::Parse(int argc, char** argv, int first) {
