@@ -12,6 +12,7 @@
 #if CPFILL_HAVE_CUDA
 #include "parallel/cuda/nccl_communicator.h"
 #include "runtime/cuda/cuda_backend.h"
+#include "runtime/cuda/kv_storage_cuda.h"
 #endif
 
 namespace cpfill::launch {
@@ -112,6 +113,13 @@ absl::StatusOr<LoadedModel> BuildModel(const runtime::ModelConfig& config,
     CPFILL_ASSIGN_OR_RETURN(parallel::NcclGrid nccl, parallel::CreateNcclGrid(grid, comm_options));
     auto shared = std::make_shared<parallel::NcclGrid>(std::move(nccl));
     m.device = shared;
+    // The bf16 slice goes to the GPU: half the fp32 bytes WeightsFit counted on the host.
+    CPFILL_RETURN_IF_ERROR(runtime::CheckFitsOnEveryRank(
+        *grid.world,
+        absl::StrCat("the weights of ", config.name, " on the GPU (bf16, one TP slice of ",
+                     grid.tp_size, ")"),
+        runtime::HostWeightBytes(config, grid.tp_size) / 2, runtime::cuda::FreeDeviceBytes,
+        "use more tensor-parallel ranks (--tp) or fewer layers (--layers)"));
     CPFILL_ASSIGN_OR_RETURN(be, runtime::cuda::MakeCudaBackend(config, weights, *shared));
     weights = runtime::ModelWeights{};  // on the GPU now: free the host's fp32 copy
 #else
