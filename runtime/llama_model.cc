@@ -104,8 +104,9 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
       SaturatingBytes(blocks * (spec.block_tokens * double(spec.bytes_per_token()) +
                                 kHostBytesPerBlock)),
       [&] { return backend->FreeMemoryBytes(); },
-      "lower --kv-capacity-tokens or --kv-memory-fraction, send fewer or shorter prompts, or use "
-      "more CP ranks (each holds 1/N of every sequence)"));
+      "lower --kv-capacity-tokens or --kv-memory-fraction, send fewer or shorter prompts (each "
+      "sequence holds whole blocks: --kv-block-tokens 16 wastes less on short ones), or use more "
+      "CP ranks (each holds 1/N of every sequence)"));
   CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> kv,
                           KvCache::Create(spec, backend->MakeKvStorage()));
   return std::unique_ptr<LlamaModel>(
