@@ -300,8 +300,14 @@ memory_checked_first)
   [ ! -e "$tmp/x" ] || fail "export wrote something after refusing"
   expect_exit 2 'weights of llama3-405b .* need' -- mpi 2 "$cpfill" prefill --model llama3-405b \
     --prompt-lens 10
-  expect_exit 2 'KV .*(cannot|capacity)' -- mpi 2 "$cpfill" prefill --model tiny \
-    --prompt-lens 100000000
+  # The KV cache a batch needs, refused before it is mapped, naming the flags that make it fit.
+  expect_exit 2 'the KV cache \(.* tokens per rank\) need .* GiB .* free on rank [01] of 2; lower --kv-capacity-tokens' \
+    -- mpi 2 "$cpfill" prefill --model tiny --prompt-lens 100000000
+  # The attention batch and a calibration step: host buffers counted from the plan, refused.
+  expect_exit 2 "the batch's host buffers need .* GiB .* free on rank 0 of 2" -- mpi 2 "$cpfill" \
+    attention --seq-lens 2147483647 --heads 2 --kv-heads 1 --head-dim 16
+  expect_exit 2 "the batch's host buffers need .*; lower --context-lens" -- "$cpfill" calibrate \
+    --compute-tokens 2147483647
   ;;
 multigpu_device_ring)
   # The device ring over NCCL on 2 and (where there are 4) 4 GPUs: every algorithm, full and
