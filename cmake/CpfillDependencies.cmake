@@ -18,6 +18,14 @@ cpfill_require(absl_FOUND "Abseil" "libabsl-dev")
 find_package(nlohmann_json 3 CONFIG QUIET)
 cpfill_require(nlohmann_json_FOUND "nlohmann-json (nlohmann/json.hpp)" "nlohmann-json3-dev")
 
+# cpp-httplib (the HTTP server of `cpfill serve`): Debian builds it as a library with TLS and
+# compression on; pkg-config carries the defines the header must see to match it.
+find_package(PkgConfig QUIET)
+if(PkgConfig_FOUND)
+  pkg_check_modules(HTTPLIB QUIET IMPORTED_TARGET cpp-httplib)
+endif()
+cpfill_require(HTTPLIB_FOUND "cpp-httplib (httplib.h)" "libcpp-httplib-dev pkg-config")
+
 find_package(ucx CONFIG QUIET)
 cpfill_require(ucx_FOUND "UCX" "libucx-dev")
 

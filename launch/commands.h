@@ -11,6 +11,7 @@ int RunAttentionCommand(int argc, char** argv);
 int RunSelectCommand(int argc, char** argv);
 int RunCalibrateCommand(int argc, char** argv);
 int RunPrefillCommand(int argc, char** argv);
+int RunServeCommand(int argc, char** argv);
 int RunExportCommand(int argc, char** argv);
 int RunEnvCommand(int argc, char** argv);
 

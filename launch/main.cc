@@ -25,6 +25,8 @@ constexpr char kUsage[] =
     "              rate and link bandwidth, fit the selector; writes the JSON --fit reads\n"
     "  prefill     prefill a Llama-3 family model, TP inside nodes and CP across (under\n"
     "              mpirun); first tokens and time to first token; --check against one rank\n"
+    "  serve       a long-running prefill service (under mpirun): rank 0 serves HTTP\n"
+    "              (OpenAI-compatible completions, sessions, /health, /metrics)\n"
     "  export      write a preset's synthetic weights as a Hugging Face checkpoint directory\n"
     "  env         list the environment variables cpfill reads, their defaults and values\n";
 
@@ -42,6 +44,7 @@ int main(int argc, char** argv) {
   if (command == "select") return RunSelectCommand(argc, argv);
   if (command == "calibrate") return RunCalibrateCommand(argc, argv);
   if (command == "prefill") return RunPrefillCommand(argc, argv);
+  if (command == "serve") return RunServeCommand(argc, argv);
   if (command == "export") return RunExportCommand(argc, argv);
   if (command == "env") return RunEnvCommand(argc, argv);
   std::fprintf(stderr, "cpfill: unknown command '%s'\n\n%s", command.c_str(), kUsage);

@@ -126,6 +126,8 @@ absl::StatusOr<LoadedModel> BuildModel(const runtime::ModelConfig& config,
     return absl::FailedPreconditionError("this build has no CUDA backend");
 #endif
   } else {
+    CPFILL_CHECK_ARG(backend == "cpu", "--backend: unknown backend '", backend,
+                     "' (resolve auto first: cpu or cuda)");
     CPFILL_ASSIGN_OR_RETURN(be, runtime::cpu::MakeCpuBackend(config, std::move(weights), *grid.tp,
                                                              *grid.cp, options.threads));
   }

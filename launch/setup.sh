@@ -11,7 +11,7 @@ build=${BUILD_DIR:-build}
 packages=(cmake ninja-build g++ make pkg-config python3
           libopenmpi-dev openmpi-bin libabsl-dev libucx-dev nlohmann-json3-dev
           libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
-          clang libclang-rt-14-dev)
+          libcpp-httplib-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,82 @@
+// cpfill/launch/http_api.h — the OpenAI-compatible HTTP API of `cpfill serve`, as pure
+// functions of JSON and text: request bodies in (parsed with nlohmann-json, every field checked),
+// response bodies, error bodies and Prometheus metrics out. The server (http_server.h) wires them
+// to the engine; tests call them directly.
+//
+//   CPFILL_ASSIGN_OR_RETURN(CompletionRequest r, ParseCompletionRequest(body, "tiny"));
+//   ... engine.Submit per prompt ...
+//   std::string json = CompletionResponse(r, results, id, created, "tiny").dump();
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+#include "runtime/engine.h"
+
+namespace cpfill::launch {
+
+// POST /v1/completions, token-id prompts only until the tokenizer lands.
+struct CompletionRequest {
+  std::vector<std::vector<int32_t>> prompts;  // "prompt": [ids] or [[ids], [ids], ...]
+  std::string session;                        // extension: keep and reuse this conversation's KV
+  int logprobs = 0;                           // top-k at the last position (0: none)
+  std::optional<nlohmann::json> kv_transfer_params;  // accepted and echoed
+};
+
+// The largest body the server reads, and the most prompts and top-k one request may ask for.
+inline constexpr size_t kMaxBodyBytes = 64u << 20;
+inline constexpr int kMaxPromptsPerRequest = 1024;
+inline constexpr int kMaxLogprobs = 20;
+
+// InvalidArgument naming the field for malformed JSON, wrong types, unknown or unsupported
+// fields (max_tokens > 1: decode is not available yet; text prompts: no tokenizer), a model name
+// other than `served_model`, or a session with more than one prompt.
+absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
+                                                         const std::string& served_model);
+
+// The response: choices (one per prompt: the first token's id, its logprobs when asked),
+// usage (prompt, cached and completion tokens), the echoed kv_transfer_params, and a "cpfill"
+// object with each prompt's queue time, TTFT and its phases, and the selector's choice.
+nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
+                                          const std::vector<runtime::EngineResult>& results,
+                                          const std::string& id, int64_t created,
+                                          const std::string& served_model);
+
+// An error as OpenAI clients expect it: {"error": {"message", "type", "code"}} with the HTTP
+// status for the status code (InvalidArgument 400, NotFound 404, ResourceExhausted 413 (too
+// large for the KV cache), Unavailable and FailedPrecondition 503, anything else 500).
+struct HttpError {
+  int status = 500;
+  std::string body;
+};
+HttpError ErrorResponse(const absl::Status& status);
+
+// Latency and size histograms for /metrics (thread-safe).
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1) {}
+  void Observe(double x);
+  std::string Text(const std::string& name, const std::string& help) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<double> bounds_;
+  std::vector<int64_t> counts_;  // per bucket, not cumulative; the last is +Inf
+  double sum_ = 0;
+  int64_t count_ = 0;
+};
+
+// What /metrics reports besides the engine's counters.
+struct ServerCounters {
+  int64_t http_ok = 0, http_client_errors = 0, http_server_errors = 0, running = 0;
+};
+std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters& server,
+                        const Histogram& ttft, const Histogram& queue, const Histogram& batch);
+
+}  // namespace cpfill::launch

@@ -1,0 +1,52 @@
+// cpfill/launch/http_server.h — `cpfill serve`'s HTTP front on world rank 0: Debian's
+// cpp-httplib answers each request on its own thread by submitting to the engine and waiting on
+// the engine's futures; request and response bodies go through http_api.h.
+//
+//   HttpFront front(engine, model, "tiny");
+//   CPFILL_ASSIGN_OR_RETURN(int port, front.Bind("127.0.0.1", 0));   // 0: a free port
+//   std::thread http([&] { front.Serve(); });
+//   ... engine.Run() ...;  front.Stop();  http.join();
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "launch/http_api.h"
+#include "runtime/engine.h"
+#include "runtime/llama_model.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace cpfill::launch {
+
+class HttpFront {
+ public:
+  HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::string served_model);
+  ~HttpFront();
+
+  // Binds `host`:`port` (0: a free port) and returns the port. FailedPrecondition naming the
+  // address when it cannot be bound.
+  absl::StatusOr<int> Bind(const std::string& host, int port);
+  void Serve();  // answers requests until Stop()
+  void Stop();
+  // /health answers 200 only while this is set (the engine loop runs on every rank).
+  void SetHealthy(bool healthy) { healthy_ = healthy; }
+
+ private:
+  void Routes();
+  std::string Completions(const std::string& body, int* status);
+
+  runtime::Engine& engine_;
+  runtime::LlamaModel& model_;
+  const std::string served_model_;
+  std::unique_ptr<httplib::Server> server_;
+  std::atomic<bool> healthy_{false};
+  std::atomic<int64_t> next_id_{1}, ok_{0}, client_errors_{0}, server_errors_{0}, running_{0};
+  Histogram ttft_, queue_, batch_tokens_;
+};
+
+}  // namespace cpfill::launch

@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""End-to-end test of `cpfill serve` (standard library only).
+
+    python3 tests/serve_test.py build/cpfill [--ranks 4 --tp 2]
+
+Starts the server under mpirun (TP2 x CP2 on emulated nodes of 2 ranks, CPU backend, the tiny
+preset), waits for /health, then 8 concurrent clients send 200+ requests: plain prompts of mixed
+lengths, one 3-turn session each, and bad requests. It asserts that
+  * every good answer's first token and top-5 logprobs equal a one-shot `cpfill prefill` of the
+    same tokens on one rank (a session turn: of the whole conversation so far);
+  * every bad request gets its 4xx with a JSON error naming the problem, and the server stays up;
+  * /metrics counts what was sent; /v1/sessions and DELETE /v1/sessions/{id} work;
+  * SIGTERM to rank 0 drains and every rank exits 0.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+VOCAB = None  # read from /v1/models' model (the tiny preset's vocabulary below)
+CLIENTS = 8
+PLAIN_PER_CLIENT = 20
+MAX_BATCH = 2048
+
+
+def fail(msg):
+    print("FAIL:", msg, flush=True)
+    sys.exit(1)
+
+
+def http(port, method, path, body=None, timeout=120):
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def rank_pid(rank):
+    """The pid of world rank `rank` of our cpfill serve."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if len(cmd) > 1 and cmd[0].endswith(b"cpfill") and cmd[1] == b"serve" and \
+                f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+def read_logits(path):
+    """[sequences][vocab] float32 from `cpfill prefill --save-logits` (safetensors)."""
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    info = header["logits"]
+    rows, cols = info["shape"]
+    b, _ = info["data_offsets"]
+    data = raw[8 + n + b:8 + n + b + rows * cols * 4]
+    flat = struct.unpack(f"<{rows * cols}f", data)
+    return [flat[i * cols:(i + 1) * cols] for i in range(rows)]
+
+
+def top_logprobs(logits, k):
+    m = max(logits)
+    log_z = m + math.log(sum(math.exp(x - m) for x in logits))
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])[:k]
+    return {str(i): logits[i] - log_z for i in order}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cpfill")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=2)
+    args = ap.parse_args()
+    cpfill = os.path.abspath(args.cpfill)
+    tmp = tempfile.mkdtemp(prefix="cpfill-serve-")
+    port_file = os.path.join(tmp, "port")
+    log = open(os.path.join(tmp, "serve.log"), "w+")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    server = subprocess.Popen(
+        ["mpirun", "-np", str(args.ranks), cpfill, "serve", "--model", "tiny", "--tp",
+         str(args.tp), "--ranks-per-node", str(args.tp), "--port", "0", "--port-file", port_file,
+         "--backend", "cpu", "--threads", "1", "--max-batch-tokens", str(MAX_BATCH),
+         "--kv-capacity-tokens", "65536", "--timeout-s", "60"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        run(cpfill, server, port_file, log, tmp, env)
+    finally:
+        if server.poll() is None:
+            server.kill()
+        log.seek(0)
+        print("---- server log (last 40 lines) ----")
+        print("".join(log.readlines()[-40:]))
+
+
+def run(cpfill, server, port_file, log, tmp, env):
+    deadline = time.time() + 180
+    while not os.path.exists(port_file) or not open(port_file).read().strip():
+        if server.poll() is not None or time.time() > deadline:
+            fail("the server did not start")
+        time.sleep(0.2)
+    port = int(open(port_file).read())
+    status, body = http(port, "GET", "/health")
+    if status != 200:
+        fail(f"/health: {status} {body}")
+    status, body = http(port, "GET", "/v1/models")
+    if status != 200 or json.loads(body)["data"][0]["id"] != "tiny":
+        fail(f"/v1/models: {status} {body}")
+    vocab = 1024  # the tiny preset's; token ids below are drawn under it
+    rng = random.Random(1)
+
+    # Each client: plain prompts, a 3-turn session, bad requests, interleaved.
+    results, errors = {}, []
+    lock = threading.Lock()
+    bad_sent = [0]
+
+    def client(k):
+        r = random.Random(k)
+        conversation = []
+        for i in range(PLAIN_PER_CLIENT):
+            prompt = [r.randrange(vocab) for _ in range(r.choice([1, 7, 33, 130, 400]))]
+            status, body = http(port, "POST", "/v1/completions",
+                                {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                 "logprobs": 5})
+            with lock:
+                results[("plain", k, i)] = (prompt, status, body)
+            if i % 7 == 3 and len(conversation) < 3 * 40:  # a session turn
+                said = [r.randrange(vocab) for _ in range(40)]
+                conversation = conversation + said
+                status, body = http(port, "POST", "/v1/completions",
+                                    {"prompt": said, "session": f"c{k}", "logprobs": 5})
+                with lock:
+                    results[("turn", k, len(conversation))] = (list(conversation), status, body)
+            if i % 5 == 0:  # a bad one, with what its error must say
+                bad = [({"prompt": [1, vocab + 5]}, 400, "outside the vocabulary"),
+                       ({"prompt": [1], "max_tokens": 4}, 400, "decode is not available"),
+                       (b"{not json", 400, "not valid JSON"),
+                       ({"prompt": "text"}, 400, "tokenizer"),
+                       ({"prompt": [1] * (MAX_BATCH + 1)}, 400, "more than a batch takes")][i // 5 % 5]
+                status, body = http(port, "POST", "/v1/completions", bad[0])
+                with lock:
+                    bad_sent[0] += 1
+                    if status != bad[1] or bad[2] not in json.loads(body)["error"]["message"]:
+                        errors.append(f"bad request {bad[0]!r:.60}: {status} {body}")
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        fail("\n".join(errors[:5]))
+
+    # Sessions: listed, one deleted, an unknown one 404.
+    status, body = http(port, "GET", "/v1/sessions")
+    held = json.loads(body)["sessions"]
+    if sorted(held) != sorted(f"c{k}" for k in range(CLIENTS)):
+        fail(f"/v1/sessions: {body}")
+    if http(port, "DELETE", "/v1/sessions/c0")[0] != 200:
+        fail("DELETE /v1/sessions/c0")
+    status, body = http(port, "DELETE", "/v1/sessions/nobody")
+    if status != 404 or "no session" not in body:
+        fail(f"DELETE unknown session: {status} {body}")
+    if http(port, "GET", "/no/such/route")[0] != 404:
+        fail("an unknown route is not 404")
+
+    # Every good answer against a one-shot prefill of the same tokens on one rank.
+    good = [(key, v) for key, v in sorted(results.items())]
+    for key, (prompt, status, body) in good:
+        if status != 200:
+            fail(f"{key}: {status} {body}")
+    tokens_file = os.path.join(tmp, "tokens.json")
+    json.dump([prompt for _, (prompt, _, _) in good], open(tokens_file, "w"))
+    logits_file = os.path.join(tmp, "logits.safetensors")
+    ref = subprocess.run([cpfill, "prefill", "--model", "tiny", "--tokens", tokens_file,
+                          "--backend", "cpu", "--save-logits", logits_file],
+                         capture_output=True, text=True, env=env)
+    if ref.returncode != 0:
+        fail(f"reference prefill: {ref.stderr[-500:]}")
+    logits = read_logits(logits_file)
+    cached_seen = 0
+    for (key, (prompt, status, body)), row in zip(good, logits):
+        answer = json.loads(body)
+        choice = answer["choices"][0]
+        want_first = max(range(len(row)), key=lambda i: row[i])
+        if choice["token_ids"][0] != want_first:
+            fail(f"{key}: first token {choice['token_ids'][0]}, one-shot prefill {want_first}")
+        want = top_logprobs(row, 5)
+        got = choice["logprobs"]["top_logprobs"][0]
+        for tok, lp in want.items():
+            if tok not in got or abs(got[tok] - lp) > 1e-3:
+                fail(f"{key}: logprob of {tok} {got.get(tok)} vs one-shot {lp}")
+        if key[0] == "turn" and key[2] > 40:
+            cached_seen += answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    turns = sum(1 for key, _ in good if key[0] == "turn" and key[2] > 40)
+    if cached_seen != turns:
+        fail(f"only {cached_seen} of {turns} later turns reused their session's KV")
+
+    # /metrics counts what was sent.
+    status, text = http(port, "GET", "/metrics")
+    def sample(name):
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        fail(f"/metrics lacks {name}")
+    answered = sample('cpfill:requests_total{status="ok"}')
+    if answered != len(good):
+        fail(f"requests ok {answered} != {len(good)}")
+    if sample('cpfill:requests_total{status="http_4xx"}') < bad_sent[0] + 2:
+        fail("4xx not counted")
+    if sample("cpfill:prompt_tokens_total") != sum(
+            len(p) if k[0] == "plain" else 40 for k, (p, _, _) in good):
+        fail("prompt tokens miscounted")
+    print(f"serve_test: {len(good)} good and {bad_sent[0]} bad requests from {CLIENTS} clients: "
+          f"answers equal one-shot prefills; {turns} later session turns reused their KV")
+
+    # SIGTERM to rank 0: drain, every rank exits, mpirun 0.
+    pid = rank_pid(0)
+    if pid is None:
+        fail("cannot find world rank 0")
+    os.kill(pid, signal.SIGTERM)
+    try:
+        code = server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        fail("SIGTERM did not stop the server within 60 s")
+    if code != 0:
+        fail(f"the server exited {code} after SIGTERM")
+    print("PASS: serve_answers_requests")
+
+
+if __name__ == "__main__":
+    main()
