@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the GPU binaries here (no GPU needed) for carrying to a GPU host: CPU code for
 # x86-64-v3 (any recent x86 host), CUDA for sm_90, and the shared libraries the GPU host lacks
-# (Debian's Abseil, Google Benchmark) copied beside them. Result: .gpu-carry/ (git-ignored).
+# (Debian's Abseil, Google Benchmark, cpp-httplib and its Brotli) copied beside them. Result:
+# .gpu-carry/ (git-ignored).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 launcher=()  # ccache, where installed, makes rebuilds of a few files cheap
@@ -15,6 +16,6 @@ cmake --build build-gpu --target "${bins[@]##*/}" -j "$(nproc)"
 rm -rf .gpu-carry && mkdir -p .gpu-carry/lib
 for bin in "${bins[@]}"; do cp "build-gpu/$bin" .gpu-carry/; done
 for bin in "${bins[@]##*/}"; do
-  ldd ".gpu-carry/$bin" | awk '/libabsl|libbenchmark|libgtest/ {print $3}'
+  ldd ".gpu-carry/$bin" | awk '/libabsl|libbenchmark|libgtest|libcpp-httplib|libbrotli/ {print $3}'
 done | sort -u | xargs -r -I{} cp -L {} .gpu-carry/lib/
 du -sh .gpu-carry
