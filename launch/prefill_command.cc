@@ -129,12 +129,7 @@ absl::Status PlanInputs(const PrefillFlags& f, int tp_size, runtime::ModelConfig
 runtime::PrefillOptions OptionsFrom(const PrefillFlags& f, const SelectorChoice& choice,
                                     const std::vector<runtime::PrefillRequest>& batch, int cp_size,
                                     int threads) {
-  runtime::PrefillOptions o;
-  o.auto_algorithm = choice.auto_algorithm;
-  o.algorithm = choice.algorithm;
-  o.rule = choice.rule;
-  o.system = choice.system;
-  o.fitted = choice.fitted;
+  runtime::PrefillOptions o = ModelOptions(choice);
   o.kv_capacity_tokens = f.kv_capacity_tokens;
   o.kv_memory_fraction = f.kv_memory_fraction;
   o.kv_block_tokens = f.kv_block_tokens;

@@ -51,4 +51,14 @@ absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const Fl
   return c;
 }
 
+runtime::PrefillOptions ModelOptions(const SelectorChoice& choice) {
+  runtime::PrefillOptions o;
+  o.auto_algorithm = choice.auto_algorithm;
+  o.algorithm = choice.algorithm;
+  o.rule = choice.rule;
+  o.system = choice.system;
+  o.fitted = choice.fitted;
+  return o;
+}
+
 }  // namespace cpfill::launch

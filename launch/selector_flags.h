@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "launch/flags.h"
 #include "parallel/selector.h"
+#include "runtime/prefill_batch.h"
 
 namespace cpfill::launch {
 
@@ -36,5 +37,9 @@ void AddSelectorFlags(FlagSet& flags, SelectorFlags* sf);
 // Parses the algorithm and rule names and reads --fit (its measured C and BW apply unless
 // --tflops / --gbps were given). InvalidArgument or NotFound naming the flag or file.
 absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const FlagSet& flags);
+
+// A model's options with the selector's decision in them; the KV cache and threads are left at
+// their defaults for the caller (prefill, serve) to set.
+runtime::PrefillOptions ModelOptions(const SelectorChoice& choice);
 
 }  // namespace cpfill::launch

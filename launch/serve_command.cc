@@ -79,12 +79,7 @@ absl::StatusOr<runtime::ModelConfig> ModelFor(const ServeFlags& f, int tp_size) 
 
 runtime::PrefillOptions OptionsFrom(const ServeFlags& f, const SelectorChoice& choice,
                                     int threads) {
-  runtime::PrefillOptions o;
-  o.auto_algorithm = choice.auto_algorithm;
-  o.algorithm = choice.algorithm;
-  o.rule = choice.rule;
-  o.system = choice.system;
-  o.fitted = choice.fitted;
+  runtime::PrefillOptions o = ModelOptions(choice);
   o.kv_capacity_tokens = f.kv_capacity_tokens;
   o.kv_memory_fraction = f.kv_capacity_tokens == 0 && f.kv_memory_fraction == 0
                              ? 0.5
