@@ -52,12 +52,14 @@ class CpuBackend : public ModelBackend {
     for (const HostBuffer& b : scratch_) held += static_cast<int64_t>(b.size());
     return held;
   }
+  // A rank may hold no rows of a batch (a 1-token prompt on CP > 1): its tensors are empty and
+  // their data null, which memcpy may not be given even for 0 bytes.
   absl::Status Upload(const void* host, Tensor* dst) override {
-    std::memcpy(dst->data, host, dst->bytes());
+    if (dst->bytes() > 0) std::memcpy(dst->data, host, dst->bytes());
     return absl::OkStatus();
   }
   absl::Status Download(const Tensor& src, void* host) override {
-    std::memcpy(host, src.data, src.bytes());
+    if (src.bytes() > 0) std::memcpy(host, src.data, src.bytes());
     return absl::OkStatus();
   }
 
@@ -89,7 +91,7 @@ class CpuBackend : public ModelBackend {
   }
   absl::Status Convert(const Tensor& in, Tensor* out) override {
     CPFILL_CHECK_INTERNAL(in.type == out->type, "the CPU backend computes in fp32 only");
-    std::memcpy(out->data, in.data, in.bytes());
+    if (in.bytes() > 0) std::memcpy(out->data, in.data, in.bytes());
     return absl::OkStatus();
   }
   absl::Status GatherRows(const Tensor& x, std::span<const int64_t> rows, Tensor* out) override {
