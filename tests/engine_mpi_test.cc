@@ -17,6 +17,7 @@
 #include "runtime/llama_model.h"
 #include "runtime/weights.h"
 #include "tests/mpi_test_main.h"
+#include "tests/tiny_model.h"
 
 namespace cpfill {
 namespace {
@@ -25,17 +26,8 @@ using runtime::Engine;
 using runtime::EngineRequest;
 using runtime::EngineResult;
 
-runtime::ModelConfig Tiny() {
-  auto c = runtime::LoadModelConfig("tiny");
-  EXPECT_TRUE(c.ok()) << c.status();
-  return *c;
-}
-
-std::vector<int32_t> Prompt(int64_t n, int vocab, uint64_t salt) {
-  std::vector<int32_t> ids;
-  for (int64_t i = 0; i < n; ++i) ids.push_back(static_cast<int32_t>((i * 7919 + salt * 31) % vocab));
-  return ids;
-}
+using testing::Prompt;
+using testing::Tiny;
 
 // The model on this rank's grid: TP2 x CP2 on 4 ranks, else TP1 x CP-all.
 struct Rig {

@@ -18,18 +18,14 @@
 #include "runtime/llama_model.h"
 #include "runtime/weights.h"
 #include "tests/mpi_test_main.h"
+#include "tests/tiny_model.h"
 
 namespace cpfill {
 namespace {
 
 using runtime::PrefillRequest;
 
-std::vector<int32_t> Prompt(int64_t n, int vocab, uint64_t salt) {
-  std::vector<int32_t> ids;
-  for (int64_t i = 0; i < n; ++i)
-    ids.push_back(static_cast<int32_t>((i * 7919 + salt * 31) % vocab));
-  return ids;
-}
+using testing::Prompt;
 
 bool HaveGpu() {
   int n = 0;

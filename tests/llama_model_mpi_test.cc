@@ -15,24 +15,15 @@
 #include "runtime/model_config.h"
 #include "runtime/weights.h"
 #include "tests/mpi_test_main.h"
+#include "tests/tiny_model.h"
 
 namespace cpfill {
 namespace {
 
 using runtime::PrefillRequest;
 
-runtime::ModelConfig Tiny() {
-  auto c = runtime::LoadModelConfig("tiny");
-  EXPECT_TRUE(c.ok()) << c.status();
-  return *c;
-}
-
-std::vector<int32_t> Prompt(int64_t n, int vocab, uint64_t salt) {
-  std::vector<int32_t> ids;
-  for (int64_t i = 0; i < n; ++i)
-    ids.push_back(static_cast<int32_t>((i * 7919 + salt * 31) % vocab));
-  return ids;
-}
+using testing::Prompt;
+using testing::Tiny;
 
 // One-rank reference on world rank 0 (SelfCommunicators), for the same batch.
 std::vector<runtime::SequenceOutput> OneRank(

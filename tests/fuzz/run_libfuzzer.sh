@@ -12,11 +12,12 @@ command -v clang++ >/dev/null ||
   { echo "run_libfuzzer: clang++ is missing (launch/setup.sh installs clang)" >&2; exit 1; }
 
 if [ ! -f "$build/build.ninja" ]; then
+  mkdir -p "$build"
   cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Debug \
     -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" -DCPFILL_CUDA=OFF -DCPFILL_BUILD_TESTS=OFF \
     -DCPFILL_BUILD_BENCH=OFF -DCPFILL_FUZZERS=ON \
-    -DCPFILL_SANITIZE=fuzzer-no-link,address,undefined >"$build.configure.log" 2>&1 ||
-    { cat "$build.configure.log"; echo "run_libfuzzer: configuring $build failed" >&2; exit 1; }
+    -DCPFILL_SANITIZE=fuzzer-no-link,address,undefined >"$build/configure.log" 2>&1 ||
+    { cat "$build/configure.log"; echo "run_libfuzzer: configuring $build failed" >&2; exit 1; }
 fi
 cmake --build "$build" --target fuzz_safetensors fuzz_model_config
 
