@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
+#include "parallel/mpi_communicator.h"
 
 namespace cpfill::launch {
 namespace {
@@ -37,6 +38,19 @@ absl::StatusOr<int> HttpFront::Bind(const std::string& host, int port) {
                      "an address of this host)"));
   }
   return bound;
+}
+
+// Every rank's progress thread must answer (also while the ranks prefill); probed at most every
+// kHealthProbeEvery, however often /health is polled, and never while another probe runs.
+absl::Status HttpFront::Health() {
+  if (!healthy_) return absl::UnavailableError("the engine is stopping: it drains its queue");
+  std::lock_guard lock(health_mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (now - health_probed_ >= kHealthProbeEvery) {
+    health_ = parallel::WorldAnswers();
+    health_probed_ = std::chrono::steady_clock::now();
+  }
+  return health_;
 }
 
 void HttpFront::Serve() { server_->listen_after_bind(); }
@@ -112,8 +126,14 @@ void HttpFront::Routes() {
     res.set_content(body, kJson);
   });
   s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    res.status = healthy_ ? 200 : 503;
-    res.set_content(healthy_ ? R"({"status":"ok"})" : R"({"status":"stopping"})", kJson);
+    const absl::Status health = Health();
+    if (health.ok()) {
+      res.set_content(R"({"status":"ok"})", kJson);
+      return;
+    }
+    HttpError e = ErrorResponse(health);
+    res.status = e.status;
+    res.set_content(e.body, kJson);
   });
   s.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     nlohmann::ordered_json models = {

@@ -9,7 +9,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -33,11 +35,14 @@ class HttpFront {
   absl::StatusOr<int> Bind(const std::string& host, int port);
   void Serve();  // answers requests until Stop()
   void Stop();
-  // /health answers 200 only while this is set (the engine loop runs on every rank).
+  // /health answers 200 only while this is set (the engine loop runs on every rank) and every
+  // rank answers a liveness probe (parallel::WorldAnswers); 503 naming the silent ranks else.
   void SetHealthy(bool healthy) { healthy_ = healthy; }
 
  private:
+  static constexpr std::chrono::milliseconds kHealthProbeEvery{500};
   void Routes();
+  absl::Status Health();
   std::string Completions(const std::string& body, int* status);
 
   runtime::Engine& engine_;
@@ -45,6 +50,9 @@ class HttpFront {
   const std::string served_model_;
   std::unique_ptr<httplib::Server> server_;
   std::atomic<bool> healthy_{false};
+  std::mutex health_mu_;
+  absl::Status health_;
+  std::chrono::steady_clock::time_point health_probed_{};
   std::atomic<int64_t> next_id_{1}, ok_{0}, client_errors_{0}, server_errors_{0}, running_{0};
   Histogram ttft_, queue_, batch_tokens_;
 };

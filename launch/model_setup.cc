@@ -76,8 +76,8 @@ absl::StatusOr<runtime::ModelWeights> LoadWeightsAgreed(const runtime::ModelConf
   absl::StatusOr<runtime::ModelWeights> weights =
       fits.ok() ? MakeWeights(config, model, seed, grid.tp_rank, grid.tp_size)
                 : absl::StatusOr<runtime::ModelWeights>(fits);
-  // The lowest failing world rank speaks for all (one message, however many ranks read the same
-  // bad file); every other rank returns Aborted.
+  // The lowest failing world rank's error goes to every rank, so one message is printed (by
+  // rank 0, like any bad input), however many ranks read the same bad file.
   int64_t first_failed = weights.ok() ? std::numeric_limits<int64_t>::max() : grid.world_rank;
   int64_t failed = weights.ok() ? 0 : 1;
   CPFILL_RETURN_IF_ERROR(grid.world->AllReduce(&first_failed, 1, parallel::DataType::kInt64,
@@ -85,13 +85,17 @@ absl::StatusOr<runtime::ModelWeights> LoadWeightsAgreed(const runtime::ModelConf
   CPFILL_RETURN_IF_ERROR(
       grid.world->AllReduce(&failed, 1, parallel::DataType::kInt64, parallel::ReduceOp::kSum));
   if (failed == 0) return weights;
-  if (first_failed != grid.world_rank) {
-    return absl::AbortedError(absl::StrCat("world rank ", first_failed, " could not read its weights"));
-  }
-  const absl::Status& s = weights.status();
-  return absl::Status(s.code(), failed == 1 ? s.message()
-                                            : absl::StrCat(s.message(), " (", failed,
-                                                           " ranks failed; this is the first)"));
+  const int root = static_cast<int>(first_failed);
+  int32_t code = weights.ok() ? 0 : static_cast<int32_t>(weights.status().code());
+  std::string message = weights.ok() ? "" : std::string(weights.status().message());
+  CPFILL_RETURN_IF_ERROR(grid.world->Broadcast(&code, sizeof(code), root));
+  int64_t size = static_cast<int64_t>(message.size());
+  CPFILL_RETURN_IF_ERROR(grid.world->Broadcast(&size, sizeof(size), root));
+  message.resize(static_cast<size_t>(size));
+  CPFILL_RETURN_IF_ERROR(grid.world->Broadcast(message.data(), message.size(), root));
+  const std::string who = failed == 1 ? absl::StrCat("world rank ", root)
+                                      : absl::StrCat(failed, " ranks failed; world rank ", root);
+  return absl::Status(static_cast<absl::StatusCode>(code), absl::StrCat(who, ": ", message));
 }
 
 LoadedModel::LoadedModel() = default;

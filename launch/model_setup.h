@@ -38,8 +38,8 @@ absl::StatusOr<runtime::ModelWeights> MakeWeights(const runtime::ModelConfig& co
 absl::Status WeightsFit(const runtime::ModelConfig& config, int tp_size);
 
 // WeightsFit and MakeWeights on every rank, one verdict: each rank reads only its own slice, so a
-// bad file may show on some ranks only. The lowest failing world rank returns its error (saying
-// how many ranks failed); every other rank returns Aborted, so one message is printed.
+// bad file may show on some ranks only. Every rank returns the lowest failing world rank's error
+// (naming it, and how many ranks failed), so rank 0 can print it once.
 absl::StatusOr<runtime::ModelWeights> LoadWeightsAgreed(const runtime::ModelConfig& config,
                                                         const std::string& model, uint64_t seed,
                                                         const parallel::ProcessGrid& grid);

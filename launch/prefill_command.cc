@@ -292,13 +292,7 @@ int Run(int argc, char** argv) {
   const runtime::PrefillOptions options =
       OptionsFrom(f, *choice, batch, grid.cp_size, session.ThreadsPerRank(grid));
   auto weights = LoadWeightsAgreed(config, f.model, static_cast<uint64_t>(f.seed), grid);
-  if (!weights.ok()) {  // each failing rank names what it found
-    if (!absl::IsAborted(weights.status())) {
-      std::fprintf(stderr, "cpfill: error on world rank %d: %s\n", grid.world_rank,
-                   std::string(weights.status().message()).c_str());
-    }
-    return kExitBadInput;
-  }
+  if (!weights.ok()) return session.ConfigError(weights.status());
   auto loaded =
       BuildModel(config, std::move(*weights), f.backend, grid, session.mpi().options(), options);
   if (!loaded.ok()) return session.Refuse(loaded.status());

@@ -29,11 +29,29 @@ void AddSessionFlags(FlagSet& flags, SessionFlags* sf) {
       .Within({0, 4096});
 }
 
-std::unique_ptr<Session> Session::Start(int* argc, char*** argv, const SessionFlags& flags) {
+namespace {
+
+parallel::CommOptions CommOptionsFrom(const SessionFlags& flags) {
   parallel::CommOptions options;
   const double timeout_s = flags.timeout_s > 0 ? flags.timeout_s : 600;
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-  auto mpi = parallel::MpiRuntime::Create(argc, argv, options);
+  return options;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Embed(const SessionFlags& flags,
+                                                        const void* mpi_comm) {
+  auto mpi = parallel::MpiRuntime::Embed(mpi_comm, CommOptionsFrom(flags));
+  if (!mpi.ok()) return mpi.status();
+  std::unique_ptr<Session> s(new Session());
+  s->mpi_ = std::move(*mpi);
+  s->flags_ = flags;
+  return s;
+}
+
+std::unique_ptr<Session> Session::Start(int* argc, char*** argv, const SessionFlags& flags) {
+  auto mpi = parallel::MpiRuntime::Create(argc, argv, CommOptionsFrom(flags));
   if (!mpi.ok()) {
     std::fprintf(stderr, "cpfill: cannot start MPI: %s\n", mpi.status().ToString().c_str());
     std::exit(kExitRuntimeError);

@@ -63,6 +63,10 @@ class Session {
 
   // Starts MPI. Exits the process (code 3) if MPI itself cannot start.
   static std::unique_ptr<Session> Start(int* argc, char*** argv, const SessionFlags& flags);
+  // For a program that embeds cpfill (the C API): MPI as MpiRuntime::Embed (over `mpi_comm`, an
+  // MPI_Comm*, or the world); a failure comes back instead of ending the process.
+  static absl::StatusOr<std::unique_ptr<Session>> Embed(const SessionFlags& flags,
+                                                        const void* mpi_comm);
 
   parallel::MpiRuntime& mpi() { return *mpi_; }
   bool is_root() const { return mpi_->world_rank() == 0; }

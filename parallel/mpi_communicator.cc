@@ -129,6 +129,24 @@ class ProgressEngine {
     return *text;
   }
 
+  // The ranks that did not answer an ask within kCensusWait (from any thread; on the progress
+  // thread). Nullopt when the probe itself could not run in time.
+  std::optional<std::vector<int>> SilentRanks() {
+    auto silent = std::make_shared<std::vector<int>>();
+    auto done = Submit(
+        "liveness probe of the world",
+        [this, silent](std::vector<MPI_Request>*) {
+          const std::vector<std::optional<CensusReply>> got = Ask(active_);
+          for (size_t p = 0; p < got.size(); ++p) {
+            if (!got[p]) silent->push_back(static_cast<int>(p));
+          }
+          return MPI_SUCCESS;
+        },
+        kCensusWait * 2);
+    if (done.wait_for(kCensusWait * 3) != std::future_status::ready) return std::nullopt;
+    return *silent;
+  }
+
   std::future<OpResult> Submit(std::string description, StartFn start,
                                std::chrono::milliseconds timeout) {
     auto op = std::make_unique<Op>();
@@ -276,12 +294,11 @@ class ProgressEngine {
     }
   }
 
-  // Asks every other rank where it is; waits kCensusWait at most; names who is late.
-  std::string Census(const std::vector<std::unique_ptr<Op>>& active, const Op* late_op) {
+  // Every other rank's answer, or nothing from one that did not answer within kCensusWait.
+  std::vector<std::optional<CensusReply>> Ask(const std::vector<std::unique_ptr<Op>>& active) {
     int me = 0, n = 1;
     MPI_Comm_rank(census_, &me);
     MPI_Comm_size(census_, &n);
-    if (n == 1) return "";
     std::vector<CensusReply> got(n);
     std::vector<MPI_Request> asks(n, MPI_REQUEST_NULL), answers(n, MPI_REQUEST_NULL);
     // The ask's buffer must outlive a send that a dead peer never receives: the engine keeps it.
@@ -312,23 +329,38 @@ class ProgressEngine {
       }
       if (asks[p] != MPI_REQUEST_NULL) MPI_Request_free(&asks[p]);
     }
+    std::vector<std::optional<CensusReply>> replies(n);
+    for (int p = 0; p < n; ++p) {
+      if (p == me) replies[p] = Describe(active);
+      if (answered[p]) replies[p] = got[p];
+    }
+    return replies;
+  }
+
+  // Asks every other rank where it is; waits kCensusWait at most; names who is late.
+  std::string Census(const std::vector<std::unique_ptr<Op>>& active, const Op* late_op) {
+    const std::vector<std::optional<CensusReply>> got = Ask(active);
+    const int n = static_cast<int>(got.size());
+    int me = 0;
+    MPI_Comm_rank(census_, &me);
+    if (n == 1) return "";
     std::string out = absl::StrCat("Census of the ", n, " world ranks (", kCensusWait.count(),
                                    " s for answers):");
     std::vector<int> late;
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
-      if (!answered[p]) {
+      if (!got[p]) {
         late.push_back(p);
         absl::StrAppend(&out, " world rank ", p, " did not answer (dead or stopped);");
-      } else if (got[p].waiting_s < 0) {
+      } else if (got[p]->waiting_s < 0) {
         late.push_back(p);
         absl::StrAppendFormat(&out,
                               " world rank %d is in no communication (busy or stuck elsewhere "
                               "for %.1f s; its last: %s);",
-                              p, got[p].idle_s, got[p].what);
+                              p, got[p]->idle_s, got[p]->what);
       } else {
-        absl::StrAppendFormat(&out, " world rank %d waits in %s (%.1f s);", p, got[p].what,
-                              got[p].waiting_s);
+        absl::StrAppendFormat(&out, " world rank %d waits in %s (%.1f s);", p, got[p]->what,
+                              got[p]->waiting_s);
       }
     }
     if (late.empty()) {
@@ -626,6 +658,10 @@ class MpiCommunicator : public Communicator {
 
 }  // namespace
 
+struct MpiRuntime::JobComm {
+  MPI_Comm comm = MPI_COMM_NULL;
+};
+
 absl::StatusOr<std::unique_ptr<MpiRuntime>> MpiRuntime::Create(int* argc, char*** argv,
                                                                CommOptions options) {
   int initialized = 0;
@@ -641,28 +677,63 @@ absl::StatusOr<std::unique_ptr<MpiRuntime>> MpiRuntime::Create(int* argc, char**
         "this MPI library provides no thread support (need MPI_THREAD_SERIALIZED or better)");
   }
   std::unique_ptr<MpiRuntime> rt(new MpiRuntime());
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-  MPI_Comm_rank(MPI_COMM_WORLD, &rt->world_rank_);
-  MPI_Comm_size(MPI_COMM_WORLD, &rt->world_size_);
-  g_world_rank = rt->world_rank_;
-  rt->options_ = options;
+  CPFILL_RETURN_IF_ERROR(rt->StartOn({MPI_COMM_WORLD}, options));
+  return rt;
+}
+
+absl::StatusOr<std::unique_ptr<MpiRuntime>> MpiRuntime::Embed(const void* mpi_comm,
+                                                              CommOptions options) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  CPFILL_CHECK_ARG(!finalized, "MPI was finalized already in this process");
+  CPFILL_CHECK_ARG(initialized || mpi_comm == nullptr,
+                   "a communicator was passed but MPI is not initialized");
+  std::unique_ptr<MpiRuntime> rt(new MpiRuntime());
+  rt->finalize_ = !initialized;
+  int provided = 0;
+  if (!initialized) {
+    CPFILL_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
+  } else {
+    MPI_Query_thread(&provided);
+  }
+  if (provided < MPI_THREAD_MULTIPLE) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "MPI runs at thread level ", provided, "; cpfill's progress thread and the program's "
+        "threads need MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE, ") from MPI_Init_thread"));
+  }
+  const MPI_Comm comm =
+      mpi_comm == nullptr ? MPI_COMM_WORLD : *static_cast<const MPI_Comm*>(mpi_comm);
+  CPFILL_RETURN_IF_ERROR(rt->StartOn({comm}, options));
+  return rt;
+}
+
+absl::Status MpiRuntime::StartOn(const JobComm& comm, CommOptions options) {
+  job_ = std::make_unique<JobComm>();
+  CPFILL_MPI_CHECK(MPI_Comm_dup(comm.comm, &job_->comm));
+  MPI_Comm_set_errhandler(job_->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(job_->comm, &world_rank_);
+  MPI_Comm_size(job_->comm, &world_size_);
+  g_world_rank = world_rank_;
+  options_ = options;
   // The census of late ranks talks on a communicator of its own, apart from the job's traffic.
   MPI_Comm census = MPI_COMM_NULL;
-  CPFILL_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &census));
+  CPFILL_MPI_CHECK(MPI_Comm_dup(job_->comm, &census));
   MPI_Comm_set_errhandler(census, MPI_ERRORS_RETURN);
-  rt->engine_ = std::make_unique<internal::ProgressEngine>(census);
-  g_engine = rt->engine_.get();
-  return rt;
+  engine_ = std::make_unique<internal::ProgressEngine>(census);
+  g_engine = engine_.get();
+  return absl::OkStatus();
 }
 
 MpiRuntime::~MpiRuntime() {
   g_engine = nullptr;
   engine_.reset();  // joins the progress thread: no MPI call runs past this point
-  MPI_Finalize();
+  if (job_ && job_->comm != MPI_COMM_NULL) MPI_Comm_free(&job_->comm);
+  if (finalize_) MPI_Finalize();
 }
 
 std::unique_ptr<Communicator> MpiRuntime::World() {
-  return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, /*owned=*/false, "world", engine_.get(),
+  return std::make_unique<MpiCommunicator>(job_->comm, /*owned=*/false, "world", engine_.get(),
                                            options_);
 }
 
@@ -711,6 +782,16 @@ void NoteWaitOutsideMpi(std::string what) {
 
 void EndWaitOutsideMpi() {
   if (auto* e = g_engine.load()) e->EndWait();
+}
+
+absl::Status WorldAnswers() {
+  auto* e = g_engine.load();
+  if (e == nullptr) return absl::OkStatus();
+  const std::optional<std::vector<int>> silent = e->SilentRanks();
+  if (!silent) return absl::UnavailableError("the liveness probe of the world did not complete");
+  if (silent->empty()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("world rank(s) ", absl::StrJoin(*silent, ", "),
+                                             " did not answer (dead or stopped)"));
 }
 
 std::string CensusOfWorld(std::chrono::milliseconds timeout) {

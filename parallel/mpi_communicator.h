@@ -33,17 +33,29 @@ void NoteWaitOutsideMpi(std::string what);
 void EndWaitOutsideMpi();
 std::string CensusOfWorld(std::chrono::milliseconds timeout);
 
+// Every world rank's progress thread answers within `wait` (a liveness probe: answered also
+// while the rank computes, not by a rank that is dead or stopped). OK on one rank and before MPI
+// starts; Unavailable naming the ranks that did not answer.
+absl::Status WorldAnswers();
+
 class MpiRuntime {
  public:
   static absl::StatusOr<std::unique_ptr<MpiRuntime>> Create(int* argc, char*** argv,
                                                             CommOptions options);
-  ~MpiRuntime();  // stops the progress thread and finalizes MPI
+  // For a program that embeds cpfill: `mpi_comm` points at the MPI_Comm whose ranks form the job
+  // (nullptr: MPI_COMM_WORLD). MPI is started here when the program has not (and finalized at the
+  // end); a program that started it must have asked for MPI_THREAD_MULTIPLE, since its threads
+  // and cpfill's progress thread may call MPI at once. The communicator is duplicated: cpfill's
+  // traffic never mixes with the program's.
+  static absl::StatusOr<std::unique_ptr<MpiRuntime>> Embed(const void* mpi_comm,
+                                                           CommOptions options);
+  ~MpiRuntime();  // stops the progress thread; finalizes MPI if it started it
 
   int world_rank() const { return world_rank_; }
   int world_size() const { return world_size_; }
   const CommOptions& options() const { return options_; }
 
-  // A communicator over MPI_COMM_WORLD.
+  // A communicator over the job's ranks (MPI_COMM_WORLD, or the embedding program's).
   std::unique_ptr<Communicator> World();
 
   // Collective over `parent`: ranks with the same color form a group ordered by key (as
@@ -59,6 +71,10 @@ class MpiRuntime {
 
  private:
   MpiRuntime() = default;
+  struct JobComm;  // the job's ranks: a duplicate this runtime owns
+  absl::Status StartOn(const JobComm& comm, CommOptions options);
+  bool finalize_ = true;  // MPI was started here
+  std::unique_ptr<JobComm> job_;
   int world_rank_ = 0;
   int world_size_ = 1;
   CommOptions options_;

@@ -277,7 +277,9 @@ Engine::Command Engine::FormBatch() {
 }
 
 absl::Status Engine::Execute(Command& command) {
-  if (command.kind == Command::kHeartbeat) return absl::OkStatus();
+  // A broadcast completes on rank 0 without waiting for anyone (an eager send): the heartbeat
+  // ends in a barrier, so rank 0 too learns within the deadline that a rank stopped answering.
+  if (command.kind == Command::kHeartbeat) return world_.Barrier();
   // Ending or evicting a session every rank holds: NotFound only means it was gone already.
   for (const std::string& name : command.end_sessions) (void)model_.EndSession(name);
   if (command.kind == Command::kEndSessions) {

@@ -5,8 +5,8 @@
 // HTTP server's) queues a request and returns a future; the loop forms fused batches first come
 // first served up to max_batch_tokens new tokens, never two turns of one session in a batch and
 // never a later turn before an earlier one, broadcasts each batch, and every rank prefills it
-// together. While idle, rank 0 broadcasts a heartbeat every `heartbeat`, so the others' waits
-// keep their deadline and a silent rank 0 ends the job.
+// together. While idle, rank 0 broadcasts a heartbeat every `heartbeat` that ends in a barrier,
+// so every rank's waits keep their deadline: a silent rank, rank 0 or another, ends the job.
 //
 // Sessions keep their KV in the model's cache between turns. When a batch does not fit, rank 0
 // evicts the least recently used idle session and tries again; a later turn of an evicted session

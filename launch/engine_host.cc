@@ -1,0 +1,89 @@
+#include "launch/engine_host.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "base/status.h"
+#include "launch/backend.h"
+
+namespace cpfill::launch {
+
+void AddEngineFlags(FlagSet& flags, EngineFlags* f) {
+  flags.String("model", &f->model,
+               "a preset (tiny, llama3-8b, llama3-70b, llama3-405b; synthetic weights) or a "
+               "Hugging Face checkpoint directory",
+               true);
+  flags.Int("layers", &f->layers, "run only the first K layers (0: all)").Within({0, 1e6});
+  flags.Int("seed", &f->seed, "seed of synthetic weights").Within(Range::AtLeast(0));
+  flags.Int("max-batch-tokens", &f->max_batch_tokens, "new tokens in one fused batch")
+      .Within({1, kMaxTokens});
+  flags.Int("max-queue", &f->max_queue, "prompts waiting before requests are refused (503)")
+      .Within({1, 1e7});
+  flags
+      .Int("kv-capacity-tokens", &f->kv_capacity_tokens,
+           "KV cache capacity per rank, in tokens, allocated at start-up (0: "
+           "--kv-memory-fraction, else half the free memory)")
+      .Within({0, kMaxTokens});
+  flags
+      .Double("kv-memory-fraction", &f->kv_memory_fraction,
+              "instead of --kv-capacity-tokens: this fraction of the rank's free memory")
+      .Within(Range::LeftOpen(0, 1));
+  flags.Int("kv-block-tokens", &f->kv_block_tokens, "tokens per KV cache block").Within({16, 256});
+  flags.String("backend", &f->backend, "auto | cpu | cuda (auto: cuda when every rank sees a GPU)");
+  AddSelectorFlags(flags, &f->selector);
+}
+
+namespace {
+
+// The model, cut to --layers, checked against the grid: bad input, the same on every rank.
+absl::StatusOr<runtime::ModelConfig> ModelFor(const EngineFlags& f, int tp_size) {
+  CPFILL_ASSIGN_OR_RETURN(runtime::ModelConfig config, runtime::LoadModelConfig(f.model));
+  CPFILL_CHECK_ARG(f.layers <= config.num_layers, "--layers ", f.layers, ": the model has only ",
+                   config.num_layers, " layers");
+  if (f.layers > 0) config.num_layers = f.layers;
+  CPFILL_RETURN_IF_ERROR(config.ValidateForTp(tp_size));
+  return config;
+}
+
+runtime::PrefillOptions OptionsFrom(const EngineFlags& f, const SelectorChoice& choice,
+                                    int threads) {
+  runtime::PrefillOptions o = ModelOptions(choice);
+  o.kv_capacity_tokens = f.kv_capacity_tokens;
+  o.kv_memory_fraction = f.kv_capacity_tokens == 0 && f.kv_memory_fraction == 0
+                             ? 0.5
+                             : f.kv_memory_fraction;
+  o.kv_block_tokens = f.kv_block_tokens;
+  o.threads = threads;
+  return o;
+}
+
+}  // namespace
+
+EngineHost::~EngineHost() { engine.reset(); }
+
+absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f,
+                                                            const FlagSet& flags, Session& session,
+                                                            const parallel::ProcessGrid& grid,
+                                                            runtime::EngineOptions options) {
+  auto host = std::make_unique<EngineHost>();
+  CPFILL_ASSIGN_OR_RETURN(host->backend, ResolveBackendName(f.backend, {"cpu", "cuda"}, *grid.world));
+  CPFILL_ASSIGN_OR_RETURN(host->config, ModelFor(f, grid.tp_size));
+  CPFILL_ASSIGN_OR_RETURN(SelectorChoice choice, ResolveSelector(f.selector, flags));
+  const runtime::PrefillOptions model_options =
+      OptionsFrom(f, choice, session.ThreadsPerRank(grid));
+  CPFILL_ASSIGN_OR_RETURN(runtime::ModelWeights weights,
+                          LoadWeightsAgreed(host->config, f.model, static_cast<uint64_t>(f.seed), grid));
+  CPFILL_ASSIGN_OR_RETURN(host->loaded, BuildModel(host->config, std::move(weights), host->backend,
+                                                   grid, session.mpi().options(), model_options));
+  options.max_batch_tokens = f.max_batch_tokens;
+  options.max_queue = f.max_queue;
+  // Idle ranks hear from rank 0 well within every wait's deadline.
+  const auto deadline =
+      std::chrono::duration_cast<std::chrono::milliseconds>(session.mpi().options().timeout);
+  options.heartbeat = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(1000),
+                                                          deadline / 4);
+  host->engine = std::make_unique<runtime::Engine>(*host->loaded.model, *grid.world, options);
+  return host;
+}
+
+}  // namespace cpfill::launch

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""The embedding API end to end (standard library only):
+
+    python3 tests/embed_test.py BUILD_DIR SOURCE_DIR [--python-example] [--built-example]
+
+1. `cmake --install` BUILD_DIR into a temporary prefix, and builds the C99 example there with
+   the C compiler (`cc -std=c99 -pedantic-errors`) against the installed cpfill.h and
+   libcpfill.so only;
+2. runs it (and with --python-example, the ctypes example against the installed library)
+   under mpirun, 4 ranks as TP2 x CP2, CPU backend, the tiny preset;
+   (--built-example, for the sanitized build: the example CMake built, which carries the
+   sanitizer runtime, instead of 1);
+3. checks each answer's first token against a one-shot `cpfill prefill` of the same tokens on
+   one rank (a session's second turn: of the whole conversation), that the second turn reused
+   the first turn's KV, and that a bad token was refused.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+LENS = [300, 77, 1000]  # as in launch/embed/examples/prefill.{c,py}
+TURN2 = 50
+VOCAB = 1024  # the tiny preset's
+FLAGS = ["--model", "tiny", "--tp", "2", "--ranks-per-node", "2", "--backend", "cpu",
+         "--threads", "1", "--kv-capacity-tokens", "8192", "--timeout-s", "60"]
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMPI_MCA_rmaps_base_oversubscribe="1")
+
+
+def fail(msg):
+    print("FAIL:", msg, flush=True)
+    sys.exit(1)
+
+
+def run(cmd, **kw):
+    print("+", " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300, **kw)
+    if r.returncode != 0:
+        fail(f"exit {r.returncode}: {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+def prompt(i, n):
+    return [(i * 7919 + j * 31) % VOCAB for j in range(n)]
+
+
+def install_and_build(build, prefix):
+    run(["cmake", "--install", build, "--prefix", prefix])
+    for f in ("include/cpfill.h", "lib/libcpfill.so", "bin/cpfill"):
+        if not os.path.exists(os.path.join(prefix, f)):
+            fail(f"cmake --install left no {f}")
+    exe = os.path.join(prefix, "prefill_example")
+    src = os.path.join(SOURCE, "launch/embed/examples/prefill.c")
+    run(["cc", "-std=c99", "-pedantic-errors", "-Wall", "-Werror", src, "-I", f"{prefix}/include",
+         f"-L{prefix}/lib", "-lcpfill", f"-Wl,-rpath,{prefix}/lib", "-o", exe])
+    return exe
+
+
+def one_shot_first_tokens(cpfill, tmp):
+    """First tokens of a one-shot prefill of every prompt and of the session's conversation."""
+    seqs = [prompt(i, n) for i, n in enumerate(LENS)]
+    seqs.append(prompt(0, LENS[0]) + prompt(1, TURN2))
+    tokens = os.path.join(tmp, "tokens.json")
+    json.dump(seqs, open(tokens, "w"))
+    report = os.path.join(tmp, "report.json")
+    run([cpfill, "prefill", "--model", "tiny", "--tokens", tokens, "--backend", "cpu",
+         "--json", report])
+    return [s["first_token"] for s in json.load(open(report))["sequences"]]
+
+
+def check(output, want, label):
+    got = {m.group(1): (int(m.group(2)), m.group(3))
+           for m in re.finditer(r"^(prompt \d|session turn \d): first_token (\d+)(.*)$", output, re.M)}
+    names = [f"prompt {i}" for i in range(len(LENS))] + ["session turn 1", "session turn 2"]
+    expected = want[:len(LENS)] + [want[0], want[len(LENS)]]
+    for name, w in zip(names, expected):
+        if name not in got:
+            fail(f"{label}: no answer for {name}:\n{output}")
+        if got[name][0] != w:
+            fail(f"{label}: {name}: first token {got[name][0]}, one-shot prefill {w}")
+    if f"cached_tokens {LENS[0]}" not in got["session turn 2"][1]:
+        fail(f"{label}: the second turn did not reuse the first turn's KV: {got['session turn 2']}")
+    if "refused as expected" not in output:
+        fail(f"{label}: the bad token was not refused:\n{output}")
+    print(f"{label}: {len(names)} answers equal one-shot prefills; the session reused its KV")
+
+
+def main():
+    global SOURCE
+    build, SOURCE = sys.argv[1], sys.argv[2]
+    tmp = tempfile.mkdtemp(prefix="cpfill-embed-")
+    prefix = os.path.join(tmp, "prefix")
+    if "--built-example" in sys.argv:
+        exe = os.path.join(build, "examples/embed_example_c")
+        want = one_shot_first_tokens(os.path.join(build, "cpfill"), tmp)
+    else:
+        exe = install_and_build(build, prefix)
+        want = one_shot_first_tokens(os.path.join(prefix, "bin/cpfill"), tmp)
+    check(run(["mpirun", "-np", "4", exe] + FLAGS), want, "C example")
+    if "--python-example" in sys.argv:
+        py = os.path.join(SOURCE, "launch/embed/examples/prefill.py")
+        out = run(["mpirun", "-np", "4", sys.executable, py, f"{prefix}/lib/libcpfill.so"] + FLAGS)
+        check(out, want, "Python ctypes example")
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()

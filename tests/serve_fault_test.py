@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""`cpfill serve` when a rank stops answering (standard library only):
+
+    python3 tests/serve_fault_test.py build/cpfill [--log-json]
+
+Starts the server on 2 ranks (CPU backend, tiny preset, --timeout-s 6, --log-json), checks
+/health is 200 and that the log lines are JSON, then stops world rank 1 with SIGSTOP and
+asserts that
+  * /health turns 503 within a few seconds, its JSON error naming world rank 1;
+  * the job ends by itself with a nonzero exit and an error naming rank 1, within --timeout-s
+    plus a margin (the engine's heartbeat misses its deadline).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from serve_test import fail, http, rank_pid  # noqa: E402
+
+TIMEOUT_S = 6
+
+
+def wait_port(server, port_file):
+    deadline = time.time() + 120
+    while not os.path.exists(port_file) or not open(port_file).read().strip():
+        if server.poll() is not None or time.time() > deadline:
+            fail("the server did not start")
+        time.sleep(0.2)
+    return int(open(port_file).read())
+
+
+def health_turns_503(port):
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        status, body = http(port, "GET", "/health", timeout=10)
+        if status == 503:
+            return body
+        time.sleep(0.3)
+    fail("/health stayed 200 with world rank 1 stopped")
+
+
+def main():
+    cpfill = os.path.abspath(sys.argv[1])
+    tmp = tempfile.mkdtemp(prefix="cpfill-serve-fault-")
+    port_file = os.path.join(tmp, "port")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    server = subprocess.Popen(
+        ["mpirun", "-np", "2", cpfill, "serve", "--model", "tiny", "--port", "0", "--port-file",
+         port_file, "--backend", "cpu", "--threads", "1", "--kv-capacity-tokens", "4096",
+         "--timeout-s", str(TIMEOUT_S), "--log-json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stopped = None
+    try:
+        port = wait_port(server, port_file)
+        status, body = http(port, "GET", "/health")
+        if status != 200:
+            fail(f"/health before the fault: {status} {body}")
+        status, body = http(port, "POST", "/v1/completions",
+                            {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1})
+        if status != 200:
+            fail(f"a request before the fault: {status} {body}")
+        stopped = rank_pid(1)
+        if stopped is None:
+            fail("cannot find world rank 1")
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.time()
+        body = health_turns_503(port)
+        message = json.loads(body)["error"]["message"]
+        if "world rank(s) 1" not in message:
+            fail(f"/health's error does not name world rank 1: {message}")
+        print(f"/health: 503 after {time.time() - t0:.1f} s: {message}")
+        try:
+            out, err = server.communicate(timeout=TIMEOUT_S + 30)
+        except subprocess.TimeoutExpired:
+            fail(f"the job did not end within --timeout-s {TIMEOUT_S} + 30 s")
+        print(f"the job ended {time.time() - t0:.1f} s after SIGSTOP, exit {server.returncode}")
+        if server.returncode == 0:
+            fail("the job exited 0 with a rank stopped")
+        if "world rank 1" not in err:
+            fail(f"the job's error does not name world rank 1:\n{err[-2000:]}")
+        events = [json.loads(line)["event"] for line in out.splitlines() if line.startswith("{")]
+        if "listening" not in events or "batch" not in events:
+            fail(f"--log-json lines missing (events {events}):\n{out[-2000:]}")
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if server.poll() is None:
+            server.kill()
+    print("PASS: serve_rank_stalls")
+
+
+if __name__ == "__main__":
+    main()
