@@ -4,6 +4,7 @@
   summarize.py scaling RUNS_DIR OUT_DIR   # cp_scaling.sh: runs/cp{N}-{T}[-{net}].json
   summarize.py table4 REPORT.json OUT_DIR # selector_calibration.sh: `cpfill calibrate --json`
   summarize.py regression OUT_DIR         # regression.sh: the short before/after table
+  summarize.py serve OUT_DIR              # serve_load.sh: serve under load vs one-shot prefills
 """
 import glob
 import json
@@ -194,5 +195,107 @@ def regression(out_dir):
           "cpfill's (above 1: cpfill faster), ring cpfill / peer (below 1: cpfill faster)")
 
 
+def oneshot_ms(out_dir):
+    """{length: TTFT ms} of serve_load.sh's one-shot prefills (median of --repeat)."""
+    out = {}
+    for path in glob.glob(os.path.join(out_dir, "oneshot-*.json")):
+        r = json.load(open(path))
+        out[r["sequences"][0]["tokens"]] = r["ttft_ms"]
+    return out
+
+
+def serve_low(out_dir, oneshot):
+    """Low load, per length: the client's TTFT against the one-shot prefill of the same prompt
+    (target: p50 - one-shot <= 2 ms + 1% of the one-shot time)."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "low-*.json")),
+                       key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[-1])):
+        r = json.load(open(path))
+        s, tokens = r["summary"], int(re.findall(r"\d+", os.path.basename(path))[-1])
+        ttft, prefill, over = s["ttft_ms"] or {}, s["prefill_ms"] or {}, s["overhead_ms"] or {}
+        one = oneshot.get(tokens)
+        gap = ttft["p50"] - one if one and ttft else None
+        allowed = 2.0 + 0.01 * one if one else None
+        rows.append({"tokens": tokens, "ok": s["requests"]["ok"], "sent": s["requests"]["sent"],
+                     "ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"),
+                     "server_prefill_p50_ms": prefill.get("p50"), "oneshot_ms": one,
+                     "ttft_p50_minus_oneshot_ms": gap, "allowed_ms": allowed,
+                     "met": None if gap is None else gap <= allowed,
+                     "client_minus_prefill_p50_ms": over.get("p50"),
+                     "client_minus_prefill_p99_ms": over.get("p99")})
+    return rows
+
+
+def ok_per_batch(delta):
+    """Prompts the engine answered per fused batch over a run, from the /metrics deltas."""
+    batches = delta.get("cpfill:batches_total")
+    return delta.get('cpfill:requests_total{status="ok"}', 0) / batches if batches else None
+
+
+def serve_saturation(out_dir, oneshot):
+    """Saturation: prompt tokens/s against the same requests' one-shot prefills back to back
+    (target: >= 0.95x)."""
+    path = os.path.join(out_dir, "saturation.json")
+    if not os.path.exists(path):
+        return None
+    r = json.load(open(path))
+    s, ok = r["summary"], [q for q in r["per_request"] if q["status"] == 200]
+    missing = sorted({q["prompt_tokens"] for q in ok} - set(oneshot))
+    ref_s = sum(oneshot.get(q["prompt_tokens"], 0.0) for q in ok) / 1e3
+    ref = s["prompt_tokens_ok"] / ref_s if ref_s > 0 and not missing else None
+    ratio = s["prompt_token_throughput"] / ref if ref and s["prompt_token_throughput"] else None
+    return {"ok": s["requests"]["ok"], "sent": s["requests"]["sent"],
+            "duration_s": s["duration_s"], "prompt_tokens": s["prompt_tokens_ok"],
+            "tokens_per_s": s["prompt_token_throughput"], "oneshot_tokens_per_s": ref,
+            "ratio": ratio, "met": None if ratio is None else ratio >= 0.95,
+            "lengths_without_oneshot": missing,
+            "prompts_per_batch": ok_per_batch(r["metrics"]["delta"]),
+            "ttft_p50_ms": (s["ttft_ms"] or {}).get("p50"),
+            "ttft_p99_ms": (s["ttft_ms"] or {}).get("p99"),
+            "client_minus_server_ttft_p50_ms": (s["overhead_vs_server_ttft_ms"] or {}).get("p50")}
+
+
+def serve_failures(out_dir):
+    """{run: failures_by_status} of every load run with a failed request (target: none)."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.json"))):
+        r = json.load(open(path))
+        if isinstance(r, dict) and "summary" in r and r["summary"]["requests"]["failed"]:
+            out[os.path.basename(path)] = r["summary"]["requests"]["failures_by_status"]
+    return out
+
+
+def serve(out_dir):
+    def f(x, d=1):
+        return "n/a" if x is None else f"{x:.{d}f}"
+    oneshot = oneshot_ms(out_dir)
+    low, sat, failures = serve_low(out_dir, oneshot), serve_saturation(out_dir, oneshot), \
+        serve_failures(out_dir)
+    lines = ["| tokens | ok/sent | client TTFT p50 / p99 ms | server prefill p50 | one-shot | "
+             "TTFT p50 - one-shot | allowed (2 ms + 1%) | met | client - prefill p50 / p99 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in low:
+        lines.append(f"| {r['tokens']} | {r['ok']}/{r['sent']} | {f(r['ttft_p50_ms'])} / "
+                     f"{f(r['ttft_p99_ms'])} | {f(r['server_prefill_p50_ms'])} | "
+                     f"{f(r['oneshot_ms'])} | {f(r['ttft_p50_minus_oneshot_ms'], 2)} | "
+                     f"{f(r['allowed_ms'], 2)} | {r['met']} | "
+                     f"{f(r['client_minus_prefill_p50_ms'], 2)} / "
+                     f"{f(r['client_minus_prefill_p99_ms'], 2)} |")
+    if sat:
+        lines += ["", "| saturation | ok/sent | prompt tok/s | one-shots back to back | ratio | "
+                  "met (>= 0.95) | prompts/batch | TTFT p50 / p99 ms |",
+                  "|---|---:|---:|---:|---:|---|---:|---:|",
+                  f"| rate inf | {sat['ok']}/{sat['sent']} | {f(sat['tokens_per_s'], 0)} | "
+                  f"{f(sat['oneshot_tokens_per_s'], 0)} | {f(sat['ratio'], 3)} | {sat['met']} | "
+                  f"{f(sat['prompts_per_batch'], 2)} | {f(sat['ttft_p50_ms'], 0)} / "
+                  f"{f(sat['ttft_p99_ms'], 0)} |"]
+    lines += ["", f"failed requests: {failures or 'none'}"]
+    print("\n".join(lines))
+    with open(os.path.join(out_dir, "compare.json"), "w") as out:
+        json.dump({"oneshot_ms": oneshot, "low_load": low, "saturation": sat,
+                   "failures": failures}, out, indent=1)
+
+
 if __name__ == "__main__":
-    {"scaling": scaling, "table4": table4, "regression": regression}[sys.argv[1]](*sys.argv[2:])
+    {"scaling": scaling, "table4": table4, "regression": regression,
+     "serve": serve}[sys.argv[1]](*sys.argv[2:])

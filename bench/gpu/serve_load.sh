@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# cpfill serve under load (bench/serve_load.py) beside one-shot `cpfill prefill` of the same
+# lengths, in one device call: the Llama-3-8B geometry (synthetic weights, all 32 layers) on one
+# H200 (NP=1) or CP2 over two (NP=2). Steps:
+#   1. `cpfill serve` starts on NP ranks;
+#   2. low load: at each length of LENGTHS, a handful of Poisson arrivals one at a time
+#      (--max-concurrency 1, mean gap 1.5x the estimated prefill), after one warm-up request;
+#   3. saturation: SAT_N requests at once, lengths drawn from LENGTHS;
+#   4. SIGTERM to every rank: the server drains and exits;
+#   5. one-shot `cpfill prefill --repeat REPEAT` per length on the same GPUs;
+#   6. bench/gpu/summarize.py serve: the targets (low load: client TTFT - one-shot <= 2 ms + 1%;
+#      saturation: throughput >= 0.95x back-to-back one-shots; no failed request) as a table,
+#      $OUT/serve_load.md, and $OUT/compare.json.
+# Everything (load JSON and text, one-shot JSON and logs, the server log) goes under $OUT.
+# Estimated on one H200: start-up and the 5 model loads about 2 min, low load 2 min, saturation
+# 1.5 min, one-shots 1 min: under 8 min. Carried build (build-carry.sh).
+#
+#   run(command="NP=1 bash bench/gpu/serve_load.sh", carry=[".gpu-carry"], kind="nvidia-h200")
+#   run(command="NP=2 bash bench/gpu/serve_load.sh", carry=[".gpu-carry"], kind="nvidia-h200-x2")
+#
+# Environment (defaults for the 8B on H200s): NP (1), MODEL (llama3-8b), BACKEND (cuda), LAYERS
+# (0: all), VOCAB (128000; tiny: 1024), LENGTHS ("4096 16384 65536 131072"), LOW_N (requests per
+# length; default 400000 / length, within [3, 8]), LOW_RATE (req/s at every length; default from
+# the 8B's measured prefill time), SAT_N (24 x NP), GOODPUT_TTFT_MS (unset: no goodput), REPEAT
+# (2), KV_TOKENS (262144 per rank), SERVE_ARGS (more `serve` flags), CPFILL (the binary). A check
+# of the script on the CPU machine:
+#   CPFILL=build-cpu/cpfill NP=2 MODEL=tiny BACKEND=cpu VOCAB=1024 LENGTHS="64 256 1024" \
+#     LOW_RATE=2 SAT_N=12 KV_TOKENS=16384 OUT=/tmp/serve-load bash bench/gpu/serve_load.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 2
+source bench/gpu/lib.sh
+cpfill=${CPFILL:-$cpfill}
+np=${NP:-1} model=${MODEL:-llama3-8b} backend=${BACKEND:-cuda} layers=${LAYERS:-0}
+vocab=${VOCAB:-128000} lengths=${LENGTHS:-4096 16384 65536 131072}
+sat_n=${SAT_N:-$((24 * np))} repeat=${REPEAT:-2} kv_tokens=${KV_TOKENS:-262144}
+new_summary
+note "serve_load.sh: $model (layers ${layers/#0/all}) on NP=$np, $backend; lengths $lengths"
+[ "$backend" = cuda ] &&
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -"$np"
+
+low_n() {  # requests at length $1: fewer for the long ones (each 128K prefill is seconds)
+  [ -n "${LOW_N:-}" ] && { echo "$LOW_N"; return; }
+  local n=$((400000 / $1))
+  echo $((n < 3 ? 3 : n > 8 ? 8 : n))
+}
+
+low_rate() {  # arrivals/s at length $1: a mean gap of 1.5x the 8B's prefill on one H200
+  # (RESULTS.md, whole 8B at 128K: GEMMs and the rest 3.08 s linear in T, attention 8.33 s
+  # quadratic; CP2 1.95x faster), scaled by the layers run
+  [ -n "${LOW_RATE:-}" ] && { echo "$LOW_RATE"; return; }
+  awk -v t="$1" -v np="$np" -v layers="$layers" 'BEGIN {
+    x = t / 131072; s = (3.08 * x + 8.33 * x * x) / np * (layers > 0 ? layers / 32 : 1)
+    printf "%.4g\n", 1 / (1.5 * s) }'
+}
+
+stop_server() {  # SIGTERM to every rank (as scancel would); rank 0 drains; bounded wait
+  pkill -TERM -P "$server" 2>/dev/null
+  for _ in $(seq 240); do kill -0 "$server" 2>/dev/null || break; sleep 0.5; done
+  if kill -0 "$server" 2>/dev/null; then
+    note "server: no exit 120 s after SIGTERM; killed"
+    pkill -KILL -P "$server"; kill -KILL "$server"
+  fi
+  wait "$server"
+  note "server exit after SIGTERM: $? ($(tail -1 "$out/serve.log" | cut -c1-120))"
+}
+
+start_server() {  # sets $server (mpirun's pid) and $url; returns 1 when no port appears
+  local port_file=$out/serve.port serve_args
+  read -ra serve_args <<< "${SERVE_ARGS:-}"
+  rm -f "$port_file"
+  mpirun -np "$np" "$cpfill" serve --model "$model" --layers "$layers" --backend "$backend" \
+    --port 0 --port-file "$port_file" --kv-capacity-tokens "$kv_tokens" "${serve_args[@]}" \
+    > "$out/serve.log" 2>&1 &
+  server=$!
+  trap 'kill -0 $server 2>/dev/null && stop_server' EXIT
+  for _ in $(seq 1200); do
+    [ -s "$port_file" ] && break
+    kill -0 "$server" 2>/dev/null || break
+    sleep 0.5
+  done
+  [ -s "$port_file" ] || { note "server did not start:"; tail -20 "$out/serve.log"; return 1; }
+  url=http://127.0.0.1:$(cat "$port_file")
+  note "server up after ${SECONDS} s at $url"
+}
+
+load() {  # load TAG ARGS...: one serve_load.py run; its table to $out/TAG.txt, a line noted
+  python3 bench/serve_load.py --url "$url" --vocab "$vocab" --seed 1 --json "$out/$1.json" \
+    "${@:2}" > "$out/$1.txt" 2> "$out/$1.err"
+  note "$1: rc $? at ${SECONDS} s; $(grep -E '^requests' "$out/$1.txt" | tr -s ' ');" \
+    "$(grep -E '^throughput' "$out/$1.txt" | tr -s ' ')"
+}
+
+start_server || exit 1
+for t in $lengths; do  # step 2: low load, one at a time
+  load "low-$t" --lengths "fixed:$t" --num-requests "$(low_n "$t")" --rate "$(low_rate "$t")" \
+    --max-concurrency 1 --warmup 1
+done
+load saturation --lengths "choice:$(echo "$lengths" | tr ' ' ,)" --num-requests "$sat_n" \
+  --rate inf ${GOODPUT_TTFT_MS:+--goodput-ttft-ms "$GOODPUT_TTFT_MS"}
+stop_server
+trap - EXIT
+for t in $lengths; do  # step 5: one-shot prefills of the same lengths on the same ranks
+  mpirun -np "$np" "$cpfill" prefill --model "$model" --layers "$layers" --backend "$backend" \
+    --prompt-lens "$t" --repeat "$repeat" --json "$out/oneshot-$t.json" > "$out/oneshot-$t.log" 2>&1
+  note "one-shot $t: rc $? at ${SECONDS} s; $(grep -oE '^TTFT [0-9.]+ ms' "$out/oneshot-$t.log")"
+done
+echo "== summary"
+cat "$summary"
+echo "== serve under load vs one-shot prefill"
+python3 bench/gpu/summarize.py serve "$out" | tee "$out/serve_load.md"
