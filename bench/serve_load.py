@@ -136,9 +136,9 @@ def parse_args(argv):
                     help="TTFT SLO for goodput, ms (default: no goodput)")
     ap.add_argument("--sessions", type=sessions_spec, metavar="K:T",
                     help="K sessions of T turns (see above)")
-    ap.add_argument("--vocab", type=int, default=128000, metavar="V",
-                    help="token ids are drawn from [0, V); must be at most the served model's "
-                         "vocabulary, which /v1/models does not report (tiny: 1024) [128000]")
+    ap.add_argument("--vocab", type=int, metavar="V",
+                    help="token ids are drawn from [0, V); at most the served model's "
+                         "vocabulary [the vocab_size /v1/models reports]")
     ap.add_argument("--warmup", type=int, default=0, metavar="N",
                     help="requests sent one at a time before the run, not counted [0]")
     ap.add_argument("--json", metavar="FILE",
@@ -283,12 +283,12 @@ def wait_healthy(server, timeout_s):
 
 
 def served_model(server):
-    """(model id, max_model_len) from /v1/models; the vocabulary is not reported there."""
+    """(model id, max_model_len, vocab_size or None) from /v1/models."""
     status, text = server.call("GET", "/v1/models", timeout_s=30)
     if status != 200:
         raise OSError(f"GET /v1/models: HTTP {status} {text[:200]}")
     model = json.loads(text)["data"][0]
-    return model["id"], model.get("max_model_len")
+    return model["id"], model.get("max_model_len"), model.get("vocab_size")
 
 
 def read_metrics(server):
@@ -649,10 +649,12 @@ def connect(args):
         if problem:
             raise OSError(f"GET /health did not answer 200 in {args.health_timeout_s:g} s: "
                           f"{problem}")
-        model, max_len = served_model(server)
+        model, max_len, vocab = served_model(server)
     except (OSError, ValueError, KeyError, IndexError, http.client.HTTPException) as e:
         print(f"serve_load: {args.url}: {e}", file=sys.stderr)
         sys.exit(1)
+    if args.vocab is None:
+        args.vocab = vocab or 128000
     if max_len and args.lengths.hi > max_len:
         print(f"serve_load: warning: --lengths reaches {args.lengths.hi} tokens, past the "
               f"model's max_model_len {max_len}; those requests will fail", file=sys.stderr)

@@ -17,7 +17,8 @@ std::vector<double> LatencyBounds() {
 
 }  // namespace
 
-HttpFront::HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::string served_model)
+HttpFront::HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::string served_model,
+                     int threads)
     : engine_(engine),
       model_(model),
       served_model_(std::move(served_model)),
@@ -25,6 +26,7 @@ HttpFront::HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::s
       ttft_(LatencyBounds()),
       queue_(LatencyBounds()),
       batch_tokens_({16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576}) {
+  server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   Routes();
 }
 
@@ -142,7 +144,8 @@ void HttpFront::Routes() {
          {{{"id", served_model_},
            {"object", "model"},
            {"owned_by", "cpfill"},
-           {"max_model_len", model_.config().max_position_embeddings}}}}};
+           {"max_model_len", model_.config().max_position_embeddings},
+           {"vocab_size", model_.config().vocab_size}}}}};
     res.set_content(models.dump(), kJson);
   });
   s.Get("/v1/sessions", [this](const httplib::Request&, httplib::Response& res) {

@@ -27,6 +27,7 @@ namespace {
 struct ServeFlags {
   std::string host = "127.0.0.1", port_file;
   int port = 8000;
+  int http_threads = 64;
   bool log_json = false;
   EngineFlags engine;
   SessionFlags session;
@@ -37,6 +38,9 @@ void DefineFlags(FlagSet& flags, ServeFlags* f) {
   flags.String("host", &f->host, "address rank 0 listens on");
   flags.Int("port", &f->port, "port rank 0 listens on (0: a free one, printed)").Within({0, 65535});
   flags.String("port-file", &f->port_file, "also write the port to this file once listening");
+  flags.Int("http-threads", &f->http_threads,
+            "HTTP requests answered at once (each holds a thread until its prefill ends)")
+      .Within({1, 4096});
   flags.Bool("log-json", &f->log_json,
              "log one JSON object per line (start, each batch, stop) instead of text");
   AddSessionFlags(flags, &f->session);
@@ -175,7 +179,8 @@ int Run(int argc, char** argv) {
   // Rank 0 listens; every rank learns whether it could.
   std::unique_ptr<HttpFront> front;
   if (session.is_root()) {
-    front = std::make_unique<HttpFront>(engine, *(*host)->loaded.model, f.engine.model);
+    front = std::make_unique<HttpFront>(engine, *(*host)->loaded.model, f.engine.model,
+                                        f.http_threads);
   }
   auto port = ListenAgreed(front.get(), f, *grid.world);
   if (!port.ok()) return session.Refuse(port.status());
