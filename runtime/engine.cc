@@ -325,11 +325,12 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
     return;
   }
   if (!outputs.ok()) {
-    // Not all of it fits: evict the least recently used idle session and try again; with none
-    // left, or for a request the model refuses, run the batch one request at a time; a request
-    // alone gets its own error.
+    // The KV cache is full: evict the least recently used idle session and try again; with
+    // none left, for another shortfall (activations: evicting frees none of that memory), or for
+    // a request the model refuses, run the batch one request at a time; a request alone gets
+    // its own error.
     std::vector<std::string> idle;
-    if (absl::IsResourceExhausted(outputs.status())) idle = IdleSessionsLruFirst(command);
+    if (IsKvCacheFull(outputs.status())) idle = IdleSessionsLruFirst(command);
     if (idle.empty() && command.items.size() == 1) {
       ++stats_.requests_failed;
       command.items.front()->reply.set_value(outputs.status());

@@ -9,10 +9,25 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 
 namespace cpfill::runtime {
+
+namespace {
+constexpr char kKvCacheFullPayload[] = "cpfill.runtime.KvCacheFull";
+}  // namespace
+
+absl::Status KvCacheFullError(std::string message) {
+  absl::Status status = absl::ResourceExhaustedError(std::move(message));
+  status.SetPayload(kKvCacheFullPayload, absl::Cord("1"));
+  return status;
+}
+
+bool IsKvCacheFull(const absl::Status& status) {
+  return absl::IsResourceExhausted(status) && status.GetPayload(kKvCacheFullPayload).has_value();
+}
 namespace {
 
 constexpr int64_t kMaxBlockId = std::numeric_limits<int32_t>::max();
@@ -224,7 +239,7 @@ absl::Status KvCache::Reserve(SeqId seq, int64_t total_tokens) {
                    " tokens for sequence ", seq);
   const int64_t need = BlocksNeeded(seq, total_tokens);
   if (need > free_blocks()) {
-    return absl::ResourceExhaustedError(
+    return KvCacheFullError(
         absl::StrCat("KV cache full: sequence ", seq, " asks for ", total_tokens,
                      " tokens, which needs ", need, " more blocks (", BytesText(need), " bytes); ",
                      free_blocks(), " blocks (", BytesText(free_blocks()), " bytes) are free of ",
@@ -300,7 +315,7 @@ absl::Status KvCache::Fork(SeqId parent, SeqId child, int64_t prefix_tokens) {
   const size_t full = static_cast<size_t>(prefix_tokens / spec_.block_tokens);
   const int64_t partial = prefix_tokens % spec_.block_tokens;
   if (partial > 0 && free_.empty()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return KvCacheFullError(absl::StrCat(
         "KV cache full: Fork of sequence ", parent, " into ", child, " needs 1 block (",
         BytesPerBlockId(), " bytes) for its partly filled last block; 0 bytes are free"));
   }

@@ -48,6 +48,12 @@
 
 namespace cpfill::runtime {
 
+// ResourceExhausted that says "the KV cache's free blocks do not suffice" (a status payload), as
+// opposed to other memory shortfalls: only this one can be cured by freeing blocks (the engine
+// evicts idle sessions for it).
+absl::Status KvCacheFullError(std::string message);
+bool IsKvCacheFull(const absl::Status& status);
+
 enum class KvDtype { kFloat32, kBfloat16 };
 size_t KvDtypeBytes(KvDtype dtype);
 

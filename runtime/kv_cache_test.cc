@@ -304,6 +304,9 @@ TEST(KvCache, ReserveFailsCleanlyWhenFull) {
   EXPECT_TRUE(Mentions(st, absl::StrCat(3 * per_block, " bytes")));
   EXPECT_TRUE(Mentions(st, absl::StrCat(2 * per_block, " bytes")));
   EXPECT_FALSE(m.kv().Contains(2));
+  // Marked as the cache being full (what eviction can cure), unlike other shortfalls.
+  EXPECT_TRUE(IsKvCacheFull(st));
+  EXPECT_FALSE(IsKvCacheFull(absl::ResourceExhaustedError("activations: 5 GiB needed")));
 
   // Growing a sequence past the pool fails the same way and leaves it as it was.
   EXPECT_EQ(m.kv().BlocksNeeded(1, 11 * 16), 3);

@@ -150,7 +150,7 @@ absl::Status LlamaModel::ReserveKv(Running& r) {
   if (worst[0] > 0) {
     const KvCacheSpec& spec = kv_->spec();
     const int64_t block_bytes = spec.block_bytes() * 2 * spec.num_layers;
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return KvCacheFullError(absl::StrCat(
         "KV cache: the batch needs ", worst[1], " more blocks of ", spec.block_tokens, " tokens (",
         worst[1] * block_bytes, " bytes) on its fullest rank, ", worst[0],
         " more than are free; the capacity is ", kv_->usage().blocks_total * spec.block_tokens,

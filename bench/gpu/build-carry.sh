@@ -16,6 +16,6 @@ cmake --build build-gpu --target "${bins[@]##*/}" -j "$(nproc)"
 rm -rf .gpu-carry && mkdir -p .gpu-carry/lib
 for bin in "${bins[@]}"; do cp "build-gpu/$bin" .gpu-carry/; done
 for bin in "${bins[@]##*/}"; do
-  ldd ".gpu-carry/$bin" | awk '/libabsl|libbenchmark|libgtest|libcpp-httplib|libbrotli/ {print $3}'
+  ldd ".gpu-carry/$bin" | awk '/libabsl|libbenchmark|libgtest|libcpp-httplib|libbrotli|libpcre2/ {print $3}'
 done | sort -u | xargs -r -I{} cp -L {} .gpu-carry/lib/
 du -sh .gpu-carry
