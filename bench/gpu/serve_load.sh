@@ -11,7 +11,8 @@
 #   6. bench/gpu/summarize.py serve: the targets (low load: client TTFT - one-shot <= 2 ms + 1%;
 #      saturation: throughput >= 0.95x back-to-back one-shots; no failed request) as a table,
 #      $OUT/serve_load.md, and $OUT/compare.json.
-# Everything (load JSON and text, one-shot JSON and logs, the server log) goes under $OUT.
+# Everything (load JSON and text, one-shot JSON and logs, the server log) goes under $OUT, packed
+# into serve-load.tgz beside compare.json, serve_load.md and summary.txt.
 # Estimated on one H200: start-up and the 5 model loads about 2 min, low load 2 min, saturation
 # 1.5 min, one-shots 1 min: under 8 min. Carried build (build-carry.sh).
 #
@@ -108,3 +109,7 @@ echo "== summary"
 cat "$summary"
 echo "== serve under load vs one-shot prefill"
 python3 bench/gpu/summarize.py serve "$out" | tee "$out/serve_load.md"
+# The device tool returns few files a call: everything goes into one archive, beside the tables.
+tar czf "$out/serve-load.tgz" -C "$out" --exclude serve-load.tgz . &&
+  find "$out" -maxdepth 1 -type f ! -name serve-load.tgz ! -name compare.json \
+    ! -name serve_load.md ! -name summary.txt -delete
