@@ -26,6 +26,13 @@ if(PkgConfig_FOUND)
 endif()
 cpfill_require(HTTPLIB_FOUND "cpp-httplib (httplib.h)" "libcpp-httplib-dev pkg-config")
 
+# PCRE2 (runtime/tokenizer.cc): the pre-tokenizer patterns of tokenizer.json, with Unicode
+# classes (\p{L}, \p{N}) and its JIT.
+if(PkgConfig_FOUND)
+  pkg_check_modules(PCRE2 QUIET IMPORTED_TARGET libpcre2-8)
+endif()
+cpfill_require(PCRE2_FOUND "PCRE2 (pcre2.h, libpcre2-8)" "libpcre2-dev pkg-config")
+
 find_package(ucx CONFIG QUIET)
 cpfill_require(ucx_FOUND "UCX" "libucx-dev")
 

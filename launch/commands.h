@@ -2,7 +2,7 @@
 //
 // Each takes the full argv (argv[1] is the subcommand name) and returns the process exit code:
 // 0 success, 1 a failed check, 2 bad input (flags, config). Distributed subcommands start MPI
-// themselves; `select`, `export` and `env` need no MPI and run anywhere.
+// themselves; `select`, `export`, `tokenize` and `env` need no MPI and run anywhere.
 #pragma once
 
 namespace cpfill::launch {
@@ -14,6 +14,7 @@ int RunPrefillCommand(int argc, char** argv);
 int RunServeCommand(int argc, char** argv);
 int RunExportCommand(int argc, char** argv);
 int RunEnvCommand(int argc, char** argv);
+int RunTokenizeCommand(int argc, char** argv);
 
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitCheckFailed = 1;

@@ -5,6 +5,7 @@
 //       --cached-tokens 121600
 //   mpirun -np 4 cpfill calibrate --out fit.json
 //   mpirun -np 4 cpfill prefill --model tiny --tp 2 --prompt-lens 4096,1000 --check
+//   cpfill tokenize --model ckpt --text "Hello world"
 //   cpfill env
 #include <cstdio>
 #include <cstring>
@@ -28,6 +29,7 @@ constexpr char kUsage[] =
     "  serve       a long-running prefill service (under mpirun): rank 0 serves HTTP\n"
     "              (OpenAI-compatible completions, sessions, /health, /metrics)\n"
     "  export      write a preset's synthetic weights as a Hugging Face checkpoint directory\n"
+    "  tokenize    encode texts and decode token ids with a checkpoint's tokenizer.json; JSON\n"
     "  env         list the environment variables cpfill reads, their defaults and values\n";
 
 }  // namespace
@@ -47,6 +49,7 @@ int main(int argc, char** argv) {
   if (command == "serve") return RunServeCommand(argc, argv);
   if (command == "export") return RunExportCommand(argc, argv);
   if (command == "env") return RunEnvCommand(argc, argv);
+  if (command == "tokenize") return RunTokenizeCommand(argc, argv);
   std::fprintf(stderr, "cpfill: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return kExitBadInput;
 }

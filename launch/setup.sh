@@ -8,10 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build}
 
-packages=(cmake ninja-build g++ make pkg-config python3
+packages=(cmake ninja-build g++ make pkg-config python3 python3-venv
           libopenmpi-dev openmpi-bin libabsl-dev libucx-dev nlohmann-json3-dev
           libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
-          libcpp-httplib-dev clang libclang-rt-14-dev)
+          libcpp-httplib-dev libpcre2-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -27,10 +27,19 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# numpy for the tests' independent model reference (tests/hf_llama_reference.py), from PyPI.
-if ! python3 -c "import numpy" 2>/dev/null; then
-  echo "setup: installing numpy for the tests"
-  python3 -m pip install --quiet numpy
+# The tests' Python packages, from PyPI, in .venv (tests/CMakeLists.txt's CPFILL_PYTHON): numpy
+# for the independent model reference (tests/hf_llama_reference.py), tokenizers (0.20 or later:
+# ignore_merges, merges as pairs) for tests/tokenizer_check.py. Debian's python3 refuses pip
+# installs into the system (PEP 668), hence the venv; it sees the system's packages, so torch and
+# transformers stay visible where the system has them (tests/hf_transformers_check.py).
+if [ ! -x .venv/bin/python3 ]; then
+  echo "setup: making .venv for the tests' Python packages"
+  python3 -m venv --system-site-packages .venv
+fi
+if ! .venv/bin/python3 -c "import numpy, tokenizers
+assert tuple(map(int, tokenizers.__version__.split('.')[:2])) >= (0, 20)" 2>/dev/null; then
+  echo "setup: installing numpy and tokenizers into .venv"
+  .venv/bin/python3 -m pip install --quiet numpy "tokenizers>=0.20"
 fi
 
 if [ ! -f "$build/build.ninja" ]; then

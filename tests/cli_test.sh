@@ -4,6 +4,8 @@
 set -u
 name=$1
 cpfill=$2
+# The Python of the tests (CMake's CPFILL_PYTHON: launch/setup.sh's .venv, which has numpy).
+py=${CPFILL_PYTHON:-python3}
 here=$(cd "$(dirname "$0")" && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -183,7 +185,7 @@ check_partial_prefill)
     --cached-lens 2000 --heads 8 --kv-heads 1 --head-dim 64 --check --json "$tmp/partial.json"
   expect_exit 0 'check: .*PASS' -- mpi 3 "$cpfill" attention --seq-lens 4000 \
     --heads 8 --kv-heads 1 --head-dim 64 --check --json "$tmp/full.json"
-  python3 - "$tmp/partial.json" "$tmp/full.json" <<'PY' || fail "the selector's decision"
+  "$py" - "$tmp/partial.json" "$tmp/full.json" <<'PY' || fail "the selector's decision"
 import json, sys
 for path, want in zip(sys.argv[1:], ("pass-q", "pass-kv")):
     r = json.load(open(path))
@@ -195,14 +197,14 @@ PY
 save_is_readable_outside)
   expect_exit 0 'saved q, k, v, o, lse' -- mpi 4 "$cpfill" attention --seq-lens 37,9 \
     --cached-lens 0,6 --heads 2 --kv-heads 1 --head-dim 8 --algo pass-q --save "$tmp/a.safetensors"
-  expect_exit 0 '-> OK$' -- python3 "$here/verify_saved_attention.py" "$tmp/a.safetensors"
+  expect_exit 0 '-> OK$' -- "$py" "$here/verify_saved_attention.py" "$tmp/a.safetensors"
   ;;
 json_report)
   # A knob set in the environment (no effect on the CPU backend) is recorded as set.
   expect_exit 0 'check: .*PASS' -- env CPFILL_HOPPER_MAX_CTAS=5 mpirun -np 2 -x CPFILL_HOPPER_MAX_CTAS \
     "$cpfill" attention --seq-lens 300,20 --heads 4 --kv-heads 1 \
     --head-dim 16 --repeat 2 --check --json "$tmp/r.json"
-  python3 - "$tmp/r.json" <<'PY' || fail "JSON report incomplete"
+  "$py" - "$tmp/r.json" <<'PY' || fail "JSON report incomplete"
 import json, sys
 r = json.load(open(sys.argv[1]))
 assert r["check"]["pass"] is True, r["check"]
@@ -268,7 +270,7 @@ calibrate_writes_fit)
   expect_exit 0 'wrote' -- mpi 2 "$cpfill" calibrate --heads 2 --kv-heads 1 --head-dim 16 \
     --context-lens 512 --miss-rates 0.02,0.1,0.5,1 --repeat 1 --compute-tokens 256 \
     --bandwidth-bytes 1000000 --out "$tmp/fit.json" --json "$tmp/cal.json"
-  python3 -c "import json; k=json.load(open('$tmp/cal.json'))['knobs']; assert k['CPFILL_HOPPER_SCHEDULE'] == 'dynamic', k" ||
+  "$py" -c "import json; k=json.load(open('$tmp/cal.json'))['knobs']; assert k['CPFILL_HOPPER_SCHEDULE'] == 'dynamic', k" ||
     fail "calibrate JSON lacks the knobs"
   # --fit selects with the calibrated coefficients, not the paper's.
   expect_exit 0 '"rule": *"fitted".*"coefficients_source": *"cpfill calibrate' -- "$cpfill" \
@@ -289,7 +291,7 @@ cuda_backend_check)
   # same model three times, so the kept workspace and ring scratch are reused.
   expect_exit 0 'check: .*PASS' -- mpi 1 "$cpfill" prefill --backend cuda --model tiny \
     --prompt-lens 700,33,1 --repeat 2 --check --json "$tmp/g.json"
-  python3 -c "import json; assert json.load(open('$tmp/g.json'))['backend'] == 'cuda'" ||
+  "$py" -c "import json; assert json.load(open('$tmp/g.json'))['backend'] == 'cuda'" ||
     fail "prefill JSON names the backend"
   ;;
 memory_checked_first)
@@ -339,23 +341,23 @@ prefill_check)
     --ranks-per-node 2 --prompt-lens 700,33,1 --check
   expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" prefill --model tiny --prompt-lens 1000 \
     --algo pass-q --check --json "$tmp/p.json"
-  python3 -c "import json,sys; r=json.load(open('$tmp/p.json')); assert r['check']['pass']; assert r['knobs']['CPFILL_TEST_EXIT_RANK'] == '-1'" ||
+  "$py" -c "import json,sys; r=json.load(open('$tmp/p.json')); assert r['check']['pass']; assert r['knobs']['CPFILL_TEST_EXIT_RANK'] == '-1'" ||
     fail "prefill JSON"
   ;;
 prefill_matches_hf_reference)
   # A Hugging Face checkpoint directory (written by `cpfill export`), prefilled with TP2 x CP2
   # and with pass-Q on CP4, against an independent numpy Llama (HF's computation, float64).
-  python3 -c "import numpy" 2>/dev/null || { echo "SKIPPED: numpy missing (launch/setup.sh installs it)"; exit 77; }
+  "$py" -c "import numpy" 2>/dev/null || { echo "SKIPPED: numpy missing (launch/setup.sh installs it)"; exit 77; }
   expect_exit 0 'saved tiny' -- "$cpfill" export --model tiny --out "$tmp/ck"
-  python3 -c "import json; json.dump([[(i*37+5)%1024 for i in range(61)], [(i*11)%1024 for i in range(9)], [7]], open('$tmp/tok.json','w'))"
+  "$py" -c "import json; json.dump([[(i*37+5)%1024 for i in range(61)], [(i*11)%1024 for i in range(9)], [7]], open('$tmp/tok.json','w'))"
   expect_exit 0 'saved logits' -- mpi 4 "$cpfill" prefill --model "$tmp/ck" --tp 2 \
     --ranks-per-node 2 --tokens "$tmp/tok.json" --save-logits "$tmp/lg.safetensors"
-  expect_exit 0 '-> OK$' -- python3 "$here/hf_llama_reference.py" "$tmp/ck" "$tmp/tok.json" \
+  expect_exit 0 '-> OK$' -- "$py" "$here/hf_llama_reference.py" "$tmp/ck" "$tmp/tok.json" \
     "$tmp/lg.safetensors"
   expect_exit 0 'saved tiny' -- "$cpfill" export --model tiny --out "$tmp/ck16" --bf16 --seed 3
   expect_exit 0 'saved logits' -- mpi 4 "$cpfill" prefill --model "$tmp/ck16" --algo pass-q \
     --tokens "$tmp/tok.json" --save-logits "$tmp/lg16.safetensors"
-  expect_exit 0 '-> OK$' -- python3 "$here/hf_llama_reference.py" "$tmp/ck16" "$tmp/tok.json" \
+  expect_exit 0 '-> OK$' -- "$py" "$here/hf_llama_reference.py" "$tmp/ck16" "$tmp/tok.json" \
     "$tmp/lg16.safetensors"
   ;;
 prefill_bad_input)
@@ -391,7 +393,7 @@ env_lists_knobs)
     "$cpfill" env
   expect_exit 0 'CPFILL_HOPPER_MAX_CTAS=7  \(set in the environment' -- \
     env CPFILL_HOPPER_MAX_CTAS=7 "$cpfill" env --json "$tmp/env.json"
-  python3 - "$tmp/env.json" <<'PY' || fail "env JSON"
+  "$py" - "$tmp/env.json" <<'PY' || fail "env JSON"
 import json, sys
 r = json.load(open(sys.argv[1]))
 v = {x["name"]: x for x in r["variables"]}

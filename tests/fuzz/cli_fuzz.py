@@ -15,7 +15,8 @@ The cases come from three tables:
      empty, repeated, unwritable and missing paths, unknown enum names;
   2. mutated checkpoints (`cpfill export` of the tiny preset, then its model.safetensors and
      config.json cut, lying or malformed) under `cpfill prefill --model DIR`;
-  3. mutated tokens files (`--tokens`) and calibration files (`--fit`).
+  3. mutated tokens files (`--tokens`) and calibration files (`--fit`);
+  4. mutated tokenizer.json, tokenizer_config.json, texts and id lists under `cpfill tokenize`.
 A few refusals also run under `mpirun -np 2`: every rank exits 2 and the message prints once.
 
 Each case runs in its own directory under an address-space limit (--memory-gib), so a missing
@@ -54,6 +55,8 @@ BASE_ARGS = {
     "serve": ["--model", "tiny", "--layers", "1", "--port", "0", "--backend", "cpu",
               "--threads", "1"],
 }
+# `tokenize` reads a tokenizer directory and input files that run_suite writes first (see
+# write_tokenizer); its base invocation is set there.
 NEVER_ENDS = {"serve"}
 
 # Flags whose in-range extremes are legitimately long jobs (a million repeats, 65536 heads of
@@ -63,7 +66,7 @@ EXPENSIVE_MAX = {"repeat", "heads", "kv-heads", "head-dim", "compute-tokens", "c
 
 # Flags naming files cpfill writes, and files it reads.
 OUTPUT_FLAGS = {"json", "out", "save", "save-logits", "port-file"}
-INPUT_FLAGS = {"tokens", "fit"}
+INPUT_FLAGS = {"tokens", "fit", "texts", "decode"}
 ENUM_FLAGS = {"algo", "rule", "backend"}
 
 # Every refusal starts so: "cpfill: error: ..." (rank 0 for all), or "cpfill: error on world
@@ -555,6 +558,155 @@ def file_cases(cpfill, work):
     return cases
 
 
+def byte_level_spelling(b):
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes are themselves, the rest U+0100.."""
+    printable = lambda x: 33 <= x <= 126 or 161 <= x <= 172 or x >= 174
+    return chr(b) if printable(b) else chr(256 + sum(not printable(x) for x in range(b)))
+
+
+def tokenizer_json():
+    """A small Llama-3-shaped tokenizer.json: the 256 bytes, two merges, BOS after them."""
+    vocab = {byte_level_spelling(b): b for b in range(256)}
+    vocab.update({"He": 256, "Hel": 257})
+    bos = "<|begin_of_text|>"
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+        "added_tokens": [{"id": 258, "content": bos, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True}],
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+             "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": False}]},
+        "post_processor": {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                                      {"Sequence": {"id": "A", "type_id": 0}}],
+                           "special_tokens": {bos: {"id": bos, "ids": [258], "tokens": [bos]}}},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": vocab, "merges": [["H", "e"], ["He", "l"]]}}
+
+
+def write_tokenizer(work):
+    """The tokenizer directory and input files of `tokenize`'s base invocation."""
+    d = os.path.join(work, "tokenizer")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer_json(), f)
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<|begin_of_text|>", "eos_token": None}, f)
+    texts, ids = os.path.join(work, "texts.json"), os.path.join(work, "ids.json")
+    with open(texts, "w") as f:
+        json.dump(["Hello, world 123", "", "<|begin_of_text|>caf\u00e9"], f)
+    with open(ids, "w") as f:
+        json.dump([[72, 101, 256], [], [258, 0xC3]], f)
+    return ["--model", d, "--texts", texts, "--decode", ids]
+
+
+def tokenizer_mutations():
+    """(name, mutate(dir), expect) of tokenizer directories, each from a fresh copy."""
+    muts = []
+
+    def edit(name, fn, expect="refused"):
+        def m(d):
+            t = tokenizer_json()
+            fn(t)
+            with open(os.path.join(d, "tokenizer.json"), "w") as f:
+                json.dump(t, f)
+        muts.append((name, m, expect))
+
+    def raw(name, body, file="tokenizer.json"):
+        def m(d):
+            with open(os.path.join(d, file), "wb") as f:
+                f.write(body)
+        muts.append((name, m, "refused"))
+
+    model = lambda t: t["model"]
+    for name, body in [("empty", b""), ("not JSON", b"vocab"), ("a list", b"[]"),
+                       ("cut", json.dumps(tokenizer_json()).encode()[:300]),
+                       ("non-UTF-8", b'{"model": "\xff"}'),
+                       ("deeply nested", b"[" * 100000 + b"]" * 100000),
+                       ("duplicate keys", b'{"model": 1, "model": 2}')]:
+        raw(f"tokenizer.json {name}", body)
+    raw("tokenizer_config.json not JSON", b"{", "tokenizer_config.json")
+    for key, v in [("type", "WordPiece"), ("type", None), ("vocab", None), ("vocab", []),
+                   ("vocab", {"a": -1}), ("vocab", {"a": 2 ** 40}), ("vocab", {"a": "0"}),
+                   ("vocab", {"a": 1.5}), ("merges", None), ("merges", ["H"]),
+                   ("merges", ["H  e"]), ("merges", [["H", "x"]]), ("merges", [["H", "e", "l"]]),
+                   ("merges", [["H", "e"], "He l"]), ("merges", 5), ("byte_fallback", True),
+                   ("dropout", 0.5), ("unk_token", "<unk>"), ("ignore_merges", "yes"),
+                   ("continuing_subword_prefix", "##")]:
+        edit(f"tokenizer model.{key}={v!r}", lambda t, k=key, v=v: model(t).__setitem__(k, v))
+    for key, v in [("pre_tokenizer", None), ("pre_tokenizer", {"type": "Whitespace"}),
+                   ("pre_tokenizer", {"type": "Split", "pattern": {"Regex": "("},
+                                      "behavior": "Isolated", "invert": False}),
+                   ("pre_tokenizer", {"type": "Sequence", "pretokenizers": []}),
+                   ("post_processor", {"type": "BertProcessing"}),
+                   ("post_processor", {"type": "TemplateProcessing", "single": []}),
+                   ("decoder", None), ("decoder", {"type": "Metaspace"}),
+                   ("normalizer", {"type": "NFC"}), ("truncation", {"max_length": 4}),
+                   ("version", "2.0"), ("added_tokens", {}), ("added_tokens", [{"id": 300}]),
+                   ("added_tokens", [{"id": 300, "content": "<x>"}]),
+                   ("added_tokens", [{"id": 258, "content": "<x>", "single_word": True}])]:
+        edit(f"tokenizer {key}={v!r}", lambda t, k=key, v=v: t.__setitem__(k, v))
+    edit("tokenizer split pattern matching empty", lambda t: t["pre_tokenizer"][
+        "pretokenizers"][0].__setitem__("pattern", {"Regex": "x*"}))
+    # Accepted variations.
+    edit("tokenizer with an unknown key", lambda t: t.__setitem__("extra", 1), "either")
+    edit("tokenizer legacy merges", lambda t: model(t).__setitem__("merges", ["H e", "He l"]),
+         "either")
+    edit("tokenizer without post_processor", lambda t: t.__setitem__("post_processor", None),
+         "either")
+    edit("tokenizer GPT-2 pre_tokenizer", lambda t: t.__setitem__("pre_tokenizer", {
+        "type": "ByteLevel", "add_prefix_space": False, "use_regex": True}), "either")
+
+    def no_file(name):
+        def m(d):
+            os.remove(os.path.join(d, name))
+        return m
+    muts.append(("no tokenizer.json", no_file("tokenizer.json"), "refused"))
+    muts.append(("no tokenizer_config.json", no_file("tokenizer_config.json"), "either"))
+    return muts
+
+
+def tokenize_input_files():
+    """(flag, name, bytes, expect) of --texts and --decode files."""
+    bad_texts = [("not a list", b'"a"'), ("a number in it", b'["a", 5]'),
+                 ("nested", b'[["a"]]'), ("lone surrogate", b'["\\ud800"]'),
+                 ("non-UTF-8", b'["\xff"]'), ("cut", b'["a'), ("null", b"null")]
+    bad_ids = [("flat", b"[1, 2]"), ("negative", b"[[-1]]"), ("past the vocabulary", b"[[259]]"),
+               ("past int32", b"[[2147483648]]"), ("float", b"[[1.5]]"), ("string", b'[["1"]]'),
+               ("an object", b"{}"), ("NaN", b"[[NaN]]")]
+    good = [("texts", "empty list", b"[]"),
+            ("texts", "control characters", b'["\\u0000\\t\\u001f"]'),
+            ("decode", "empty list", b"[]"), ("decode", "empty ids", b"[[]]"),
+            ("decode", "a cut character", b"[[195], [195, 169]]")]
+    return ([("texts", n, b, "refused") for n, b in bad_texts] +
+            [("decode", n, b, "refused") for n, b in bad_ids] +
+            [(f, n, b, "either") for f, n, b in good])
+
+
+def tokenize_cases(work):
+    cases = []
+    base = BASE_ARGS["tokenize"]
+    for i, (name, mutate, expect) in enumerate(tokenizer_mutations()):
+        d = os.path.join(work, f"tokenizer{i:04d}")
+        shutil.copytree(os.path.join(work, "tokenizer"), d)
+        mutate(d)
+        cases.append(Case(f"tokenize: {name}", "tokenize", with_flag(base, "model", [d]), expect))
+    for i, (flag, name, body, expect) in enumerate(tokenize_input_files()):
+        p = os.path.join(work, f"tokenize{i:04d}.json")
+        open(p, "wb").write(body)
+        cases.append(Case(f"tokenize --{flag} {name}", "tokenize", with_flag(base, flag, [p]),
+                          expect, "--" + flag if expect == "refused" else None))
+    return cases
+
+
 def mpi_cases():
     """Refusals under two ranks: one message, every rank out with 2."""
     out = []
@@ -570,6 +722,7 @@ def mpi_cases():
 
 
 def run_suite(cpfill, work, args):
+    BASE_ARGS["tokenize"] = write_tokenizer(work)
     commands = re.findall(r"^  (\w[\w-]*)\s{2,}", subprocess.run(
         [cpfill, "--help"], capture_output=True, text=True).stdout, re.M)
     missing = [c for c in commands if c not in BASE_ARGS]
@@ -584,7 +737,7 @@ def run_suite(cpfill, work, args):
         help_text = subprocess.run([cpfill, command, "--help"], capture_output=True,
                                    text=True).stdout
         cases += flag_cases(command, parse_help(help_text))
-    cases += file_cases(cpfill, work) + mpi_cases()
+    cases += file_cases(cpfill, work) + tokenize_cases(work) + mpi_cases()
     if args.filter:
         cases = [c for c in cases if re.search(args.filter, c.name)]
     if args.list:
