@@ -49,12 +49,25 @@ runtime::PrefillOptions OptionsFrom(const EngineFlags& f, const SelectorChoice& 
                                     int threads) {
   runtime::PrefillOptions o = ModelOptions(choice);
   o.kv_capacity_tokens = f.kv_capacity_tokens;
-  o.kv_memory_fraction = f.kv_capacity_tokens == 0 && f.kv_memory_fraction == 0
-                             ? 0.5
-                             : f.kv_memory_fraction;
+  o.kv_memory_fraction =
+      f.kv_capacity_tokens == 0 && f.kv_memory_fraction == 0 ? 0.5 : f.kv_memory_fraction;
   o.kv_block_tokens = f.kv_block_tokens;
   o.threads = threads;
   return o;
+}
+
+// The checkpoint's tokenizer, if it has one. Every rank reads it (one verdict for a malformed
+// file, like config.json), though only rank 0 tokenizes.
+absl::StatusOr<std::optional<runtime::Tokenizer>> TokenizerFor(const EngineFlags& f,
+                                                               const runtime::ModelConfig& config) {
+  if (runtime::IsPreset(f.model)) return std::nullopt;
+  absl::StatusOr<runtime::Tokenizer> tokenizer = runtime::Tokenizer::Load(f.model);
+  if (absl::IsNotFound(tokenizer.status())) return std::nullopt;
+  CPFILL_RETURN_IF_ERROR(tokenizer.status());
+  CPFILL_CHECK_ARG(tokenizer->vocab_size() <= config.vocab_size, f.model,
+                   "/tokenizer.json has ids up to ", tokenizer->vocab_size() - 1,
+                   ", past the model's vocabulary of ", config.vocab_size);
+  return std::optional<runtime::Tokenizer>(std::move(*tokenizer));
 }
 
 }  // namespace
@@ -66,13 +79,16 @@ absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f
                                                             const parallel::ProcessGrid& grid,
                                                             runtime::EngineOptions options) {
   auto host = std::make_unique<EngineHost>();
-  CPFILL_ASSIGN_OR_RETURN(host->backend, ResolveBackendName(f.backend, {"cpu", "cuda"}, *grid.world));
+  CPFILL_ASSIGN_OR_RETURN(host->backend,
+                          ResolveBackendName(f.backend, {"cpu", "cuda"}, *grid.world));
   CPFILL_ASSIGN_OR_RETURN(host->config, ModelFor(f, grid.tp_size));
+  CPFILL_ASSIGN_OR_RETURN(host->tokenizer, TokenizerFor(f, host->config));
   CPFILL_ASSIGN_OR_RETURN(SelectorChoice choice, ResolveSelector(f.selector, flags));
   const runtime::PrefillOptions model_options =
       OptionsFrom(f, choice, session.ThreadsPerRank(grid));
-  CPFILL_ASSIGN_OR_RETURN(runtime::ModelWeights weights,
-                          LoadWeightsAgreed(host->config, f.model, static_cast<uint64_t>(f.seed), grid));
+  CPFILL_ASSIGN_OR_RETURN(
+      runtime::ModelWeights weights,
+      LoadWeightsAgreed(host->config, f.model, static_cast<uint64_t>(f.seed), grid));
   CPFILL_ASSIGN_OR_RETURN(host->loaded, BuildModel(host->config, std::move(weights), host->backend,
                                                    grid, session.mpi().options(), model_options));
   options.max_batch_tokens = f.max_batch_tokens;
@@ -80,8 +96,8 @@ absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f
   // Idle ranks hear from rank 0 well within every wait's deadline.
   const auto deadline =
       std::chrono::duration_cast<std::chrono::milliseconds>(session.mpi().options().timeout);
-  options.heartbeat = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(1000),
-                                                          deadline / 4);
+  options.heartbeat =
+      std::min<std::chrono::milliseconds>(std::chrono::milliseconds(1000), deadline / 4);
   host->engine = std::make_unique<runtime::Engine>(*host->loaded.model, *grid.world, options);
   return host;
 }

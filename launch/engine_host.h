@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -18,6 +19,7 @@
 #include "launch/session.h"
 #include "runtime/engine.h"
 #include "runtime/model_config.h"
+#include "runtime/tokenizer.h"
 
 namespace cpfill::launch {
 
@@ -42,13 +44,16 @@ struct EngineHost {
   runtime::ModelConfig config;
   LoadedModel loaded;
   std::unique_ptr<runtime::Engine> engine;
+  // A checkpoint's tokenizer.json (and tokenizer_config.json); none for presets and checkpoints
+  // without one (they take token ids only).
+  std::optional<runtime::Tokenizer> tokenizer;
   ~EngineHost();  // the engine before the model it runs
 };
 
 // Collective. `options` brings what the caller adds (on_batch); the bounds come from the flags
 // and the heartbeat from the session's deadline. Bad input fails alike on every rank
 // (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted), also a checkpoint that only
-// some ranks cannot read (LoadWeightsAgreed).
+// some ranks cannot read (LoadWeightsAgreed) and a malformed tokenizer.json.
 absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& engine_flags,
                                                             const FlagSet& flags, Session& session,
                                                             const parallel::ProcessGrid& grid,

@@ -17,12 +17,26 @@ namespace {
 // The fields POST /v1/completions understands. OpenAI sampling fields that change nothing for a
 // one-token prefill are accepted as long as they are well-typed; anything else is refused by
 // name, so a client learns at once that cpfill did not do what it asked.
-const std::set<std::string> kKnownFields = {
-    "model",       "prompt",      "max_tokens", "logprobs", "session", "kv_transfer_params",
-    "temperature", "top_p",       "n",          "stream",   "user",    "seed",
-    "echo",        "stop",        "top_k",      "presence_penalty",    "frequency_penalty"};
+const std::set<std::string> kKnownFields = {"model",
+                                            "prompt",
+                                            "max_tokens",
+                                            "logprobs",
+                                            "session",
+                                            "kv_transfer_params",
+                                            "temperature",
+                                            "top_p",
+                                            "n",
+                                            "stream",
+                                            "user",
+                                            "seed",
+                                            "echo",
+                                            "stop",
+                                            "top_k",
+                                            "presence_penalty",
+                                            "frequency_penalty"};
 
-absl::StatusOr<std::vector<int32_t>> TokenIds(const nlohmann::json& list, const std::string& where) {
+absl::StatusOr<std::vector<int32_t>> TokenIds(const nlohmann::json& list,
+                                              const std::string& where) {
   CPFILL_CHECK_ARG(list.is_array(), where, " must be a list of token ids");
   std::vector<int32_t> ids;
   ids.reserve(list.size());
@@ -36,22 +50,41 @@ absl::StatusOr<std::vector<int32_t>> TokenIds(const nlohmann::json& list, const 
   return ids;
 }
 
-absl::Status ParsePrompts(const nlohmann::json& prompt, CompletionRequest* r) {
-  CPFILL_CHECK_ARG(!prompt.is_string() && !(prompt.is_array() && !prompt.empty() &&
-                                            prompt[0].is_string()),
-                   "\"prompt\": text needs the model's tokenizer, which cpfill does not have yet; "
-                   "send token ids");
-  CPFILL_CHECK_ARG(prompt.is_array() && !prompt.empty(),
-                   "\"prompt\" must be a non-empty list of token ids or a list of such lists");
-  if (!prompt[0].is_array()) {
-    CPFILL_ASSIGN_OR_RETURN(r->prompts.emplace_back(), TokenIds(prompt, "\"prompt\""));
+absl::StatusOr<std::vector<int32_t>> TextIds(const nlohmann::json& text, const std::string& where,
+                                             const runtime::Tokenizer* tokenizer) {
+  CPFILL_CHECK_ARG(tokenizer != nullptr, where,
+                   ": text needs the model's tokenizer, and this model has none (a preset, or a "
+                   "checkpoint without tokenizer.json); send token ids");
+  absl::StatusOr<std::vector<int32_t>> ids =
+      tokenizer->Encode(text.get_ref<const std::string&>(), /*add_bos=*/true);
+  CPFILL_CHECK_ARG(ids.ok(), where, ": ", ids.status().message());
+  return ids;
+}
+
+// One prompt: a list of token ids or a text.
+absl::StatusOr<std::vector<int32_t>> PromptIds(const nlohmann::json& p, const std::string& where,
+                                               const runtime::Tokenizer* tokenizer) {
+  if (p.is_string()) return TextIds(p, where, tokenizer);
+  return TokenIds(p, where);
+}
+
+absl::Status ParsePrompts(const nlohmann::json& prompt, const runtime::Tokenizer* tokenizer,
+                          CompletionRequest* r) {
+  CPFILL_CHECK_ARG(prompt.is_string() || (prompt.is_array() && !prompt.empty()),
+                   "\"prompt\" must be a text, a non-empty list of token ids, or a list of "
+                   "texts or of such lists");
+  const bool batch = prompt.is_array() && (prompt[0].is_array() || prompt[0].is_string());
+  if (!batch) {
+    CPFILL_ASSIGN_OR_RETURN(r->prompts.emplace_back(), PromptIds(prompt, "\"prompt\"", tokenizer));
     return absl::OkStatus();
   }
   CPFILL_CHECK_ARG(prompt.size() <= kMaxPromptsPerRequest, "\"prompt\" holds ", prompt.size(),
                    " prompts, more than ", kMaxPromptsPerRequest);
   for (size_t i = 0; i < prompt.size(); ++i) {
-    CPFILL_ASSIGN_OR_RETURN(r->prompts.emplace_back(),
-                            TokenIds(prompt[i], absl::StrCat("\"prompt\"[", i, "]")));
+    const std::string where = absl::StrCat("\"prompt\"[", i, "]");
+    CPFILL_CHECK_ARG(prompt[i].is_array() || prompt[i].is_string(), where,
+                     " must be a text or a list of token ids");
+    CPFILL_ASSIGN_OR_RETURN(r->prompts.emplace_back(), PromptIds(prompt[i], where, tokenizer));
   }
   return absl::OkStatus();
 }
@@ -73,9 +106,8 @@ nlohmann::ordered_json Logprobs(const runtime::EngineResult& r, int k) {
   const double first = r.first_token >= 0 && r.first_token < static_cast<int32_t>(z.size())
                            ? z[r.first_token] - log_z
                            : 0.0;
-  return {{"token_ids", {r.first_token}},
-          {"token_logprobs", {first}},
-          {"top_logprobs", {top_json}}};
+  return {
+      {"token_ids", {r.first_token}}, {"token_logprobs", {first}}, {"top_logprobs", {top_json}}};
 }
 
 nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
@@ -101,9 +133,10 @@ nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
 }  // namespace
 
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
-                                                         const std::string& served_model) {
-  CPFILL_CHECK_ARG(body.size() <= kMaxBodyBytes, "the body has ", body.size(),
-                   " bytes, more than ", kMaxBodyBytes);
+                                                         const std::string& served_model,
+                                                         const runtime::Tokenizer* tokenizer) {
+  CPFILL_CHECK_ARG(body.size() <= kMaxBodyBytes, "the body has ", body.size(), " bytes, more than ",
+                   kMaxBodyBytes);
   absl::StatusOr<nlohmann::json> parsed = json::Parse(body);
   CPFILL_CHECK_ARG(parsed.ok(), "the body is not valid JSON: ", parsed.status().message());
   const nlohmann::json& v = *parsed;
@@ -114,12 +147,12 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
   CompletionRequest r;
   if (const nlohmann::json* model = json::Find(v, "model"); model != nullptr) {
     CPFILL_CHECK_ARG(model->is_string() && model->get_ref<const std::string&>() == served_model,
-                     "\"model\" is ", json::Show(*model), "; this server serves \"",
-                     served_model, "\"");
+                     "\"model\" is ", json::Show(*model), "; this server serves \"", served_model,
+                     "\"");
   }
   const nlohmann::json* prompt = json::Find(v, "prompt");
   CPFILL_CHECK_ARG(prompt != nullptr, "\"prompt\" is required");
-  CPFILL_RETURN_IF_ERROR(ParsePrompts(*prompt, &r));
+  CPFILL_RETURN_IF_ERROR(ParsePrompts(*prompt, tokenizer, &r));
   if (const nlohmann::json* m = json::Find(v, "max_tokens"); m != nullptr && !m->is_null()) {
     const std::optional<int64_t> n = json::AsInt64(*m);
     CPFILL_CHECK_ARG(n.has_value() && *n >= 1, "\"max_tokens\" is ", json::Show(*m),
@@ -132,7 +165,8 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
     CPFILL_CHECK_ARG(json::AsInt64(*n) == 1, "\"n\" is ", json::Show(*n), "; only 1 is supported");
   }
   if (const nlohmann::json* s = json::Find(v, "stream"); s != nullptr && !s->is_null()) {
-    CPFILL_CHECK_ARG(s->is_boolean() && !s->get<bool>(), "\"stream\": streaming needs decode, "
+    CPFILL_CHECK_ARG(s->is_boolean() && !s->get<bool>(),
+                     "\"stream\": streaming needs decode, "
                      "which is not available");
   }
   if (const nlohmann::json* lp = json::Find(v, "logprobs"); lp != nullptr && !lp->is_null()) {
@@ -145,8 +179,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
     CPFILL_CHECK_ARG(s->is_string() && !s->get_ref<const std::string&>().empty() &&
                          s->get_ref<const std::string&>().size() <= 256,
                      "\"session\" must be a non-empty string of at most 256 bytes");
-    CPFILL_CHECK_ARG(r.prompts.size() == 1, "\"session\" takes one prompt, got ",
-                     r.prompts.size());
+    CPFILL_CHECK_ARG(r.prompts.size() == 1, "\"session\" takes one prompt, got ", r.prompts.size());
     r.session = s->get<std::string>();
   }
   if (const nlohmann::json* kv = json::Find(v, "kv_transfer_params"); kv != nullptr) {
@@ -160,13 +193,20 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
 nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                           const std::vector<runtime::EngineResult>& results,
                                           const std::string& id, int64_t created,
-                                          const std::string& served_model) {
+                                          const std::string& served_model,
+                                          const runtime::Tokenizer* tokenizer) {
   nlohmann::ordered_json choices = nlohmann::ordered_json::array(), timing = choices;
   int64_t prompt_tokens = 0, cached = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     const runtime::EngineResult& r = results[i];
+    std::string text;
+    if (tokenizer != nullptr) {
+      const int32_t first = r.first_token;
+      text = tokenizer->Decode(std::span<const int32_t>(&first, 1), /*skip_special=*/false)
+                 .value_or("");
+    }
     nlohmann::ordered_json c = {{"index", i},
-                                {"text", ""},
+                                {"text", std::move(text)},
                                 {"token_ids", {r.first_token}},
                                 {"logprobs", nullptr},
                                 {"finish_reason", "length"}};
@@ -193,6 +233,10 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
   return out;
 }
 
+std::string JsonText(const nlohmann::ordered_json& value) {
+  return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 HttpError ErrorResponse(const absl::Status& status) {
   HttpError e;
   std::string type = "server_error";
@@ -215,7 +259,7 @@ HttpError ErrorResponse(const absl::Status& status) {
   }
   nlohmann::ordered_json body = {
       {"error", {{"message", std::string(status.message())}, {"type", type}, {"code", e.status}}}};
-  e.body = body.dump();
+  e.body = JsonText(body);
   return e;
 }
 
@@ -251,7 +295,8 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
       absl::StrAppend(&out, name, labels, " ", absl::StrFormat("%.9g", value), "\n");
     }
   };
-  metric("cpfill:requests_total", "counter", "Prompts answered by the engine, and HTTP requests refused.",
+  metric("cpfill:requests_total", "counter",
+         "Prompts answered by the engine, and HTTP requests refused.",
          {{"{status=\"ok\"}", double(engine.requests_ok)},
           {"{status=\"failed\"}", double(engine.requests_failed)},
           {"{status=\"http_4xx\"}", double(server.http_client_errors)},
@@ -262,8 +307,8 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
          {{"", double(engine.cached_tokens)}});
   metric("cpfill:batches_total", "counter", "Fused batches prefilled.",
          {{"", double(engine.batches)}});
-  metric("cpfill:session_evictions_total", "counter",
-         "Idle sessions evicted from a full KV cache.", {{"", double(engine.evictions)}});
+  metric("cpfill:session_evictions_total", "counter", "Idle sessions evicted from a full KV cache.",
+         {{"", double(engine.evictions)}});
   metric("cpfill:num_requests_waiting", "gauge", "Prompts queued on rank 0.",
          {{"", double(engine.waiting)}});
   metric("cpfill:num_requests_running", "gauge", "HTTP requests being answered.",

@@ -3,9 +3,9 @@
 // response bodies, error bodies and Prometheus metrics out. The server (http_server.h) wires them
 // to the engine; tests call them directly.
 //
-//   CPFILL_ASSIGN_OR_RETURN(CompletionRequest r, ParseCompletionRequest(body, "tiny"));
+//   CPFILL_ASSIGN_OR_RETURN(CompletionRequest r, ParseCompletionRequest(body, "tiny", nullptr));
 //   ... engine.Submit per prompt ...
-//   std::string json = CompletionResponse(r, results, id, created, "tiny").dump();
+//   std::string json = CompletionResponse(r, results, id, created, "tiny", nullptr).dump();
 #pragma once
 
 #include <cstdint>
@@ -18,12 +18,15 @@
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
 #include "runtime/engine.h"
+#include "runtime/tokenizer.h"
 
 namespace cpfill::launch {
 
-// POST /v1/completions, token-id prompts only until the tokenizer lands.
+// POST /v1/completions.
 struct CompletionRequest {
-  std::vector<std::vector<int32_t>> prompts;  // "prompt": [ids] or [[ids], [ids], ...]
+  // "prompt": [ids], [[ids], ...], "text" or ["text", ...] (text encoded with BOS, as vLLM's
+  // completions do by default)
+  std::vector<std::vector<int32_t>> prompts;
   std::string session;                        // extension: keep and reuse this conversation's KV
   int logprobs = 0;                           // top-k at the last position (0: none)
   std::optional<nlohmann::json> kv_transfer_params;  // accepted and echoed
@@ -35,18 +38,26 @@ inline constexpr int kMaxPromptsPerRequest = 1024;
 inline constexpr int kMaxLogprobs = 20;
 
 // InvalidArgument naming the field for malformed JSON, wrong types, unknown or unsupported
-// fields (max_tokens > 1: decode is not available yet; text prompts: no tokenizer), a model name
-// other than `served_model`, or a session with more than one prompt.
+// fields (max_tokens > 1: decode is not available yet; text prompts when `tokenizer` is null:
+// the model has none), a model name other than `served_model`, or a session with more than one
+// prompt.
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
-                                                         const std::string& served_model);
+                                                         const std::string& served_model,
+                                                         const runtime::Tokenizer* tokenizer);
 
-// The response: choices (one per prompt: the first token's id, its logprobs when asked),
+// The response: choices (one per prompt: the first token's id and, with a tokenizer, its text;
+// its logprobs when asked),
 // usage (prompt, cached and completion tokens), the echoed kv_transfer_params, and a "cpfill"
 // object with each prompt's queue time, TTFT and its phases, and the selector's choice.
 nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                           const std::vector<runtime::EngineResult>& results,
                                           const std::string& id, int64_t created,
-                                          const std::string& served_model);
+                                          const std::string& served_model,
+                                          const runtime::Tokenizer* tokenizer);
+
+// A JSON body as text. Strings that are not valid UTF-8 (a URL's bytes, a parser's message
+// quoting the bad input) are written with U+FFFD in place of the bad bytes instead of throwing.
+std::string JsonText(const nlohmann::ordered_json& value);
 
 // An error as OpenAI clients expect it: {"error": {"message", "type", "code"}} with the HTTP
 // status for the status code (InvalidArgument 400, NotFound 404, ResourceExhausted 413 (too

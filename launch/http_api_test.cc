@@ -14,14 +14,14 @@ TEST(HttpApi, ParsesTokenPromptsSessionsAndLogprobs) {
   auto r = ParseCompletionRequest(
       R"({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1, "logprobs": 5,
           "session": "chat", "kv_transfer_params": {"do_remote_decode": false}})",
-      "tiny");
+      "tiny", nullptr);
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->prompts.size(), 1u);
   EXPECT_EQ(r->prompts[0], (std::vector<int32_t>{1, 2, 3}));
   EXPECT_EQ(r->session, "chat");
   EXPECT_EQ(r->logprobs, 5);
   ASSERT_TRUE(r->kv_transfer_params.has_value());
-  auto batch = ParseCompletionRequest(R"({"prompt": [[1], [2, 3]]})", "tiny");
+  auto batch = ParseCompletionRequest(R"({"prompt": [[1], [2, 3]]})", "tiny", nullptr);
   ASSERT_TRUE(batch.ok()) << batch.status();
   EXPECT_EQ(batch->prompts.size(), 2u);
 }
@@ -32,12 +32,14 @@ TEST(HttpApi, RefusesEachMalformedFieldByName) {
       {"[1, 2]", "must be a JSON object"},
       {R"({"prompt": [1], "prompt": [2]})", "not valid JSON"},  // duplicate keys
       {R"({})", "\"prompt\" is required"},
-      {R"({"prompt": "hello"})", "tokenizer"},
-      {R"({"prompt": ["hello"]})", "tokenizer"},
+      {R"({"prompt": "hello"})", "this model has none"},
+      {R"({"prompt": ["hello"]})", "\"prompt\"[0]: text needs the model's tokenizer"},
+      {R"({"prompt": 7})", "must be a text"},
+      {R"({"prompt": "\ud800"})", "not valid JSON"},  // a lone surrogate is not UTF-8
       {R"({"prompt": []})", "non-empty"},
       {R"({"prompt": [1, -2]})", "\"prompt\"[1] is -2"},
       {R"({"prompt": [1.5]})", "not a token id"},
-      {R"({"prompt": [[1], "x"]})", "\"prompt\"[1] must be a list"},
+      {R"({"prompt": [[1], 2]})", "\"prompt\"[1] must be a text or a list"},
       {R"({"prompt": [1], "max_tokens": 16})", "decode is not available"},
       {R"({"prompt": [1], "max_tokens": 0})", "positive integer"},
       {R"({"prompt": [1], "model": "other"})", "this server serves \"tiny\""},
@@ -50,7 +52,7 @@ TEST(HttpApi, RefusesEachMalformedFieldByName) {
       {R"({"prompt": [1], "kv_transfer_params": 3})", "kv_transfer_params"},
   };
   for (const auto& [body, message] : cases) {
-    auto r = ParseCompletionRequest(body, "tiny");
+    auto r = ParseCompletionRequest(body, "tiny", nullptr);
     ASSERT_FALSE(r.ok()) << body;
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << body;
     EXPECT_NE(r.status().message().find(message), std::string::npos)
@@ -83,7 +85,7 @@ TEST(HttpApi, ResponseCarriesTokensUsageLogprobsAndTimings) {
   r.cached_tokens = 5;
   r.queue_s = 0.001;
   r.prefill_s = 0.002;
-  const nlohmann::ordered_json out = CompletionResponse(request, {r}, "cmpl-1", 7, "tiny");
+  const nlohmann::ordered_json out = CompletionResponse(request, {r}, "cmpl-1", 7, "tiny", nullptr);
   EXPECT_EQ(out["choices"][0]["token_ids"][0], 2);
   EXPECT_EQ(out["usage"]["prompt_tokens"], 3);
   EXPECT_EQ(out["usage"]["completion_tokens"], 1);

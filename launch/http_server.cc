@@ -18,10 +18,11 @@ std::vector<double> LatencyBounds() {
 }  // namespace
 
 HttpFront::HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::string served_model,
-                     int threads)
+                     const runtime::Tokenizer* tokenizer, int threads)
     : engine_(engine),
       model_(model),
       served_model_(std::move(served_model)),
+      tokenizer_(tokenizer),
       server_(std::make_unique<httplib::Server>()),
       ttft_(LatencyBounds()),
       queue_(LatencyBounds()),
@@ -33,11 +34,12 @@ HttpFront::HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::s
 HttpFront::~HttpFront() = default;
 
 absl::StatusOr<int> HttpFront::Bind(const std::string& host, int port) {
-  const int bound = port == 0 ? server_->bind_to_any_port(host) : (server_->bind_to_port(host, port) ? port : -1);
+  const int bound =
+      port == 0 ? server_->bind_to_any_port(host) : (server_->bind_to_port(host, port) ? port : -1);
   if (bound <= 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--host ", host, " --port ", port, ": cannot listen there (in use, or not "
-                     "an address of this host)"));
+    return absl::FailedPreconditionError(absl::StrCat("--host ", host, " --port ", port,
+                                                      ": cannot listen there (in use, or not "
+                                                      "an address of this host)"));
   }
   return bound;
 }
@@ -61,7 +63,8 @@ void HttpFront::Stop() { server_->stop(); }
 // One completion: every prompt submitted, then each answer awaited. A prompt the engine refuses
 // fails the whole request with its error; the others still run and are dropped.
 std::string HttpFront::Completions(const std::string& body, int* status) {
-  absl::StatusOr<CompletionRequest> request = ParseCompletionRequest(body, served_model_);
+  absl::StatusOr<CompletionRequest> request =
+      ParseCompletionRequest(body, served_model_, tokenizer_);
   if (!request.ok()) {
     HttpError e = ErrorResponse(request.status());
     *status = e.status;
@@ -91,14 +94,12 @@ std::string HttpFront::Completions(const std::string& body, int* status) {
     batch_tokens_.Observe(static_cast<double>(r->timings.new_tokens));
     results.push_back(std::move(*r));
   }
-  const int64_t created =
-      std::chrono::duration_cast<std::chrono::seconds>(
-          std::chrono::system_clock::now().time_since_epoch())
-          .count();
+  const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count();
   *status = 200;
-  return CompletionResponse(*request, results, absl::StrCat("cmpl-", next_id_++), created,
-                            served_model_)
-      .dump();
+  return JsonText(CompletionResponse(*request, results, absl::StrCat("cmpl-", next_id_++), created,
+                                     served_model_, tokenizer_));
 }
 
 void HttpFront::Routes() {
@@ -111,13 +112,29 @@ void HttpFront::Routes() {
   s.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;  // a route's own error body stays
     const absl::Status why =
-        res.status == 413 ? absl::ResourceExhaustedError(absl::StrCat(
-                                "the body is larger than ", kMaxBodyBytes, " bytes"))
-        : res.status == 404 ? absl::NotFoundError(absl::StrCat("no route ", req.method, " ", req.path))
-                            : absl::InvalidArgumentError(absl::StrCat("HTTP ", res.status));
+        res.status >= 500   ? absl::InternalError(absl::StrCat("HTTP ", res.status))
+        : res.status == 413 ? absl::ResourceExhaustedError(
+                                  absl::StrCat("the body is larger than ", kMaxBodyBytes, " bytes"))
+        : res.status == 404
+            ? absl::NotFoundError(absl::StrCat("no route ", req.method, " ", req.path))
+            : absl::InvalidArgumentError(absl::StrCat("HTTP ", res.status));
     HttpError e = ErrorResponse(why);
     res.set_content(e.body, kJson);
   });
+  // A handler that throws (a bug) answers 500 with what it threw; the server goes on.
+  s.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        HttpError e = ErrorResponse(absl::InternalError(absl::StrCat("internal error: ", what)));
+        res.status = e.status;
+        res.set_content(e.body, kJson);
+      });
   s.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     ++running_;
     int status = 500;
@@ -138,19 +155,19 @@ void HttpFront::Routes() {
     res.set_content(e.body, kJson);
   });
   s.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-    nlohmann::ordered_json models = {
-        {"object", "list"},
-        {"data",
-         {{{"id", served_model_},
-           {"object", "model"},
-           {"owned_by", "cpfill"},
-           {"max_model_len", model_.config().max_position_embeddings},
-           {"vocab_size", model_.config().vocab_size}}}}};
-    res.set_content(models.dump(), kJson);
+    nlohmann::ordered_json models = {{"object", "list"},
+                                     {"data",
+                                      {{{"id", served_model_},
+                                        {"object", "model"},
+                                        {"owned_by", "cpfill"},
+                                        {"max_model_len", model_.config().max_position_embeddings},
+                                        {"vocab_size", model_.config().vocab_size},
+                                        {"text_prompts", tokenizer_ != nullptr}}}}};
+    res.set_content(JsonText(models), kJson);
   });
   s.Get("/v1/sessions", [this](const httplib::Request&, httplib::Response& res) {
     nlohmann::ordered_json out = {{"sessions", engine_.sessions()}};
-    res.set_content(out.dump(), kJson);
+    res.set_content(JsonText(out), kJson);
   });
   s.Delete(R"(/v1/sessions/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
     const std::string name = req.matches[1];
@@ -161,7 +178,7 @@ void HttpFront::Routes() {
       res.set_content(e.body, kJson);
       return;
     }
-    res.set_content(nlohmann::ordered_json{{"deleted", name}}.dump(), kJson);
+    res.set_content(JsonText({{"deleted", name}}), kJson);
   });
   s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     const ServerCounters counters{.http_ok = ok_,

@@ -2,7 +2,7 @@
 // cpp-httplib answers each request on its own thread by submitting to the engine and waiting on
 // the engine's futures; request and response bodies go through http_api.h.
 //
-//   HttpFront front(engine, model, "tiny", /*threads=*/64);
+//   HttpFront front(engine, model, "tiny", /*tokenizer=*/nullptr, /*threads=*/64);
 //   CPFILL_ASSIGN_OR_RETURN(int port, front.Bind("127.0.0.1", 0));   // 0: a free port
 //   std::thread http([&] { front.Serve(); });
 //   ... engine.Run() ...;  front.Stop();  http.join();
@@ -29,8 +29,9 @@ class HttpFront {
  public:
   // `threads`: requests answered at once. Each waits on the engine for its whole prefill, so a
   // request beyond them waits in the server, unseen by the engine's queue and batches.
+  // `tokenizer` (may be null: token ids only) outlives the front.
   HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::string served_model,
-            int threads);
+            const runtime::Tokenizer* tokenizer, int threads);
   ~HttpFront();
 
   // Binds `host`:`port` (0: a free port) and returns the port. FailedPrecondition naming the
@@ -51,6 +52,7 @@ class HttpFront {
   runtime::Engine& engine_;
   runtime::LlamaModel& model_;
   const std::string served_model_;
+  const runtime::Tokenizer* tokenizer_;
   std::unique_ptr<httplib::Server> server_;
   std::atomic<bool> healthy_{false};
   std::mutex health_mu_;

@@ -11,8 +11,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "base/status.h"
 #include "absl/strings/str_format.h"
+#include "base/status.h"
 #include "launch/commands.h"
 #include "launch/engine_host.h"
 #include "launch/flags.h"
@@ -38,8 +38,9 @@ void DefineFlags(FlagSet& flags, ServeFlags* f) {
   flags.String("host", &f->host, "address rank 0 listens on");
   flags.Int("port", &f->port, "port rank 0 listens on (0: a free one, printed)").Within({0, 65535});
   flags.String("port-file", &f->port_file, "also write the port to this file once listening");
-  flags.Int("http-threads", &f->http_threads,
-            "HTTP requests answered at once (each holds a thread until its prefill ends)")
+  flags
+      .Int("http-threads", &f->http_threads,
+           "HTTP requests answered at once (each holds a thread until its prefill ends)")
       .Within({1, 4096});
   flags.Bool("log-json", &f->log_json,
              "log one JSON object per line (start, each batch, stop) instead of text");
@@ -62,14 +63,16 @@ class ServeLog {
     session_.Print("%s\n", line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   }
 
-  void Batch(int requests, int64_t tokens, int64_t cached, parallel::RingAlgorithm algo,
-             double s) {
+  void Batch(int requests, int64_t tokens, int64_t cached, parallel::RingAlgorithm algo, double s) {
     const std::string name(parallel::RingAlgorithmName(algo));
     Event("batch",
-          {{"requests", requests}, {"new_tokens", tokens}, {"cached_tokens", cached},
-           {"algorithm", name}, {"ms", s * 1e3}},
-          absl::StrFormat("batch: %d request(s), %d new + %d cached tokens, %s, %.1f ms",
-                          requests, tokens, cached, name, s * 1e3));
+          {{"requests", requests},
+           {"new_tokens", tokens},
+           {"cached_tokens", cached},
+           {"algorithm", name},
+           {"ms", s * 1e3}},
+          absl::StrFormat("batch: %d request(s), %d new + %d cached tokens, %s, %.1f ms", requests,
+                          tokens, cached, name, s * 1e3));
   }
 
  private:
@@ -117,7 +120,8 @@ int WaitForStopSignal() {
 // Rank 0: listens, and tells every rank whether it could (collective).
 absl::StatusOr<int> ListenAgreed(HttpFront* front, const ServeFlags& f,
                                  parallel::Communicator& world) {
-  absl::StatusOr<int> port = front != nullptr ? front->Bind(f.host, f.port) : absl::StatusOr<int>(0);
+  absl::StatusOr<int> port =
+      front != nullptr ? front->Bind(f.host, f.port) : absl::StatusOr<int>(0);
   CPFILL_ASSIGN_OR_RETURN(bool all, parallel::AllRanksOk(world, port.ok()));
   if (!port.ok()) return port.status();
   if (!all) return absl::FailedPreconditionError("world rank 0 could not listen");
@@ -129,12 +133,12 @@ std::thread StartFront(HttpFront& front, const ServeFlags& f, int port, Session&
                        const parallel::ProcessGrid& grid, ServeLog& log) {
   front.SetHealthy(true);
   std::thread http([&front] { front.Serve(); });
-  log.Event("listening",
-            {{"model", f.engine.model}, {"host", f.host}, {"port", port},
-             {"layout", grid.Describe()}},
-            absl::StrFormat("%s on http://%s:%d (%s); POST /v1/completions, GET /health, "
-                            "/metrics, /v1/models, /v1/sessions",
-                            f.engine.model, f.host, port, grid.Describe()));
+  log.Event(
+      "listening",
+      {{"model", f.engine.model}, {"host", f.host}, {"port", port}, {"layout", grid.Describe()}},
+      absl::StrFormat("%s on http://%s:%d (%s); POST /v1/completions, GET /health, "
+                      "/metrics, /v1/models, /v1/sessions",
+                      f.engine.model, f.host, port, grid.Describe()));
   if (!f.port_file.empty()) std::ofstream(f.port_file) << port << "\n";
   return http;
 }
@@ -156,8 +160,8 @@ int Run(int argc, char** argv) {
   ServeFlags f;
   FlagSet flags("serve",
                 "a long-running prefill service: rank 0 serves HTTP (OpenAI-compatible "
-                "completions with token ids, sessions, /health, /metrics), every rank prefills "
-                "(under mpirun)");
+                "completions with token ids, or text with a checkpoint's tokenizer; sessions, "
+                "/health, /metrics), every rank prefills (under mpirun)");
   DefineFlags(flags, &f);
   const absl::Status parsed = flags.Parse(argc, argv, 2);
   Started started = Session::Begin(&argc, &argv, flags, parsed, f.session);
@@ -169,9 +173,8 @@ int Run(int argc, char** argv) {
 
   runtime::EngineOptions engine_options;
   engine_options.on_batch = [&log](int requests, int64_t tokens, int64_t cached,
-                                   parallel::RingAlgorithm algo, double s) {
-    log.Batch(requests, tokens, cached, algo, s);
-  };
+                                   parallel::RingAlgorithm algo,
+                                   double s) { log.Batch(requests, tokens, cached, algo, s); };
   auto host = BuildEngineHost(f.engine, flags, session, grid, engine_options);
   if (!host.ok()) return session.Refuse(host.status());
   runtime::Engine& engine = *(*host)->engine;
@@ -179,7 +182,8 @@ int Run(int argc, char** argv) {
   // Rank 0 listens; every rank learns whether it could.
   std::unique_ptr<HttpFront> front;
   if (session.is_root()) {
-    front = std::make_unique<HttpFront>(engine, *(*host)->loaded.model, f.engine.model,
+    const runtime::Tokenizer* tokenizer = (*host)->tokenizer ? &*(*host)->tokenizer : nullptr;
+    front = std::make_unique<HttpFront>(engine, *(*host)->loaded.model, f.engine.model, tokenizer,
                                         f.http_threads);
   }
   auto port = ListenAgreed(front.get(), f, *grid.world);

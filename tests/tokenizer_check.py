@@ -134,13 +134,13 @@ def corpus(rng, lines):
 
 # ---- tokenizers ----------------------------------------------------------------------------
 
-def train(rng):
+def train(rng, vocab_size=2000):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2000, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(rng, 4000), trainer)
     return json.loads(tok.to_str())

@@ -1,8 +1,6 @@
 // The C API of libcpfill.so (cpfill.h) over the engine (runtime/engine.h), built the way
 // `cpfill serve` builds it (launch/engine_host.h). Each entry point turns statuses into codes
 // and catches every exception: nothing C++ crosses into the embedding program.
-#include "launch/embed/cpfill.h"
-
 #include <chrono>
 #include <exception>
 #include <memory>
@@ -12,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "launch/embed/cpfill.h"
 #include "launch/engine_host.h"
 #include "launch/flags.h"
 #include "launch/session.h"
@@ -48,15 +47,23 @@ thread_local std::string last_error;
 
 int Code(const absl::Status& status) {
   switch (status.code()) {
-    case absl::StatusCode::kOk: return CPFILL_OK;
+    case absl::StatusCode::kOk:
+      return CPFILL_OK;
     case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kOutOfRange: return CPFILL_INVALID_ARGUMENT;
-    case absl::StatusCode::kNotFound: return CPFILL_NOT_FOUND;
-    case absl::StatusCode::kResourceExhausted: return CPFILL_RESOURCE_EXHAUSTED;
-    case absl::StatusCode::kUnavailable: return CPFILL_UNAVAILABLE;
-    case absl::StatusCode::kFailedPrecondition: return CPFILL_FAILED_PRECONDITION;
-    case absl::StatusCode::kDeadlineExceeded: return CPFILL_NOT_READY;
-    default: return CPFILL_INTERNAL;
+    case absl::StatusCode::kOutOfRange:
+      return CPFILL_INVALID_ARGUMENT;
+    case absl::StatusCode::kNotFound:
+      return CPFILL_NOT_FOUND;
+    case absl::StatusCode::kResourceExhausted:
+      return CPFILL_RESOURCE_EXHAUSTED;
+    case absl::StatusCode::kUnavailable:
+      return CPFILL_UNAVAILABLE;
+    case absl::StatusCode::kFailedPrecondition:
+      return CPFILL_FAILED_PRECONDITION;
+    case absl::StatusCode::kDeadlineExceeded:
+      return CPFILL_NOT_READY;
+    default:
+      return CPFILL_INTERNAL;
   }
 }
 
@@ -120,7 +127,8 @@ absl::Status Submit(cpfill_engine* e, const int32_t* tokens, size_t n, const cha
                     cpfill_request** out) {
   if (absl::Status s = NeedRoot(e, "cpfill_submit"); !s.ok()) return s;
   if (out == nullptr) return absl::InvalidArgumentError("cpfill_submit: request is NULL");
-  if (tokens == nullptr && n > 0) return absl::InvalidArgumentError("cpfill_submit: tokens is NULL");
+  if (tokens == nullptr && n > 0)
+    return absl::InvalidArgumentError("cpfill_submit: tokens is NULL");
   cpfill::runtime::EngineRequest request{.tokens = std::vector<int32_t>(tokens, tokens + n),
                                          .session = session == nullptr ? "" : session};
   auto reply = e->host->engine->Submit(std::move(request));
@@ -217,9 +225,8 @@ int cpfill_request_poll(cpfill_request* r) {
 }
 
 int cpfill_request_wait(cpfill_request* r, double timeout_s) {
-  return Guarded([&] {
-    return Await(r, timeout_s < 0 ? std::nullopt : std::optional<double>(timeout_s));
-  });
+  return Guarded(
+      [&] { return Await(r, timeout_s < 0 ? std::nullopt : std::optional<double>(timeout_s)); });
 }
 
 int cpfill_request_result(cpfill_request* r, cpfill_result* result) {
@@ -231,7 +238,8 @@ void cpfill_request_free(cpfill_request* r) { delete r; }
 int cpfill_session_end(cpfill_engine* e, const char* session) {
   return Guarded([&] {
     if (absl::Status s = NeedRoot(e, "cpfill_session_end"); !s.ok()) return s;
-    if (session == nullptr) return absl::InvalidArgumentError("cpfill_session_end: session is NULL");
+    if (session == nullptr)
+      return absl::InvalidArgumentError("cpfill_session_end: session is NULL");
     return e->host->engine->EndSession(session).get();
   });
 }
