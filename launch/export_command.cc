@@ -8,6 +8,7 @@
 #include "launch/commands.h"
 #include "launch/flags.h"
 #include "launch/model_setup.h"
+#include "launch/session.h"
 #include "runtime/model_config.h"
 #include "runtime/weights.h"
 
@@ -27,32 +28,23 @@ int RunExportCommand(int argc, char** argv) {
       .Within(Range::AtLeast(0));
   flags.Int("layers", &layers, "keep only the first K layers (0: all)").Within({0, 1e6});
   flags.Bool("bf16", &bf16, "store bf16 (default fp32)");
-  auto fail = [](const absl::Status& s) {
-    std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
-    return kExitBadInput;
-  };
-  if (absl::Status s = flags.Parse(argc, argv, 2); !s.ok()) return fail(s);
-  if (flags.help()) {
-    std::fputs(flags.Usage().c_str(), stdout);
-    return kExitOk;
-  }
-  if (absl::Status s = knobs::Validate(); !s.ok()) return fail(s);
+  if (auto done = AnswerFlagsFirst(flags, flags.Parse(argc, argv, 2))) return *done;
   if (!runtime::IsPreset(model)) {
-    return fail(
+    return RefuseInput(
         absl::InvalidArgumentError("--model: export writes presets only, got '" + model + "'"));
   }
   auto config = runtime::LoadModelConfig(model);
-  if (!config.ok()) return fail(config.status());
+  if (!config.ok()) return RefuseInput(config.status());
   if (layers > config->num_layers) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
+    return RefuseInput(absl::InvalidArgumentError(absl::StrCat(
         "--layers ", layers, ": ", model, " has only ", config->num_layers, " layers")));
   }
   if (layers > 0) config->num_layers = layers;
-  if (absl::Status s = WeightsFit(*config, 1); !s.ok()) return fail(s);
+  if (absl::Status s = WeightsFit(*config, 1); !s.ok()) return RefuseInput(s);
   auto weights = runtime::SyntheticWeights(*config, static_cast<uint64_t>(seed), 0, 1);
-  if (!weights.ok()) return fail(weights.status());
+  if (!weights.ok()) return RefuseInput(weights.status());
   if (absl::Status s = runtime::SaveHfCheckpoint(*config, *weights, out, bf16); !s.ok()) {
-    return fail(absl::InvalidArgumentError(absl::StrCat("--out: ", s.message())));
+    return RefuseInput(absl::InvalidArgumentError(absl::StrCat("--out: ", s.message())));
   }
   std::printf("saved %s (%d layers, %s) to %s\n", model.c_str(), config->num_layers,
               bf16 ? "bf16" : "fp32", out.c_str());

@@ -6,6 +6,7 @@
 #include "base/knobs.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
+#include "launch/session.h"
 #include "parallel/selector.h"
 
 namespace cpfill::launch {
@@ -34,18 +35,7 @@ int RunSelectCommand(int argc, char** argv) {
   flags.Int("head-dim", &head_dim, "head dimension (predicted times only)").Within({1, 1024});
   flags.String("rule", &rule_name, "alg1 | alg5 | fitted [fitted with --fit, else alg5]");
   flags.String("fit", &fit_file, "calibration JSON from 'cpfill calibrate'");
-  if (absl::Status s = flags.Parse(argc, argv, 2); !s.ok()) {
-    std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
-    return kExitBadInput;
-  }
-  if (flags.help()) {
-    std::fputs(flags.Usage().c_str(), stdout);
-    return kExitOk;
-  }
-  if (absl::Status s = knobs::Validate(); !s.ok()) {
-    std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
-    return kExitBadInput;
-  }
+  if (auto done = AnswerFlagsFirst(flags, flags.Parse(argc, argv, 2))) return *done;
   parallel::FittedCoefficients fitted = parallel::FittedCoefficients::Paper();
   if (!fit_file.empty()) {
     auto cal = parallel::ReadCalibrationFile(fit_file);

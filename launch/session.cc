@@ -73,9 +73,9 @@ int LaunchRank() {
   return 0;
 }
 
-// Bad flags, --help and malformed knobs are the same on every rank (same argv, mpirun -x): they
-// are answered before MPI starts, which costs a launch nothing and cannot hang.
-std::optional<int> AnswerBeforeMpi(const FlagSet& flags, const absl::Status& parsed) {
+}  // namespace
+
+std::optional<int> AnswerFlagsFirst(const FlagSet& flags, const absl::Status& parsed) {
   absl::Status refusal = parsed;
   if (refusal.ok() && !flags.help()) refusal = knobs::Validate();
   if (refusal.ok() && !flags.help()) return std::nullopt;
@@ -90,12 +90,16 @@ std::optional<int> AnswerBeforeMpi(const FlagSet& flags, const absl::Status& par
   return refusal.ok() ? kExitOk : kExitBadInput;
 }
 
-}  // namespace
+int RefuseInput(const absl::Status& status) {
+  std::fprintf(stderr, "cpfill: error: %s\n", std::string(status.message()).c_str());
+  std::fflush(stderr);
+  return kExitBadInput;
+}
 
 Started Session::Begin(int* argc, char*** argv, const FlagSet& flags, const absl::Status& parsed,
                        const SessionFlags& session_flags) {
   Started started;
-  started.exit_code = AnswerBeforeMpi(flags, parsed);
+  started.exit_code = AnswerFlagsFirst(flags, parsed);
   if (started.exit_code) return started;
   started.session = Start(argc, argv, session_flags);
   Session& session = *started.session;

@@ -42,6 +42,14 @@ void AddSessionFlags(FlagSet& flags, SessionFlags* session_flags);
 
 class Session;
 
+// Bad flags, --help and malformed knobs, answered before any work: they are the same on every
+// rank (same argv, mpirun -x), so the launcher's rank 0 alone prints (usage to stdout, the error
+// to stderr) and no MPI is needed, which costs a launch nothing and cannot hang. Returns the exit
+// code (0 after --help, 2 for bad input), or nullopt to go on. Commands without MPI use it too.
+std::optional<int> AnswerFlagsFirst(const FlagSet& flags, const absl::Status& parsed);
+// A command without MPI refusing its input: prints "cpfill: error: ..."; returns kExitBadInput.
+int RefuseInput(const absl::Status& status);
+
 // {name: value as text} of knobs::InEffect(), for reports (every --json, `cpfill env --json`).
 nlohmann::ordered_json KnobsJson();
 

@@ -16,6 +16,7 @@
 #include "base/status.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
+#include "launch/session.h"
 #include "runtime/model_config.h"
 #include "runtime/tokenizer.h"
 
@@ -149,26 +150,17 @@ int RunTokenizeCommand(int argc, char** argv) {
   flags.Bool("no-bos", &a.no_bos, "encode without BOS (the post-processor's template)");
   flags.Bool("skip-special", &a.skip_special, "leave special tokens out of decoded texts");
   flags.String("json", &a.json, "write the JSON here instead of printing it");
-  auto fail = [](const absl::Status& s) {
-    std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
-    return kExitBadInput;
-  };
-  if (absl::Status s = flags.Parse(argc, argv, 2); !s.ok()) return fail(s);
-  if (flags.help()) {
-    std::fputs(flags.Usage().c_str(), stdout);
-    return kExitOk;
-  }
-  if (absl::Status s = knobs::Validate(); !s.ok()) return fail(s);
+  if (auto done = AnswerFlagsFirst(flags, flags.Parse(argc, argv, 2))) return *done;
   a.text_set = flags.IsSet("text");
   absl::StatusOr<nlohmann::ordered_json> out = Tokenize(a);
-  if (!out.ok()) return fail(out.status());
+  if (!out.ok()) return RefuseInput(out.status());
   if (!a.json.empty()) {
-    if (absl::Status s = json::WriteFile(a.json, *out); !s.ok()) return fail(s);
+    if (absl::Status s = json::WriteFile(a.json, *out); !s.ok()) return RefuseInput(s);
     std::printf("wrote %s\n", a.json.c_str());
     return kExitOk;
   }
   absl::StatusOr<std::string> text = json::Dump(*out);
-  if (!text.ok()) return fail(text.status());
+  if (!text.ok()) return RefuseInput(text.status());
   std::printf("%s\n", text->c_str());
   return kExitOk;
 }
