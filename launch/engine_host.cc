@@ -72,8 +72,6 @@ absl::StatusOr<std::optional<runtime::Tokenizer>> TokenizerFor(const EngineFlags
 
 }  // namespace
 
-EngineHost::~EngineHost() { engine.reset(); }
-
 absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f,
                                                             const FlagSet& flags, Session& session,
                                                             const parallel::ProcessGrid& grid,

@@ -39,6 +39,7 @@ struct EngineFlags {
 // cache's size, and the selector's.
 void AddEngineFlags(FlagSet& flags, EngineFlags* engine_flags);
 
+// Members end in reverse order: the engine before the model it runs.
 struct EngineHost {
   std::string backend;  // resolved: cpu or cuda
   runtime::ModelConfig config;
@@ -47,7 +48,6 @@ struct EngineHost {
   // A checkpoint's tokenizer.json (and tokenizer_config.json); none for presets and checkpoints
   // without one (they take token ids only).
   std::optional<runtime::Tokenizer> tokenizer;
-  ~EngineHost();  // the engine before the model it runs
 };
 
 // Collective. `options` brings what the caller adds (on_batch); the bounds come from the flags

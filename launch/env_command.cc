@@ -69,8 +69,7 @@ int RunEnvCommand(int argc, char** argv) {
                 "the value in effect and why (no MPI)");
   flags.String("json", &json_file, "also write the list as JSON to this file");
   if (absl::Status s = flags.Parse(argc, argv, 2); !s.ok()) {
-    std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
-    return kExitBadInput;
+    return RefuseInput(s);
   }
   if (flags.help()) {
     std::fputs(flags.Usage().c_str(), stdout);
@@ -78,8 +77,7 @@ int RunEnvCommand(int argc, char** argv) {
   }
   if (!json_file.empty()) {
     if (absl::Status s = CheckWritable("json", json_file); !s.ok()) {
-      std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
-      return kExitBadInput;
+      return RefuseInput(s);
     }
   }
   for (const knobs::KnobSpec& k : knobs::All()) {
@@ -96,8 +94,7 @@ int RunEnvCommand(int argc, char** argv) {
   }
   // A malformed value reads as its default above; say so and refuse, as the other commands do.
   if (absl::Status s = knobs::Validate(); !s.ok()) {
-    std::fprintf(stderr, "cpfill: error: %s\n", std::string(s.message()).c_str());
-    return kExitBadInput;
+    return RefuseInput(s);
   }
   return kExitOk;
 }

@@ -40,8 +40,7 @@ int RunSelectCommand(int argc, char** argv) {
   if (!fit_file.empty()) {
     auto cal = parallel::ReadCalibrationFile(fit_file);
     if (!cal.ok()) {
-      std::fprintf(stderr, "cpfill: error: %s\n", std::string(cal.status().message()).c_str());
-      return kExitBadInput;
+      return RefuseInput(cal.status());
     }
     fitted = cal->fitted;
     if (!flags.IsSet("tflops")) tflops = cal->tflops;
@@ -62,8 +61,7 @@ int RunSelectCommand(int argc, char** argv) {
        .cached_tokens = cached_tokens},
       *rule, fitted);
   if (!selection.ok()) {
-    std::fprintf(stderr, "cpfill: error: %s\n", std::string(selection.status().message()).c_str());
-    return kExitBadInput;
+    return RefuseInput(selection.status());
   }
   absl::StatusOr<std::string> text = json::Dump(selection->ToJson());
   if (!text.ok()) {

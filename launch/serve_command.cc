@@ -60,7 +60,7 @@ class ServeLog {
     }
     nlohmann::ordered_json line = {{"event", event}, {"time", UnixTime()}};
     line.update(fields);
-    session_.Print("%s\n", line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    session_.Print("%s\n", JsonText(line));
   }
 
   void Batch(int requests, int64_t tokens, int64_t cached, parallel::RingAlgorithm algo, double s) {

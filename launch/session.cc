@@ -80,12 +80,9 @@ std::optional<int> AnswerFlagsFirst(const FlagSet& flags, const absl::Status& pa
   if (refusal.ok() && !flags.help()) refusal = knobs::Validate();
   if (refusal.ok() && !flags.help()) return std::nullopt;
   if (LaunchRank() == 0) {
-    if (refusal.ok()) {
-      std::fputs(flags.Usage().c_str(), stdout);
-    } else {
-      std::fprintf(stderr, "cpfill: error: %s\n", std::string(refusal.message()).c_str());
-    }
-    std::fflush(nullptr);
+    if (!refusal.ok()) return RefuseInput(refusal);
+    std::fputs(flags.Usage().c_str(), stdout);
+    std::fflush(stdout);
   }
   return refusal.ok() ? kExitOk : kExitBadInput;
 }
@@ -164,11 +161,7 @@ std::optional<int> Session::CheckOutputs(
 }
 
 int Session::ConfigError(const absl::Status& status) {
-  if (is_root()) {
-    std::fprintf(stderr, "cpfill: error: %s\n", std::string(status.message()).c_str());
-    std::fflush(stderr);
-  }
-  return kExitBadInput;
+  return is_root() ? RefuseInput(status) : kExitBadInput;
 }
 
 int Session::Refuse(const absl::Status& status) {

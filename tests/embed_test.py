@@ -26,13 +26,8 @@ TURN2 = 50
 VOCAB = 1024  # the tiny preset's
 FLAGS = ["--model", "tiny", "--tp", "2", "--ranks-per-node", "2", "--backend", "cpu",
          "--threads", "1", "--kv-capacity-tokens", "8192", "--timeout-s", "60"]
-ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           OMPI_MCA_rmaps_base_oversubscribe="1")
-
-
-def fail(msg):
-    print("FAIL:", msg, flush=True)
-    sys.exit(1)
+sys.path.insert(0, os.path.dirname(__file__))
+from serve_test import MPI_ENV as ENV, fail  # noqa: E402
 
 
 def run(cmd, **kw):

@@ -19,18 +19,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serve_test import fail, http, rank_pid  # noqa: E402
+from serve_test import MPI_ENV, fail, http, rank_pid, wait_port  # noqa: E402
 
 TIMEOUT_S = 6
-
-
-def wait_port(server, port_file):
-    deadline = time.time() + 120
-    while not os.path.exists(port_file) or not open(port_file).read().strip():
-        if server.poll() is not None or time.time() > deadline:
-            fail("the server did not start")
-        time.sleep(0.2)
-    return int(open(port_file).read())
 
 
 def health_turns_503(port):
@@ -47,8 +38,7 @@ def main():
     cpfill = os.path.abspath(sys.argv[1])
     tmp = tempfile.mkdtemp(prefix="cpfill-serve-fault-")
     port_file = os.path.join(tmp, "port")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
+    env = MPI_ENV
     server = subprocess.Popen(
         ["mpirun", "-np", "2", cpfill, "serve", "--model", "tiny", "--port", "0", "--port-file",
          port_file, "--backend", "cpu", "--threads", "1", "--kv-capacity-tokens", "4096",
@@ -56,7 +46,7 @@ def main():
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     stopped = None
     try:
-        port = wait_port(server, port_file)
+        port = wait_port(server, port_file, seconds=120)
         status, body = http(port, "GET", "/health")
         if status != 200:
             fail(f"/health before the fault: {status} {body}")

@@ -33,9 +33,29 @@ PLAIN_PER_CLIENT = 20
 MAX_BATCH = 2048
 
 
+# mpirun as root on a small machine (the tests of `serve` and the embedding API share it).
+MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+
+
 def fail(msg):
     print("FAIL:", msg, flush=True)
     sys.exit(1)
+
+
+def wait_port(server, port_file, seconds=180, log=None):
+    """The port `cpfill serve --port-file` wrote; fails (with the log's tail) if the server ends
+    or `seconds` pass first."""
+    deadline = time.time() + seconds
+    while not os.path.exists(port_file) or not open(port_file).read().strip():
+        if server.poll() is not None or time.time() > deadline:
+            tail = ""
+            if log is not None:
+                log.seek(0)
+                tail = ":\n" + log.read()[-3000:]
+            fail(f"the server did not start{tail}")
+        time.sleep(0.2)
+    return int(open(port_file).read())
 
 
 def http(port, method, path, body=None, timeout=120):
@@ -95,8 +115,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="cpfill-serve-")
     port_file = os.path.join(tmp, "port")
     log = open(os.path.join(tmp, "serve.log"), "w+")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
+    env = MPI_ENV
     server = subprocess.Popen(
         ["mpirun", "-np", str(args.ranks), cpfill, "serve", "--model", "tiny", "--tp",
          str(args.tp), "--ranks-per-node", str(args.tp), "--port", "0", "--port-file", port_file,
@@ -114,12 +133,7 @@ def main():
 
 
 def run(cpfill, server, port_file, log, tmp, env):
-    deadline = time.time() + 180
-    while not os.path.exists(port_file) or not open(port_file).read().strip():
-        if server.poll() is not None or time.time() > deadline:
-            fail("the server did not start")
-        time.sleep(0.2)
-    port = int(open(port_file).read())
+    port = wait_port(server, port_file)
     status, body = http(port, "GET", "/health")
     if status != 200:
         fail(f"/health: {status} {body}")

@@ -22,10 +22,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serve_test import fail, http, rank_pid  # noqa: E402
+from serve_test import MPI_ENV, fail, http, rank_pid, wait_port  # noqa: E402
 import tokenizer_check as tc  # noqa: E402
 
 TINY_VOCAB = 1024
@@ -54,13 +53,7 @@ def start(cpfill, ckpt, tmp, env):
         ["mpirun", "-np", "2", cpfill, "serve", "--model", ckpt, "--port", "0", "--port-file",
          port_file, "--backend", "cpu", "--threads", "1", "--kv-capacity-tokens", "16384",
          "--timeout-s", "60"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 120
-    while not os.path.exists(port_file) or not open(port_file).read().strip():
-        if server.poll() is not None or time.time() > deadline:
-            log.seek(0)
-            fail(f"the server did not start:\n{log.read()[-3000:]}")
-        time.sleep(0.2)
-    return server, int(open(port_file).read()), log
+    return server, wait_port(server, port_file, seconds=120, log=log), log
 
 
 def complete(port, prompt, session=None):
@@ -119,8 +112,7 @@ def run(port, tok):
 def main():
     global MODEL
     cpfill = os.path.abspath(sys.argv[1])
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
+    env = MPI_ENV
     tmp = tempfile.mkdtemp(prefix="cpfill-serve-text-")
     ckpt, tok = make_checkpoint(cpfill, tmp, env)
     MODEL = ckpt

@@ -16,19 +16,14 @@
 #include "launch/session.h"
 #include "parallel/selector.h"
 
+// Members end in reverse order: the engine and the model before the grid and MPI they use.
 struct cpfill_engine {
   std::unique_ptr<cpfill::launch::Session> session;
   std::optional<cpfill::parallel::ProcessGrid> grid;
   std::unique_ptr<cpfill::launch::EngineHost> host;
-  std::thread loop;  // rank 0's
+  std::thread loop;  // rank 0's; joined by Shutdown before the engine is deleted
   absl::Status loop_status;
   bool shut_down = false;
-
-  ~cpfill_engine() {
-    host.reset();  // the engine and the model before the grid and MPI they use
-    grid.reset();
-    session.reset();
-  }
 };
 
 struct cpfill_request {
