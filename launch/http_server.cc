@@ -60,8 +60,8 @@ absl::Status HttpFront::Health() {
 void HttpFront::Serve() { server_->listen_after_bind(); }
 void HttpFront::Stop() { server_->stop(); }
 
-// One completion: every prompt submitted, then each answer awaited. A prompt the engine refuses
-// fails the whole request with its error; the others still run and are dropped.
+// One completion: its prompts queued together (so they can share a fused batch; a refusal
+// refuses them all), then each answer awaited.
 std::string HttpFront::Completions(const std::string& body, int* status) {
   absl::StatusOr<CompletionRequest> request =
       ParseCompletionRequest(body, served_model_, tokenizer_);
@@ -70,19 +70,19 @@ std::string HttpFront::Completions(const std::string& body, int* status) {
     *status = e.status;
     return e.body;
   }
-  std::vector<runtime::Engine::Reply> replies;
+  std::vector<runtime::EngineRequest> prompts;
   for (const std::vector<int32_t>& prompt : request->prompts) {
-    absl::StatusOr<runtime::Engine::Reply> reply =
-        engine_.Submit({.tokens = prompt, .session = request->session});
-    if (!reply.ok()) {
-      HttpError e = ErrorResponse(reply.status());
-      *status = e.status;
-      return e.body;
-    }
-    replies.push_back(std::move(*reply));
+    prompts.push_back({.tokens = prompt, .session = request->session});
+  }
+  absl::StatusOr<std::vector<runtime::Engine::Reply>> replies =
+      engine_.SubmitAll(std::move(prompts));
+  if (!replies.ok()) {
+    HttpError e = ErrorResponse(replies.status());
+    *status = e.status;
+    return e.body;
   }
   std::vector<runtime::EngineResult> results;
-  for (runtime::Engine::Reply& reply : replies) {
+  for (runtime::Engine::Reply& reply : *replies) {
     absl::StatusOr<runtime::EngineResult> r = reply.get();
     if (!r.ok()) {
       HttpError e = ErrorResponse(r.status());

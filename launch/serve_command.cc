@@ -25,7 +25,7 @@ namespace cpfill::launch {
 namespace {
 
 struct ServeFlags {
-  std::string host = "127.0.0.1", port_file;
+  std::string host = "127.0.0.1", port_file, pid_file;
   int port = 8000;
   int http_threads = 64;
   bool log_json = false;
@@ -38,6 +38,10 @@ void DefineFlags(FlagSet& flags, ServeFlags* f) {
   flags.String("host", &f->host, "address rank 0 listens on");
   flags.Int("port", &f->port, "port rank 0 listens on (0: a free one, printed)").Within({0, 65535});
   flags.String("port-file", &f->port_file, "also write the port to this file once listening");
+  flags.String("pid-file", &f->pid_file,
+               "also write rank 0's process id to this file once listening (SIGTERM to it "
+               "drains the queue and every rank exits 0; Open MPI's mpirun, signalled itself, "
+               "exits 1 and kills the ranks after a few seconds)");
   flags
       .Int("http-threads", &f->http_threads,
            "HTTP requests answered at once (each holds a thread until its prefill ends)")
@@ -139,6 +143,7 @@ std::thread StartFront(HttpFront& front, const ServeFlags& f, int port, Session&
       absl::StrFormat("%s on http://%s:%d (%s); POST /v1/completions, GET /health, "
                       "/metrics, /v1/models, /v1/sessions",
                       f.engine.model, f.host, port, grid.Describe()));
+  if (!f.pid_file.empty()) std::ofstream(f.pid_file) << getpid() << "\n";
   if (!f.port_file.empty()) std::ofstream(f.port_file) << port << "\n";
   return http;
 }
@@ -168,7 +173,7 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
-  if (auto bad = session.CheckOutputs({{"port-file", f.port_file}})) return *bad;
+  if (auto bad = session.CheckOutputs({{"port-file", f.port_file}, {"pid-file", f.pid_file}})) return *bad;
   ServeLog log(session, f.log_json);
 
   runtime::EngineOptions engine_options;

@@ -127,8 +127,7 @@ Engine::Engine(LlamaModel& model, parallel::Communicator& world, EngineOptions o
 
 Engine::~Engine() = default;
 
-absl::StatusOr<Engine::Reply> Engine::Submit(EngineRequest request) {
-  CPFILL_CHECK_ARG(root_, "requests go to world rank 0");
+absl::Status Engine::Check(const EngineRequest& request) const {
   const int vocab = model_.config().vocab_size;
   CPFILL_CHECK_ARG(!request.tokens.empty(), "the prompt is empty");
   CPFILL_CHECK_ARG(static_cast<int64_t>(request.tokens.size()) <= options_.max_batch_tokens,
@@ -138,18 +137,35 @@ absl::StatusOr<Engine::Reply> Engine::Submit(EngineRequest request) {
     CPFILL_CHECK_ARG(request.tokens[i] >= 0 && request.tokens[i] < vocab, "token ", i, " is ",
                      request.tokens[i], ", outside the vocabulary [0, ", vocab, ")");
   }
-  auto p = std::make_unique<Pending>();
-  p->request = std::move(request);
-  Reply reply = p->reply.get_future();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Engine::Reply> Engine::Submit(EngineRequest request) {
+  std::vector<EngineRequest> one;
+  one.push_back(std::move(request));
+  CPFILL_ASSIGN_OR_RETURN(std::vector<Reply> replies, SubmitAll(std::move(one)));
+  return std::move(replies[0]);
+}
+
+absl::StatusOr<std::vector<Engine::Reply>> Engine::SubmitAll(std::vector<EngineRequest> requests) {
+  CPFILL_CHECK_ARG(root_, "requests go to world rank 0");
+  for (const EngineRequest& request : requests) CPFILL_RETURN_IF_ERROR(Check(request));
+  std::vector<std::unique_ptr<Pending>> pending;
+  std::vector<Reply> replies;
+  for (EngineRequest& request : requests) {
+    pending.push_back(std::make_unique<Pending>());
+    pending.back()->request = std::move(request);
+    replies.push_back(pending.back()->reply.get_future());
+  }
   std::lock_guard lock(mu_);
   if (shutdown_) return absl::FailedPreconditionError("the engine is shutting down");
-  if (static_cast<int64_t>(queue_.size()) >= options_.max_queue) {
-    return absl::UnavailableError(
-        absl::StrCat("the queue is full (", queue_.size(), " requests wait); retry later"));
+  if (static_cast<int64_t>(queue_.size() + pending.size()) > options_.max_queue) {
+    return absl::UnavailableError(absl::StrCat("the queue is full (", queue_.size(),
+                                               " requests wait); retry later"));
   }
-  queue_.push_back(std::move(p));
+  for (auto& p : pending) queue_.push_back(std::move(p));
   work_.notify_one();
-  return reply;
+  return replies;
 }
 
 std::future<absl::Status> Engine::EndSession(std::string name) {

@@ -87,6 +87,9 @@ class Engine {
   // result or the request's own error (ResourceExhausted when it cannot fit the KV cache even
   // with every idle session evicted).
   absl::StatusOr<Reply> Submit(EngineRequest request);
+  // As Submit, for several requests queued together (all or none), so that they can share a
+  // batch: the prompts of one HTTP request.
+  absl::StatusOr<std::vector<Reply>> SubmitAll(std::vector<EngineRequest> requests);
   // Rank 0, any thread: forgets a session after the requests queued before it (NotFound for a
   // name the engine does not hold).
   std::future<absl::Status> EndSession(std::string name);
@@ -110,6 +113,7 @@ class Engine {
     int64_t last_used = 0;         // batch counter when last used (LRU)
   };
 
+  absl::Status Check(const EngineRequest& request) const;  // what Submit refuses at once
   absl::StatusOr<Command> NextCommand();  // rank 0: waits up to a heartbeat for work
   Command FormBatch();                    // rank 0, lock held: the next batch or control op
   absl::Status Execute(Command& command);

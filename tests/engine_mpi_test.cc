@@ -211,6 +211,50 @@ TEST(Engine, FullCacheEvictsTheIdleSessionAndRecomputesItLater) {
   EXPECT_TRUE(*agreed) << error;
 }
 
+TEST(Engine, PromptsSubmittedTogetherShareOneBatchOrAreRefusedTogether) {
+  const runtime::ModelConfig c = Tiny();
+  Rig rig = MakeRig(c, {});
+  Engine engine(*rig.model, *rig.grid->world, {.max_queue = 4});
+  const bool root = rig.grid->world_rank == 0;
+  const std::vector<std::vector<int32_t>> prompts = {
+      Prompt(40, c.vocab_size, 1), Prompt(9, c.vocab_size, 2), Prompt(77, c.vocab_size, 3)};
+  std::vector<absl::StatusOr<EngineResult>> got;
+  absl::Status one_bad = absl::OkStatus(), too_many = absl::OkStatus();
+  auto clients = [&] {
+    std::vector<EngineRequest> batch;
+    for (const auto& p : prompts) batch.push_back({.tokens = p});
+    auto replies = engine.SubmitAll(batch);
+    if (replies.ok()) {
+      for (auto& r : *replies) got.push_back(r.get());
+    }
+    batch[1].tokens = {1, c.vocab_size};  // one bad prompt refuses them all
+    one_bad = engine.SubmitAll(batch).status();
+    batch[1].tokens = prompts[1];
+    const std::vector<EngineRequest> first_two(batch.begin(), batch.begin() + 2);
+    batch.insert(batch.end(), first_two.begin(), first_two.end());  // 5 > max_queue
+    too_many = engine.SubmitAll(batch).status();
+  };
+  ASSERT_TRUE(RunWith(engine, root, clients).ok());
+  std::string error;
+  if (root) {
+    OneRank reference(c);
+    if (got.size() != prompts.size()) error = "not every prompt was answered";
+    for (size_t i = 0; i < got.size() && error.empty(); ++i) {
+      error = got[i].ok() ? reference.Check(prompts[i], *got[i]) : got[i].status().ToString();
+      if (error.empty() && got[i]->batch_requests != 3) {
+        error = "prompt " + std::to_string(i) + " ran in a batch of " +
+                std::to_string(got[i]->batch_requests);
+      }
+    }
+    if (error.empty() && !absl::IsInvalidArgument(one_bad)) error = "one bad: " + one_bad.ToString();
+    if (error.empty() && !absl::IsUnavailable(too_many)) error = "too many: " + too_many.ToString();
+    if (error.empty() && engine.stats().requests_ok != 3) error = "a refused prompt ran";
+  }
+  auto agreed = parallel::AllRanksOk(*rig.grid->world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << error;
+}
+
 TEST(Engine, EndSessionAndShutdownDrainTheQueue) {
   const runtime::ModelConfig c = Tiny();
   Rig rig = MakeRig(c, {});
