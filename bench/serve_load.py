@@ -210,7 +210,7 @@ def arrival_offsets(n, rate, burstiness, rng):
 
 
 def completion_body(model, tokens, session):
-    body = {"model": model, "prompt": tokens, "max_tokens": 1}
+    body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0}
     if session:
         body["session"] = session
     return json.dumps(body, separators=(",", ":")).encode()

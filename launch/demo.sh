@@ -49,9 +49,9 @@ show() {  # METHOD PATH [BODY]: prints the request and the answer
 show GET /v1/models
 # Prefill and the first token, with the top 3 log-probabilities; turn 1 of session chat-1.
 show POST /v1/completions \
-  '{"model": "tiny", "prompt": [1, 17, 250, 3, 99, 7], "max_tokens": 1, "logprobs": 3, "session": "chat-1"}'
+  '{"model": "tiny", "prompt": [1, 17, 250, 3, 99, 7], "max_tokens": 1, "temperature": 0, "logprobs": 3, "session": "chat-1"}'
 # Turn 2 prefills only its new tokens on top of turn 1's KV (usage.cached_tokens).
-show POST /v1/completions '{"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, "session": "chat-1"}'
+show POST /v1/completions '{"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0, "session": "chat-1"}'
 # Two prompts in one fused batch.
 show POST /v1/completions '{"model": "tiny", "prompt": [[1, 2, 3], [4, 5, 6, 7, 8]], "max_tokens": 1}'
 # Bad input gets a 4xx with a JSON error naming the problem.

@@ -20,6 +20,10 @@ void AddEngineFlags(FlagSet& flags, EngineFlags* f) {
   flags.Int("max-queue", &f->max_queue, "prompts waiting before requests are refused (503)")
       .Within({1, 1e7});
   flags
+      .Int("max-running-requests", &f->max_running,
+           "sequences generating at once (one decode batch); more wait in the queue")
+      .Within({1, 65536});
+  flags
       .Int("kv-capacity-tokens", &f->kv_capacity_tokens,
            "KV cache capacity per rank, in tokens, allocated at start-up (0: "
            "--kv-memory-fraction, else half the free memory)")
@@ -91,6 +95,12 @@ absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f
                                                    grid, session.mpi().options(), model_options));
   options.max_batch_tokens = f.max_batch_tokens;
   options.max_queue = f.max_queue;
+  options.max_running = f.max_running;
+  // Generation stops at the checkpoint's EOS ids, else at its tokenizer's.
+  options.eos_ids = host->config.eos_token_ids;
+  if (options.eos_ids.empty() && host->tokenizer && host->tokenizer->eos_id() >= 0) {
+    options.eos_ids = {host->tokenizer->eos_id()};
+  }
   // Idle ranks hear from rank 0 well within every wait's deadline.
   const auto deadline =
       std::chrono::duration_cast<std::chrono::milliseconds>(session.mpi().options().timeout);

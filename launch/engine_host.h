@@ -29,6 +29,7 @@ struct EngineFlags {
   int64_t seed = 1;
   int64_t max_batch_tokens = 131072;
   int max_queue = 1024;
+  int max_running = 256;
   int64_t kv_capacity_tokens = 0;
   double kv_memory_fraction = 0;
   int kv_block_tokens = 64;

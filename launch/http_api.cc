@@ -14,10 +14,14 @@
 namespace cpfill::launch {
 namespace {
 
-// The fields POST /v1/completions understands. OpenAI sampling fields that change nothing for a
-// one-token prefill are accepted as long as they are well-typed; anything else is refused by
-// name, so a client learns at once that cpfill did not do what it asked.
+// The fields POST /v1/completions understands (OpenAI's, and vLLM's extensions top_k,
+// stop_token_ids, ignore_eos). Fields whose feature cpfill lacks are accepted only at their
+// neutral value; anything else is refused by name, so a client learns at once that cpfill did not
+// do what it asked.
 const std::set<std::string> kKnownFields = {"model",
+                                            "stop_token_ids",
+                                            "ignore_eos",
+                                            "stream_options",
                                             "prompt",
                                             "max_tokens",
                                             "logprobs",
@@ -89,25 +93,24 @@ absl::Status ParsePrompts(const nlohmann::json& prompt, const runtime::Tokenizer
   return absl::OkStatus();
 }
 
-// log-softmax of the last position's logits: the first token's and the top k.
-nlohmann::ordered_json Logprobs(const runtime::EngineResult& r, int k) {
-  const std::vector<float>& z = r.logits;
-  double max = -std::numeric_limits<double>::infinity(), sum = 0;
-  for (float x : z) max = std::max(max, double(x));
-  for (float x : z) sum += std::exp(double(x) - max);
-  const double log_z = max + std::log(sum);
-  std::vector<int32_t> order(z.size());
-  for (size_t i = 0; i < z.size(); ++i) order[i] = static_cast<int32_t>(i);
-  const size_t top = std::min<size_t>(static_cast<size_t>(k), z.size());
-  std::partial_sort(order.begin(), order.begin() + top, order.end(),
-                    [&](int32_t a, int32_t b) { return z[a] > z[b]; });
-  nlohmann::ordered_json top_json = nlohmann::ordered_json::object();
-  for (size_t i = 0; i < top; ++i) top_json[std::to_string(order[i])] = z[order[i]] - log_z;
-  const double first = r.first_token >= 0 && r.first_token < static_cast<int32_t>(z.size())
-                           ? z[r.first_token] - log_z
-                           : 0.0;
-  return {
-      {"token_ids", {r.first_token}}, {"token_logprobs", {first}}, {"top_logprobs", {top_json}}};
+// Each generated token's log-probability and the top k (keyed by token id).
+nlohmann::ordered_json Logprobs(const std::vector<runtime::SampledToken>& tokens) {
+  nlohmann::ordered_json ids = nlohmann::ordered_json::array(), lps = ids, tops = ids;
+  for (const runtime::SampledToken& t : tokens) {
+    ids.push_back(t.id);
+    lps.push_back(t.logprob);
+    nlohmann::ordered_json top = nlohmann::ordered_json::object();
+    for (const auto& [id, lp] : t.top) top[std::to_string(id)] = lp;
+    tops.push_back(std::move(top));
+  }
+  return {{"token_ids", std::move(ids)}, {"token_logprobs", std::move(lps)},
+          {"top_logprobs", std::move(tops)}};
+}
+
+std::vector<int32_t> IdsOf(const std::vector<runtime::SampledToken>& tokens) {
+  std::vector<int32_t> ids;
+  for (const runtime::SampledToken& t : tokens) ids.push_back(t.id);
+  return ids;
 }
 
 nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
@@ -127,7 +130,100 @@ nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
             {"other", t.other_s * 1e3}}},
           {"algorithm", std::string(parallel::RingAlgorithmName(t.algorithm))},
           {"selector", sel.reason},
-          {"recomputed_session", r.recomputed}};
+          {"recomputed_session", r.recomputed},
+          {"decode_ms", r.decode_s * 1e3},
+          {"tpot_ms", r.tokens.size() > 1 ? r.decode_s * 1e3 / double(r.tokens.size() - 1) : 0.0},
+          {"preemptions", r.preemptions}};
+}
+
+nlohmann::ordered_json Usage(const std::vector<runtime::EngineResult>& results) {
+  int64_t prompt = 0, cached = 0, completion = 0;
+  for (const runtime::EngineResult& r : results) {
+    prompt += r.prompt_tokens;
+    cached += r.cached_tokens;
+    completion += static_cast<int64_t>(r.tokens.size());
+  }
+  return {{"prompt_tokens", prompt},
+          {"completion_tokens", completion},
+          {"total_tokens", prompt + completion},
+          {"prompt_tokens_details", {{"cached_tokens", cached}}}};
+}
+
+
+// A field that must be a number in [lo, hi] when present and not null.
+absl::StatusOr<std::optional<double>> NumberField(const nlohmann::json& v, const char* name,
+                                                  double lo, double hi) {
+  const nlohmann::json* f = json::Find(v, name);
+  if (f == nullptr || f->is_null()) return std::optional<double>();
+  CPFILL_CHECK_ARG(f->is_number() && f->get<double>() >= lo && f->get<double>() <= hi, "\"",
+                   name, "\" is ", json::Show(*f), ", must be a number in [", lo, ", ", hi, "]");
+  return std::optional<double>(f->get<double>());
+}
+
+absl::StatusOr<bool> BoolField(const nlohmann::json& v, const char* name) {
+  const nlohmann::json* f = json::Find(v, name);
+  if (f == nullptr || f->is_null()) return false;
+  CPFILL_CHECK_ARG(f->is_boolean(), "\"", name, "\" is ", json::Show(*f), ", must be true or false");
+  return f->get<bool>();
+}
+
+// Fields cpfill has no feature for, accepted at their neutral values only.
+absl::Status RefuseUnsupported(const nlohmann::json& v) {
+  if (const nlohmann::json* n = json::Find(v, "n"); n != nullptr && !n->is_null()) {
+    CPFILL_CHECK_ARG(json::AsInt64(*n) == 1, "\"n\" is ", json::Show(*n), "; only 1 is supported");
+  }
+  for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
+    CPFILL_ASSIGN_OR_RETURN(std::optional<double> x, NumberField(v, penalty, -2, 2));
+    CPFILL_CHECK_ARG(x.value_or(0) == 0, "\"", penalty, "\" is not supported (only 0)");
+  }
+  CPFILL_ASSIGN_OR_RETURN(bool echo, BoolField(v, "echo"));
+  CPFILL_CHECK_ARG(!echo, "\"echo\" is not supported");
+  if (const nlohmann::json* stop = json::Find(v, "stop"); stop != nullptr) {
+    CPFILL_CHECK_ARG(stop->is_null() || (stop->is_array() && stop->empty()),
+                     "\"stop\" strings are not supported; use \"stop_token_ids\"");
+  }
+  return absl::OkStatus();
+}
+
+// max_tokens, streaming, sampling, stop ids and logprobs.
+absl::Status ParseGeneration(const nlohmann::json& v, CompletionRequest* r) {
+  CPFILL_RETURN_IF_ERROR(RefuseUnsupported(v));
+  if (const nlohmann::json* m = json::Find(v, "max_tokens"); m != nullptr && !m->is_null()) {
+    const std::optional<int64_t> n = json::AsInt64(*m);
+    CPFILL_CHECK_ARG(n.has_value() && *n >= 1 && *n <= kMaxTokensPerRequest, "\"max_tokens\" is ",
+                     json::Show(*m), ", must be an integer in [1, ", kMaxTokensPerRequest, "]");
+    r->max_tokens = static_cast<int>(*n);
+  }
+  CPFILL_ASSIGN_OR_RETURN(r->stream, BoolField(v, "stream"));
+  if (const nlohmann::json* o = json::Find(v, "stream_options"); o != nullptr && !o->is_null()) {
+    CPFILL_CHECK_ARG(o->is_object(), "\"stream_options\" must be an object");
+    CPFILL_ASSIGN_OR_RETURN(r->include_usage, BoolField(*o, "include_usage"));
+  }
+  CPFILL_ASSIGN_OR_RETURN(std::optional<double> t, NumberField(v, "temperature", 0, 100));
+  CPFILL_ASSIGN_OR_RETURN(std::optional<double> p, NumberField(v, "top_p", 0, 1));
+  CPFILL_ASSIGN_OR_RETURN(std::optional<double> k, NumberField(v, "top_k", -1, 1e9));
+  r->sampling.temperature = t.value_or(1.0);
+  r->sampling.top_p = p.value_or(1.0);
+  CPFILL_CHECK_ARG(r->sampling.top_p > 0, "\"top_p\" is 0, must be in (0, 1]");
+  CPFILL_CHECK_ARG(k.value_or(0) == std::floor(k.value_or(0)), "\"top_k\" must be an integer");
+  r->sampling.top_k = std::max(0, static_cast<int>(k.value_or(0)));  // -1 or 0: every token
+  if (const nlohmann::json* seed = json::Find(v, "seed"); seed != nullptr && !seed->is_null()) {
+    const std::optional<int64_t> n = json::AsInt64(*seed);
+    CPFILL_CHECK_ARG(n.has_value(), "\"seed\" is ", json::Show(*seed), ", must be an integer");
+    r->seed = static_cast<uint64_t>(*n);
+  }
+  if (const nlohmann::json* ids = json::Find(v, "stop_token_ids"); ids != nullptr && !ids->is_null()) {
+    CPFILL_ASSIGN_OR_RETURN(r->stop_token_ids, TokenIds(*ids, "\"stop_token_ids\""));
+  }
+  CPFILL_ASSIGN_OR_RETURN(r->ignore_eos, BoolField(v, "ignore_eos"));
+  if (const nlohmann::json* lp = json::Find(v, "logprobs"); lp != nullptr && !lp->is_null()) {
+    const std::optional<int64_t> n = json::AsInt64(*lp);
+    CPFILL_CHECK_ARG(n.has_value() && *n >= 0 && *n <= kMaxLogprobs, "\"logprobs\" is ",
+                     json::Show(*lp), ", must be an integer in [0, ", kMaxLogprobs, "]");
+    r->logprobs = static_cast<int>(*n);
+    r->sampling.logprobs = r->logprobs;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -153,28 +249,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
   const nlohmann::json* prompt = json::Find(v, "prompt");
   CPFILL_CHECK_ARG(prompt != nullptr, "\"prompt\" is required");
   CPFILL_RETURN_IF_ERROR(ParsePrompts(*prompt, tokenizer, &r));
-  if (const nlohmann::json* m = json::Find(v, "max_tokens"); m != nullptr && !m->is_null()) {
-    const std::optional<int64_t> n = json::AsInt64(*m);
-    CPFILL_CHECK_ARG(n.has_value() && *n >= 1, "\"max_tokens\" is ", json::Show(*m),
-                     ", must be a positive integer");
-    CPFILL_CHECK_ARG(*n == 1, "\"max_tokens\" is ", *n,
-                     ": decode is not available; cpfill prefills and returns the first token "
-                     "(max_tokens 1)");
-  }
-  if (const nlohmann::json* n = json::Find(v, "n"); n != nullptr && !n->is_null()) {
-    CPFILL_CHECK_ARG(json::AsInt64(*n) == 1, "\"n\" is ", json::Show(*n), "; only 1 is supported");
-  }
-  if (const nlohmann::json* s = json::Find(v, "stream"); s != nullptr && !s->is_null()) {
-    CPFILL_CHECK_ARG(s->is_boolean() && !s->get<bool>(),
-                     "\"stream\": streaming needs decode, "
-                     "which is not available");
-  }
-  if (const nlohmann::json* lp = json::Find(v, "logprobs"); lp != nullptr && !lp->is_null()) {
-    const std::optional<int64_t> k = json::AsInt64(*lp);
-    CPFILL_CHECK_ARG(k.has_value() && *k >= 0 && *k <= kMaxLogprobs, "\"logprobs\" is ",
-                     json::Show(*lp), ", must be an integer in [0, ", kMaxLogprobs, "]");
-    r.logprobs = static_cast<int>(*k);
-  }
+  CPFILL_RETURN_IF_ERROR(ParseGeneration(v, &r));
   if (const nlohmann::json* s = json::Find(v, "session"); s != nullptr && !s->is_null()) {
     CPFILL_CHECK_ARG(s->is_string() && !s->get_ref<const std::string&>().empty() &&
                          s->get_ref<const std::string&>().size() <= 256,
@@ -190,47 +265,84 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
   return r;
 }
 
+std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& request,
+                                                     uint64_t seed) {
+  std::vector<runtime::EngineRequest> out;
+  for (size_t i = 0; i < request.prompts.size(); ++i) {
+    runtime::EngineRequest e{.tokens = request.prompts[i],
+                             .session = request.session,
+                             .max_tokens = request.max_tokens,
+                             .sampling = request.sampling,
+                             .stop_ids = request.stop_token_ids,
+                             .ignore_eos = request.ignore_eos};
+    // Prompts of one request draw differently, and repeat with the request's seed.
+    e.sampling.seed = request.seed.value_or(seed) + i;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+std::string DecodeText(const runtime::Tokenizer* tokenizer, const std::vector<int32_t>& ids) {
+  if (tokenizer == nullptr || ids.empty()) return "";
+  return tokenizer->Decode(ids, /*skip_special=*/false).value_or("");
+}
+
 nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                           const std::vector<runtime::EngineResult>& results,
                                           const std::string& id, int64_t created,
                                           const std::string& served_model,
                                           const runtime::Tokenizer* tokenizer) {
   nlohmann::ordered_json choices = nlohmann::ordered_json::array(), timing = choices;
-  int64_t prompt_tokens = 0, cached = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     const runtime::EngineResult& r = results[i];
-    std::string text;
-    if (tokenizer != nullptr) {
-      const int32_t first = r.first_token;
-      text = tokenizer->Decode(std::span<const int32_t>(&first, 1), /*skip_special=*/false)
-                 .value_or("");
-    }
+    const std::vector<int32_t> ids = IdsOf(r.tokens);
     nlohmann::ordered_json c = {{"index", i},
-                                {"text", std::move(text)},
-                                {"token_ids", {r.first_token}},
+                                {"text", DecodeText(tokenizer, ids)},
+                                {"token_ids", ids},
                                 {"logprobs", nullptr},
-                                {"finish_reason", "length"}};
-    if (request.logprobs > 0) c["logprobs"] = Logprobs(r, request.logprobs);
+                                {"finish_reason", r.finish_reason}};
+    if (request.logprobs > 0) c["logprobs"] = Logprobs(r.tokens);
     choices.push_back(std::move(c));
     timing.push_back(Timing(r));
-    prompt_tokens += r.prompt_tokens;
-    cached += r.cached_tokens;
   }
-  const int64_t completion = static_cast<int64_t>(results.size());
   nlohmann::ordered_json out = {
       {"id", id},
       {"object", "text_completion"},
       {"created", created},
       {"model", served_model},
       {"choices", std::move(choices)},
-      {"usage",
-       {{"prompt_tokens", prompt_tokens},
-        {"completion_tokens", completion},
-        {"total_tokens", prompt_tokens + completion},
-        {"prompt_tokens_details", {{"cached_tokens", cached}}}}},
+      {"usage", Usage(results)},
       {"cpfill", {{"session", request.session}, {"prompts", std::move(timing)}}}};
   if (request.kv_transfer_params) out["kv_transfer_params"] = *request.kv_transfer_params;
   return out;
+}
+
+nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::string& id,
+                                   int64_t created, const std::string& served_model, int index,
+                                   const runtime::GeneratedToken& token, const std::string& text) {
+  nlohmann::ordered_json c = {{"index", index},
+                              {"text", text},
+                              {"token_ids", {token.token.id}},
+                              {"logprobs", nullptr},
+                              {"finish_reason", nullptr}};
+  if (request.logprobs > 0) c["logprobs"] = Logprobs({token.token});
+  if (!token.finish_reason.empty()) c["finish_reason"] = token.finish_reason;
+  return {{"id", id},
+          {"object", "text_completion"},
+          {"created", created},
+          {"model", served_model},
+          {"choices", {std::move(c)}}};
+}
+
+nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
+                                  const std::string& served_model,
+                                  const std::vector<runtime::EngineResult>& results) {
+  return {{"id", id},
+          {"object", "text_completion"},
+          {"created", created},
+          {"model", served_model},
+          {"choices", nlohmann::ordered_json::array()},
+          {"usage", Usage(results)}};
 }
 
 std::string JsonText(const nlohmann::ordered_json& value) {
@@ -285,8 +397,20 @@ std::string Histogram::Text(const std::string& name, const std::string& help) co
   return out;
 }
 
+std::vector<double> LatencyBounds() {
+  return {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+}
+
+void ServingHistograms::Observe(const runtime::EngineResult& r) {
+  ttft.Observe(r.queue_s + r.prefill_s);
+  queue.Observe(r.queue_s);
+  batch_tokens.Observe(static_cast<double>(r.timings.new_tokens));
+  e2e.Observe(r.queue_s + r.prefill_s + r.decode_s);
+  if (r.tokens.size() > 1) tpot.Observe(r.decode_s / double(r.tokens.size() - 1));
+}
+
 std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters& server,
-                        const Histogram& ttft, const Histogram& queue, const Histogram& batch) {
+                        const ServingHistograms& h) {
   std::string out;
   auto metric = [&](const std::string& name, const char* type, const std::string& help,
                     const std::vector<std::pair<std::string, double>>& samples) {
@@ -305,20 +429,32 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
          {{"", double(engine.prompt_tokens)}});
   metric("cpfill:cached_tokens_total", "counter", "Prompt tokens whose KV a session reused.",
          {{"", double(engine.cached_tokens)}});
+  metric("cpfill:generation_tokens_total", "counter", "Tokens generated (first tokens included).",
+         {{"", double(engine.generation_tokens)}});
   metric("cpfill:batches_total", "counter", "Fused batches prefilled.",
          {{"", double(engine.batches)}});
+  metric("cpfill:decode_steps_total", "counter", "Decode steps (one token per running sequence).",
+         {{"", double(engine.decode_steps)}});
   metric("cpfill:session_evictions_total", "counter", "Idle sessions evicted from a full KV cache.",
          {{"", double(engine.evictions)}});
+  metric("cpfill:num_preemptions_total", "counter",
+         "Generations preempted by a full KV cache (recomputed later).",
+         {{"", double(engine.preemptions)}});
   metric("cpfill:num_requests_waiting", "gauge", "Prompts queued on rank 0.",
          {{"", double(engine.waiting)}});
-  metric("cpfill:num_requests_running", "gauge", "HTTP requests being answered.",
+  metric("cpfill:num_requests_running", "gauge", "Sequences generating.",
+         {{"", double(engine.running)}});
+  metric("cpfill:num_http_requests_open", "gauge", "HTTP requests being answered.",
          {{"", double(server.running)}});
   metric("cpfill:num_sessions", "gauge", "Sessions held.", {{"", double(engine.sessions)}});
   metric("cpfill:kv_cache_usage_ratio", "gauge", "Used share of rank 0's KV cache blocks.",
          {{"", engine.kv_usage_ratio}});
-  out += ttft.Text("cpfill:time_to_first_token_seconds", "Queue time plus prefill, per prompt.");
-  out += queue.Text("cpfill:queue_time_seconds", "Time from arrival to the prompt's batch.");
-  out += batch.Text("cpfill:batch_tokens", "New tokens of the batch each prompt ran in.");
+  out += h.ttft.Text("cpfill:time_to_first_token_seconds", "Queue time plus prefill, per prompt.");
+  out += h.queue.Text("cpfill:queue_time_seconds", "Time from arrival to the prompt's batch.");
+  out += h.batch_tokens.Text("cpfill:batch_tokens", "New tokens of the batch each prompt ran in.");
+  out += h.tpot.Text("cpfill:time_per_output_token_seconds",
+                     "Decode time per token after the first, per prompt.");
+  out += h.e2e.Text("cpfill:e2e_request_latency_seconds", "Arrival to the last token, per prompt.");
   return out;
 }
 

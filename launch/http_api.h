@@ -28,32 +28,56 @@ struct CompletionRequest {
   // completions do by default)
   std::vector<std::vector<int32_t>> prompts;
   std::string session;                        // extension: keep and reuse this conversation's KV
-  int logprobs = 0;                           // top-k at the last position (0: none)
+  int logprobs = 0;                           // top-k of every generated token (0: none)
   std::optional<nlohmann::json> kv_transfer_params;  // accepted and echoed
+  int max_tokens = 16;                        // OpenAI's default; 1: prefill and the first token
+  bool stream = false, include_usage = false;  // server-sent events; a last chunk with usage
+  runtime::SamplingParams sampling{.temperature = 1.0};  // OpenAI's defaults
+  std::optional<uint64_t> seed;               // none: the server draws one per request
+  std::vector<int32_t> stop_token_ids;        // vLLM's extension; EOS stops unless ignore_eos
+  bool ignore_eos = false;
 };
+
+// The engine requests of a completion, one per prompt (`seed` when the request names none).
+std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& request,
+                                                     uint64_t seed);
 
 // The largest body the server reads, and the most prompts and top-k one request may ask for.
 inline constexpr size_t kMaxBodyBytes = 64u << 20;
 inline constexpr int kMaxPromptsPerRequest = 1024;
 inline constexpr int kMaxLogprobs = 20;
+inline constexpr int kMaxTokensPerRequest = 1 << 20;
 
 // InvalidArgument naming the field for malformed JSON, wrong types, unknown or unsupported
-// fields (max_tokens > 1: decode is not available yet; text prompts when `tokenizer` is null:
-// the model has none), a model name other than `served_model`, or a session with more than one
-// prompt.
+// fields (stop strings, penalties, echo, n > 1; text prompts when `tokenizer` is null: the model
+// has none), a model name other than `served_model`, or a session with more than one prompt.
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
                                                          const std::string& served_model,
                                                          const runtime::Tokenizer* tokenizer);
 
-// The response: choices (one per prompt: the first token's id and, with a tokenizer, its text;
-// its logprobs when asked),
-// usage (prompt, cached and completion tokens), the echoed kv_transfer_params, and a "cpfill"
-// object with each prompt's queue time, TTFT and its phases, and the selector's choice.
+// The response: choices (one per prompt: the generated token ids and, with a tokenizer, their
+// text; their logprobs when asked; the finish reason), usage (prompt, cached and completion
+// tokens), the echoed kv_transfer_params, and a "cpfill" object with each prompt's queue time,
+// TTFT and its phases, decode time and time per output token, and the selector's choice.
 nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                           const std::vector<runtime::EngineResult>& results,
                                           const std::string& id, int64_t created,
                                           const std::string& served_model,
                                           const runtime::Tokenizer* tokenizer);
+
+// One server-sent event of a streamed completion (OpenAI's text_completion chunk): choice `index`
+// gets `text` and the token (its logprobs when asked), and its finish reason on its last token.
+nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::string& id,
+                                   int64_t created, const std::string& served_model, int index,
+                                   const runtime::GeneratedToken& token, const std::string& text);
+// The last chunk when stream_options.include_usage is set: no choices, the usage.
+nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
+                                  const std::string& served_model,
+                                  const std::vector<runtime::EngineResult>& results);
+
+// Text of `ids` that is safe to send: empty until the bytes so far end a whole UTF-8 character
+// (a character split over tokens decodes to U+FFFD until its last byte comes).
+std::string DecodeText(const runtime::Tokenizer* tokenizer, const std::vector<int32_t>& ids);
 
 // A JSON body as text. Strings that are not valid UTF-8 (a URL's bytes, a parser's message
 // quoting the bad input) are written with U+FFFD in place of the bad bytes instead of throwing.
@@ -87,7 +111,15 @@ class Histogram {
 struct ServerCounters {
   int64_t http_ok = 0, http_client_errors = 0, http_server_errors = 0, running = 0;
 };
+// Seconds, from a millisecond to two minutes.
+std::vector<double> LatencyBounds();
+struct ServingHistograms {
+  Histogram ttft{LatencyBounds()}, queue{LatencyBounds()}, tpot{LatencyBounds()},
+      e2e{LatencyBounds()};
+  Histogram batch_tokens{{16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576}};
+  void Observe(const runtime::EngineResult& r);  // one answered prompt
+};
 std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters& server,
-                        const Histogram& ttft, const Histogram& queue, const Histogram& batch);
+                        const ServingHistograms& h);
 
 }  // namespace cpfill::launch

@@ -21,9 +21,41 @@ TEST(HttpApi, ParsesTokenPromptsSessionsAndLogprobs) {
   EXPECT_EQ(r->session, "chat");
   EXPECT_EQ(r->logprobs, 5);
   ASSERT_TRUE(r->kv_transfer_params.has_value());
+  EXPECT_EQ(r->max_tokens, 1);
   auto batch = ParseCompletionRequest(R"({"prompt": [[1], [2, 3]]})", "tiny", nullptr);
   ASSERT_TRUE(batch.ok()) << batch.status();
   EXPECT_EQ(batch->prompts.size(), 2u);
+  // OpenAI's defaults: 16 tokens, temperature 1, a seed drawn by the server.
+  EXPECT_EQ(batch->max_tokens, 16);
+  EXPECT_EQ(batch->sampling.temperature, 1.0);
+  EXPECT_FALSE(batch->seed.has_value());
+  EXPECT_FALSE(batch->stream);
+}
+
+TEST(HttpApi, ParsesGenerationFields) {
+  auto r = ParseCompletionRequest(
+      R"({"prompt": [[1, 2], [3]], "max_tokens": 40, "temperature": 0.7, "top_p": 0.9,
+          "top_k": -1, "seed": 5, "stop_token_ids": [7, 8], "ignore_eos": true, "stream": true,
+          "stream_options": {"include_usage": true}, "stop": [], "n": 1,
+          "presence_penalty": 0, "echo": false, "logprobs": 3})",
+      "tiny", nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->max_tokens, 40);
+  EXPECT_EQ(r->sampling.temperature, 0.7);
+  EXPECT_EQ(r->sampling.top_p, 0.9);
+  EXPECT_EQ(r->sampling.top_k, 0);
+  EXPECT_EQ(r->sampling.logprobs, 3);
+  EXPECT_EQ(r->stop_token_ids, (std::vector<int32_t>{7, 8}));
+  EXPECT_TRUE(r->ignore_eos && r->stream && r->include_usage);
+  // The engine requests: one per prompt, each with its own seed from the request's.
+  const auto e = EngineRequestsOf(*r, 999);
+  ASSERT_EQ(e.size(), 2u);
+  EXPECT_EQ(e[0].sampling.seed, 5u);
+  EXPECT_EQ(e[1].sampling.seed, 6u);
+  EXPECT_EQ(e[1].max_tokens, 40);
+  EXPECT_EQ(e[1].stop_ids, (std::vector<int32_t>{7, 8}));
+  auto unseeded = ParseCompletionRequest(R"({"prompt": [1]})", "tiny", nullptr);
+  EXPECT_EQ(EngineRequestsOf(*unseeded, 999)[0].sampling.seed, 999u);
 }
 
 TEST(HttpApi, RefusesEachMalformedFieldByName) {
@@ -40,11 +72,22 @@ TEST(HttpApi, RefusesEachMalformedFieldByName) {
       {R"({"prompt": [1, -2]})", "\"prompt\"[1] is -2"},
       {R"({"prompt": [1.5]})", "not a token id"},
       {R"({"prompt": [[1], 2]})", "\"prompt\"[1] must be a text or a list"},
-      {R"({"prompt": [1], "max_tokens": 16})", "decode is not available"},
-      {R"({"prompt": [1], "max_tokens": 0})", "positive integer"},
+      {R"({"prompt": [1], "max_tokens": 0})", "\"max_tokens\" is 0"},
+      {R"({"prompt": [1], "max_tokens": 1.5})", "\"max_tokens\""},
+      {R"({"prompt": [1], "temperature": -1})", "\"temperature\""},
+      {R"({"prompt": [1], "temperature": "hot"})", "\"temperature\""},
+      {R"({"prompt": [1], "top_p": 0})", "\"top_p\""},
+      {R"({"prompt": [1], "top_k": 2.5})", "\"top_k\""},
+      {R"({"prompt": [1], "seed": "x"})", "\"seed\""},
+      {R"({"prompt": [1], "stop": ["\n"]})", "\"stop\" strings are not supported"},
+      {R"({"prompt": [1], "stop_token_ids": [1, -1]})", "\"stop_token_ids\"[1]"},
+      {R"({"prompt": [1], "ignore_eos": 1})", "\"ignore_eos\""},
+      {R"({"prompt": [1], "presence_penalty": 0.5})", "\"presence_penalty\" is not supported"},
+      {R"({"prompt": [1], "echo": true})", "\"echo\" is not supported"},
+      {R"({"prompt": [1], "stream_options": 3})", "\"stream_options\""},
       {R"({"prompt": [1], "model": "other"})", "this server serves \"tiny\""},
       {R"({"prompt": [1], "logprobs": 21})", "\"logprobs\""},
-      {R"({"prompt": [1], "stream": true})", "streaming needs decode"},
+      {R"({"prompt": [1], "stream": "yes"})", "\"stream\""},
       {R"({"prompt": [1], "n": 2})", "\"n\""},
       {R"({"prompt": [1], "bogus": 1})", "unknown field \"bogus\""},
       {R"({"prompt": [[1], [2]], "session": "s"})", "takes one prompt"},
@@ -81,14 +124,23 @@ TEST(HttpApi, ResponseCarriesTokensUsageLogprobsAndTimings) {
   runtime::EngineResult r;
   r.first_token = 2;
   r.logits = {0.0f, 1.0f, 3.0f, 2.0f};
+  // The first token and its top two as runtime::SampleToken gives them, then a second token.
+  r.tokens.push_back(runtime::SampleToken(r.logits, {.logprobs = 2}, 0));
+  r.tokens.push_back({.id = 0, .logprob = -1.5, .top = {{0, -1.5}, {1, -2.0}}});
+  r.finish_reason = "stop";
+  r.decode_s = 0.01;
   r.prompt_tokens = 3;
   r.cached_tokens = 5;
   r.queue_s = 0.001;
   r.prefill_s = 0.002;
   const nlohmann::ordered_json out = CompletionResponse(request, {r}, "cmpl-1", 7, "tiny", nullptr);
-  EXPECT_EQ(out["choices"][0]["token_ids"][0], 2);
+  EXPECT_EQ(out["choices"][0]["token_ids"], nlohmann::json({2, 0}));
+  EXPECT_EQ(out["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(out["usage"]["prompt_tokens"], 3);
-  EXPECT_EQ(out["usage"]["completion_tokens"], 1);
+  EXPECT_EQ(out["usage"]["completion_tokens"], 2);
+  EXPECT_EQ(out["usage"]["total_tokens"], 5);
+  EXPECT_NEAR(out["cpfill"]["prompts"][0]["tpot_ms"].get<double>(), 10.0, 1e-9);
+  EXPECT_EQ(out["choices"][0]["logprobs"]["token_logprobs"][1], -1.5);
   EXPECT_EQ(out["usage"]["prompt_tokens_details"]["cached_tokens"], 5);
   EXPECT_EQ(out["kv_transfer_params"]["k"], 1);
   // log-softmax of (0, 1, 3, 2): the top two are tokens 2 and 3.
@@ -100,21 +152,50 @@ TEST(HttpApi, ResponseCarriesTokensUsageLogprobsAndTimings) {
   EXPECT_NEAR(out["cpfill"]["prompts"][0]["ttft_ms"].get<double>(), 3.0, 1e-9);
 }
 
+TEST(HttpApi, StreamChunksFollowOpenAi) {
+  CompletionRequest request;
+  request.prompts = {{1}, {2}};
+  runtime::GeneratedToken t{.index = 3, .token = {.id = 9}, .finish_reason = ""};
+  nlohmann::ordered_json c = StreamChunk(request, "cmpl-4", 7, "tiny", 1, t, "ab");
+  EXPECT_EQ(c["object"], "text_completion");
+  EXPECT_EQ(c["choices"][0]["index"], 1);
+  EXPECT_EQ(c["choices"][0]["text"], "ab");
+  EXPECT_EQ(c["choices"][0]["token_ids"][0], 9);
+  EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
+  t.finish_reason = "length";
+  EXPECT_EQ(StreamChunk(request, "cmpl-4", 7, "tiny", 1, t, "")["choices"][0]["finish_reason"],
+            "length");
+  runtime::EngineResult r;
+  r.prompt_tokens = 4;
+  r.tokens.resize(3);
+  nlohmann::ordered_json u = UsageChunk("cmpl-4", 7, "tiny", {r, r});
+  EXPECT_TRUE(u["choices"].empty());
+  EXPECT_EQ(u["usage"]["completion_tokens"], 6);
+}
+
 TEST(HttpApi, MetricsAreValidPrometheusText) {
-  Histogram h({0.1, 1});
-  h.Observe(0.05);
-  h.Observe(0.5);
-  h.Observe(5);
+  ServingHistograms h;
+  for (double ttft : {0.0005, 0.003, 5.0}) {
+    runtime::EngineResult r;
+    r.prefill_s = ttft;
+    r.tokens.resize(3);
+    r.decode_s = 0.02;
+    h.Observe(r);
+  }
   runtime::EngineStats s;
   s.requests_ok = 4;
   s.prompt_tokens = 100;
-  const std::string text = MetricsText(s, {.http_client_errors = 2}, h, h, h);
+  s.generation_tokens = 9;
+  const std::string text = MetricsText(s, {.http_client_errors = 2}, h);
+  EXPECT_NE(text.find("cpfill:generation_tokens_total 9\n"), std::string::npos);
+  EXPECT_NE(text.find("cpfill:time_per_output_token_seconds_bucket{le=\"0.01\"} 3\n"),
+            std::string::npos);
   EXPECT_NE(text.find("cpfill:requests_total{status=\"ok\"} 4\n"), std::string::npos) << text;
   EXPECT_NE(text.find("cpfill:requests_total{status=\"http_4xx\"} 2\n"), std::string::npos);
   EXPECT_NE(text.find("cpfill:prompt_tokens_total 100\n"), std::string::npos);
-  EXPECT_NE(text.find("cpfill:time_to_first_token_seconds_bucket{le=\"0.1\"} 1\n"),
+  EXPECT_NE(text.find("cpfill:time_to_first_token_seconds_bucket{le=\"0.001\"} 1\n"),
             std::string::npos);
-  EXPECT_NE(text.find("cpfill:time_to_first_token_seconds_bucket{le=\"1\"} 2\n"),
+  EXPECT_NE(text.find("cpfill:time_to_first_token_seconds_bucket{le=\"0.005\"} 2\n"),
             std::string::npos);
   EXPECT_NE(text.find("cpfill:time_to_first_token_seconds_count 3\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE cpfill:kv_cache_usage_ratio gauge\n"), std::string::npos);

@@ -1,9 +1,11 @@
 #include "launch/http_server.h"
 
 #include <chrono>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
+#include "launch/http_stream.h"
 #include "parallel/mpi_communicator.h"
 
 namespace cpfill::launch {
@@ -11,8 +13,28 @@ namespace {
 
 constexpr char kJson[] = "application/json";
 
-std::vector<double> LatencyBounds() {
-  return {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+int64_t UnixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+void SetError(const absl::Status& status, httplib::Response& res) {
+  HttpError e = ErrorResponse(status);
+  res.status = e.status;
+  if (e.status == 503) res.set_header("Retry-After", "1");
+  res.set_content(e.body, kJson);
+}
+
+// Which replies have come. Read before the stream's events: a prompt that succeeded pushed its
+// last token before its reply came, so a reply that came while its prompt has not finished
+// after those events failed.
+std::vector<bool> ReadyNow(std::vector<runtime::Engine::Reply>& replies) {
+  std::vector<bool> ready;
+  for (auto& r : replies) {
+    ready.push_back(r.wait_for(std::chrono::seconds(0)) == std::future_status::ready);
+  }
+  return ready;
 }
 
 }  // namespace
@@ -24,9 +46,7 @@ HttpFront::HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::s
       served_model_(std::move(served_model)),
       tokenizer_(tokenizer),
       server_(std::make_unique<httplib::Server>()),
-      ttft_(LatencyBounds()),
-      queue_(LatencyBounds()),
-      batch_tokens_({16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576}) {
+      seeds_(std::random_device{}()) {
   server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   Routes();
 }
@@ -61,45 +81,106 @@ void HttpFront::Serve() { server_->listen_after_bind(); }
 void HttpFront::Stop() { server_->stop(); }
 
 // One completion: its prompts queued together (so they can share a fused batch; a refusal
-// refuses them all), then each answer awaited.
-std::string HttpFront::Completions(const std::string& body, int* status) {
-  absl::StatusOr<CompletionRequest> request =
-      ParseCompletionRequest(body, served_model_, tokenizer_);
-  if (!request.ok()) {
-    HttpError e = ErrorResponse(request.status());
-    *status = e.status;
-    return e.body;
-  }
-  std::vector<runtime::EngineRequest> prompts;
-  for (const std::vector<int32_t>& prompt : request->prompts) {
-    prompts.push_back({.tokens = prompt, .session = request->session});
+// refuses them all), answered whole or streamed as they generate.
+void HttpFront::Completions(const httplib::Request& req, httplib::Response& res) {
+  auto request = std::make_shared<CompletionRequest>();
+  absl::StatusOr<CompletionRequest> parsed = ParseCompletionRequest(req.body, served_model_, tokenizer_);
+  if (!parsed.ok()) return SetError(parsed.status(), res);
+  *request = std::move(*parsed);
+  std::vector<runtime::EngineRequest> prompts = EngineRequestsOf(*request, NextSeed());
+  const std::string id = absl::StrCat("cmpl-", next_id_++);
+  std::shared_ptr<CompletionStream> stream;
+  if (request->stream) {
+    stream = std::make_shared<CompletionStream>(*request, id, UnixSeconds(), served_model_,
+                                                tokenizer_);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      prompts[i].on_token = stream->Sink(static_cast<int>(i));
+      prompts[i].cancelled = stream->cancelled();
+    }
   }
   absl::StatusOr<std::vector<runtime::Engine::Reply>> replies =
       engine_.SubmitAll(std::move(prompts));
-  if (!replies.ok()) {
-    HttpError e = ErrorResponse(replies.status());
-    *status = e.status;
-    return e.body;
-  }
+  if (!replies.ok()) return SetError(replies.status(), res);
+  auto shared = std::make_shared<std::vector<runtime::Engine::Reply>>(std::move(*replies));
+  if (stream) return Stream(request, stream, shared, res);
   std::vector<runtime::EngineResult> results;
-  for (runtime::Engine::Reply& reply : *replies) {
+  for (runtime::Engine::Reply& reply : *shared) {
     absl::StatusOr<runtime::EngineResult> r = reply.get();
-    if (!r.ok()) {
-      HttpError e = ErrorResponse(r.status());
-      *status = e.status;
-      return e.body;
-    }
-    ttft_.Observe(r->queue_s + r->prefill_s);
-    queue_.Observe(r->queue_s);
-    batch_tokens_.Observe(static_cast<double>(r->timings.new_tokens));
+    if (!r.ok()) return SetError(r.status(), res);
+    histograms_.Observe(*r);
     results.push_back(std::move(*r));
   }
-  const int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
-                              std::chrono::system_clock::now().time_since_epoch())
-                              .count();
-  *status = 200;
-  return JsonText(CompletionResponse(*request, results, absl::StrCat("cmpl-", next_id_++), created,
-                                     served_model_, tokenizer_));
+  res.set_content(JsonText(CompletionResponse(*request, results, id, UnixSeconds(), served_model_,
+                                              tokenizer_)),
+                  kJson);
+}
+
+// A streamed completion: an error before any prompt's first token is answered as JSON with its
+// status, as without streaming; after that, the events, an error event if a prompt fails, the
+// usage when asked, and "data: [DONE]".
+void HttpFront::Stream(std::shared_ptr<CompletionRequest> request,
+                       std::shared_ptr<CompletionStream> stream,
+                       std::shared_ptr<std::vector<runtime::Engine::Reply>> replies,
+                       httplib::Response& res) {
+  for (size_t i = 0; i < replies->size(); ++i) {
+    auto& reply = (*replies)[i];
+    while (!stream->Started(static_cast<int>(i)) &&
+           reply.wait_for(std::chrono::milliseconds(2)) != std::future_status::ready) {
+    }
+    if (!stream->Started(static_cast<int>(i))) {  // answered without a token: its error
+      absl::StatusOr<runtime::EngineResult> r = reply.get();
+      return SetError(r.ok() ? absl::InternalError("no token was streamed") : r.status(), res);
+    }
+  }
+  ++running_;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, request, stream, replies](size_t, httplib::DataSink& sink) {
+        const std::vector<bool> ready = ReadyNow(*replies);
+        std::string events;
+        bool more = stream->Next(&events, std::chrono::milliseconds(100));
+        if (!events.empty() && !sink.write(events.data(), events.size())) return false;
+        for (size_t i = 0; i < ready.size(); ++i) {
+          if (ready[i] && !stream->Finished(static_cast<int>(i))) more = false;  // it failed
+        }
+        if (more) return true;
+        events = Finale(*request, *stream, *replies);
+        sink.write(events.data(), events.size());
+        sink.done();
+        return true;
+      },
+      [this, stream](bool success) {
+        if (!success) stream->cancelled()->store(true);  // the client left: stop generating
+        --running_;
+      });
+}
+
+// The end of a stream once every prompt finished (or one failed): the usage chunk when asked,
+// an error event for a failed prompt, then [DONE].
+std::string HttpFront::Finale(const CompletionRequest& request, CompletionStream& stream,
+                              std::vector<runtime::Engine::Reply>& replies) {
+  std::string out;
+  std::vector<runtime::EngineResult> results;
+  for (auto& reply : replies) {
+    absl::StatusOr<runtime::EngineResult> r = reply.get();
+    if (!r.ok()) {
+      out += ServerSentEvent(ErrorResponse(r.status()).body);
+      continue;
+    }
+    histograms_.Observe(*r);
+    results.push_back(std::move(*r));
+  }
+  if (request.include_usage && results.size() == replies.size()) {
+    out += ServerSentEvent(
+        JsonText(UsageChunk(stream.id(), UnixSeconds(), served_model_, results)));
+  }
+  return out + "data: [DONE]\n\n";
+}
+
+uint64_t HttpFront::NextSeed() {
+  std::lock_guard lock(seed_mu_);
+  return seeds_();
 }
 
 void HttpFront::Routes() {
@@ -137,12 +218,8 @@ void HttpFront::Routes() {
       });
   s.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     ++running_;
-    int status = 500;
-    std::string body = Completions(req.body, &status);
+    Completions(req, res);
     --running_;
-    res.status = status;
-    if (status == 503) res.set_header("Retry-After", "1");
-    res.set_content(body, kJson);
   });
   s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     const absl::Status health = Health();
@@ -185,7 +262,7 @@ void HttpFront::Routes() {
                                   .http_client_errors = client_errors_,
                                   .http_server_errors = server_errors_,
                                   .running = running_};
-    res.set_content(MetricsText(engine_.stats(), counters, ttft_, queue_, batch_tokens_),
+    res.set_content(MetricsText(engine_.stats(), counters, histograms_),
                     "text/plain; version=0.0.4");
   });
 }

@@ -12,7 +12,9 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "launch/http_api.h"
@@ -21,9 +23,13 @@
 
 namespace httplib {
 class Server;
+struct Request;
+struct Response;
 }
 
 namespace cpfill::launch {
+
+class CompletionStream;
 
 class HttpFront {
  public:
@@ -47,7 +53,12 @@ class HttpFront {
   static constexpr std::chrono::milliseconds kHealthProbeEvery{500};
   void Routes();
   absl::Status Health();
-  std::string Completions(const std::string& body, int* status);
+  void Completions(const httplib::Request& req, httplib::Response& res);
+  void Stream(std::shared_ptr<CompletionRequest> request, std::shared_ptr<CompletionStream> stream,
+              std::shared_ptr<std::vector<runtime::Engine::Reply>> replies, httplib::Response& res);
+  std::string Finale(const CompletionRequest& request, CompletionStream& stream,
+                     std::vector<runtime::Engine::Reply>& replies);
+  uint64_t NextSeed();  // a request without a seed samples with this one
 
   runtime::Engine& engine_;
   runtime::LlamaModel& model_;
@@ -59,7 +70,9 @@ class HttpFront {
   absl::Status health_;
   std::chrono::steady_clock::time_point health_probed_{};
   std::atomic<int64_t> next_id_{1}, ok_{0}, client_errors_{0}, server_errors_{0}, running_{0};
-  Histogram ttft_, queue_, batch_tokens_;
+  ServingHistograms histograms_;
+  std::mutex seed_mu_;
+  std::mt19937_64 seeds_;
 };
 
 }  // namespace cpfill::launch

@@ -15,11 +15,17 @@ using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Names the KV of a generating request without a session. Clients cannot use it: session names
+// with control characters are refused.
+std::string InternalSession(int64_t id) { return absl::StrCat("\x01gen-", id); }
+bool IsInternalSession(const std::string& name) { return !name.empty() && name[0] == '\x01'; }
+
 // The broadcast form of a command: little-endian words and length-prefixed strings. Rank 0 is
 // trusted, but a reader still checks every length against what is left.
 class Writer {
  public:
   void U32(uint32_t x) { Raw(&x, 4); }
+  void U64(uint64_t x) { Raw(&x, 8); }
   void Str(const std::string& s) {
     U32(static_cast<uint32_t>(s.size()));
     Raw(s.data(), s.size());
@@ -41,6 +47,7 @@ class Reader {
  public:
   explicit Reader(const std::vector<char>& bytes) : bytes_(bytes) {}
   bool U32(uint32_t* x) { return Raw(x, 4); }
+  bool U64(uint64_t* x) { return Raw(x, 8); }
   bool Str(std::string* s) {
     uint32_t n = 0;
     if (!U32(&n) || n > left()) return false;
@@ -70,7 +77,8 @@ class Reader {
 
 }  // namespace
 
-// A request or a session end waiting on rank 0, and the promise that answers it.
+// A request or a session end waiting on rank 0, the promise that answers it, and (once it has
+// begun) its generation so far.
 struct Engine::Pending {
   bool end_session = false;
   EngineRequest request;
@@ -80,19 +88,28 @@ struct Engine::Pending {
   Clock::time_point submitted = Clock::now();
   int64_t cached = 0;       // set when batched: the session's tokens already in the cache
   bool recomputed = false;  // set when batched: the session's history is in this request
+  // Generation: the session holding its KV (the request's, or an internal one), the result so
+  // far (filled by the first prefill), the positions it may still use, and when it started.
+  std::string kv_name;
+  EngineResult result;
+  int64_t positions_left = 0;
+  Clock::time_point first_token_at;
+  bool started = false;  // its first prefill ran (a preempted one is queued again)
 };
 
 // What every rank does next. `items` (rank 0 only) are the pendings it answers, in batch order.
 struct Engine::Command {
-  enum Kind : uint32_t { kHeartbeat = 0, kPrefill = 1, kEndSessions = 2, kShutdown = 3 };
+  enum Kind : uint32_t { kHeartbeat = 0, kPrefill = 1, kEndSessions = 2, kDecode = 3, kShutdown = 4 };
   Kind kind = kHeartbeat;
-  std::vector<std::string> end_sessions;  // sessions to end (kEndSessions) or evict (kPrefill)
+  uint64_t step = 0;                      // kDecode: the decode step (PlanDecode's offset)
+  std::vector<std::string> end_sessions;  // sessions to end, evict or drop first
   std::vector<PrefillRequest> batch;
   std::vector<std::unique_ptr<Pending>> items;
 
   std::vector<char> Encode() const {
     Writer w;
     w.U32(kind);
+    w.U64(step);
     w.U32(static_cast<uint32_t>(end_sessions.size()));
     for (const std::string& s : end_sessions) w.Str(s);
     w.U32(static_cast<uint32_t>(batch.size()));
@@ -106,7 +123,7 @@ struct Engine::Command {
     Command c;
     Reader r(bytes);
     uint32_t kind = 0, n = 0;
-    bool ok = r.U32(&kind) && kind <= kShutdown && r.U32(&n);
+    bool ok = r.U32(&kind) && kind <= kShutdown && r.U64(&c.step) && r.U32(&n);
     for (uint32_t i = 0; ok && i < n; ++i) ok = r.Str(&c.end_sessions.emplace_back());
     ok = ok && r.U32(&n);
     for (uint32_t i = 0; ok && i < n; ++i) {
@@ -128,16 +145,29 @@ Engine::Engine(LlamaModel& model, parallel::Communicator& world, EngineOptions o
 Engine::~Engine() = default;
 
 absl::Status Engine::Check(const EngineRequest& request) const {
-  const int vocab = model_.config().vocab_size;
+  const ModelConfig& c = model_.config();
   CPFILL_CHECK_ARG(!request.tokens.empty(), "the prompt is empty");
   CPFILL_CHECK_ARG(static_cast<int64_t>(request.tokens.size()) <= options_.max_batch_tokens,
                    "the prompt has ", request.tokens.size(), " tokens, more than a batch takes (",
                    options_.max_batch_tokens, ", --max-batch-tokens)");
   for (size_t i = 0; i < request.tokens.size(); ++i) {
-    CPFILL_CHECK_ARG(request.tokens[i] >= 0 && request.tokens[i] < vocab, "token ", i, " is ",
-                     request.tokens[i], ", outside the vocabulary [0, ", vocab, ")");
+    CPFILL_CHECK_ARG(request.tokens[i] >= 0 && request.tokens[i] < c.vocab_size, "token ", i,
+                     " is ", request.tokens[i], ", outside the vocabulary [0, ", c.vocab_size, ")");
   }
-  return absl::OkStatus();
+  for (unsigned char ch : request.session) {
+    CPFILL_CHECK_ARG(ch >= 0x20 && ch != 0x7f, "the session name has a control character");
+  }
+  CPFILL_CHECK_ARG(request.max_tokens >= 1, "max_tokens is ", request.max_tokens,
+                   ", must be at least 1");
+  const int64_t wanted = static_cast<int64_t>(request.tokens.size()) + request.max_tokens - 1;
+  CPFILL_CHECK_ARG(wanted <= c.max_position_embeddings, "the prompt's ", request.tokens.size(),
+                   " tokens and max_tokens ", request.max_tokens, " need ", wanted,
+                   " positions; the model has ", c.max_position_embeddings);
+  for (int32_t id : request.stop_ids) {
+    CPFILL_CHECK_ARG(id >= 0 && id < c.vocab_size, "stop token ", id,
+                     " is outside the vocabulary [0, ", c.vocab_size, ")");
+  }
+  return ValidateSampling(request.sampling, c.vocab_size);
 }
 
 absl::StatusOr<Engine::Reply> Engine::Submit(EngineRequest request) {
@@ -194,6 +224,7 @@ EngineStats Engine::stats() const {
   std::lock_guard lock(mu_);
   EngineStats s = stats_;
   s.waiting = static_cast<int64_t>(queue_.size());
+  s.running = static_cast<int64_t>(running_.size()) + decoding_;
   s.sessions = static_cast<int64_t>(sessions_.size());
   return s;
 }
@@ -238,9 +269,21 @@ absl::Status Engine::Run() {
 
 absl::StatusOr<Engine::Command> Engine::NextCommand() {
   std::unique_lock lock(mu_);
-  work_.wait_for(lock, options_.heartbeat, [&] { return !queue_.empty() || shutdown_; });
+  if (running_.empty()) {
+    work_.wait_for(lock, options_.heartbeat, [&] { return !queue_.empty() || shutdown_; });
+  }
+  // A session end waits for the generation of that session queued before it.
+  const bool blocked = !queue_.empty() && queue_.front()->end_session &&
+                       std::any_of(running_.begin(), running_.end(), [&](const auto& p) {
+                         return p->request.session == queue_.front()->end_name;
+                       });
+  if (running_.empty()) prefill_waits_ = false;
+  const bool prefill = !queue_.empty() && !blocked && !prefill_waits_ &&
+                       (running_.empty() || prefill_next_);
+  prefill_next_ = !prefill;
+  if (prefill) return FormBatch();
+  if (!running_.empty()) return DecodeStep();
   Command c;
-  if (!queue_.empty()) return FormBatch();
   c.kind = shutdown_ ? Command::kShutdown : Command::kHeartbeat;
   return c;
 }
@@ -255,10 +298,12 @@ Engine::Command Engine::FormBatch() {
     return c;
   }
   c.kind = Command::kPrefill;
-  c.end_sessions = std::move(evict_next_);
-  evict_next_.clear();
-  std::set<std::string> taken, waiting;  // sessions in this batch; sessions whose turn waits
-  int64_t tokens = 0;
+  c.end_sessions = std::move(drop_next_);
+  drop_next_.clear();
+  // Sessions in this batch, generating, or whose turn waits for an earlier one.
+  std::set<std::string> taken, waiting;
+  for (const auto& r : running_) waiting.insert(r->request.session);
+  int64_t tokens = 0, generating = static_cast<int64_t>(running_.size());
   for (auto it = queue_.begin(); it != queue_.end();) {
     Pending& p = **it;
     if (p.end_session) break;
@@ -268,27 +313,50 @@ Engine::Command Engine::FormBatch() {
       ++it;
       continue;
     }
-    PrefillRequest r{.tokens = p.request.tokens, .session = name};
+    const bool generates = p.request.max_tokens > 1;
+    if (generates && generating >= options_.max_running) break;
+    // What the cache lacks: the session's unfed tokens (all of them once evicted), this turn's,
+    // and what a preempted generation had made.
+    PrefillRequest r{.session = name};
     p.cached = 0;
     p.recomputed = false;
     if (auto s = sessions_.find(name); !name.empty() && s != sessions_.end()) {
-      if (s->second.evicted) {
-        r.tokens = s->second.history;
-        r.tokens.insert(r.tokens.end(), p.request.tokens.begin(), p.request.tokens.end());
-        p.recomputed = true;
-      } else {
-        p.cached = static_cast<int64_t>(s->second.history.size());
-      }
+      const int64_t from = s->second.evicted ? 0 : s->second.fed;
+      r.tokens.assign(s->second.history.begin() + from, s->second.history.end());
+      p.cached = from;
+      p.recomputed = s->second.evicted;
     }
+    r.tokens.insert(r.tokens.end(), p.request.tokens.begin(), p.request.tokens.end());
+    for (const SampledToken& t : p.result.tokens) r.tokens.push_back(t.id);
     const int64_t n = static_cast<int64_t>(r.tokens.size());
     if (!c.batch.empty() && (solo_ > 0 || tokens + n > options_.max_batch_tokens)) break;
     tokens += n;
+    if (generates) {
+      ++generating;
+      if (p.kv_name.empty()) p.kv_name = name.empty() ? InternalSession(next_id_++) : name;
+      r.session = p.kv_name;
+    }
     if (!name.empty()) taken.insert(name);
     c.batch.push_back(std::move(r));
     c.items.push_back(std::move(*it));
     it = queue_.erase(it);
   }
   if (solo_ > 0) --solo_;
+  return c;
+}
+
+Engine::Command Engine::DecodeStep() {
+  Command c;
+  c.kind = Command::kDecode;
+  c.step = static_cast<uint64_t>(step_++);
+  c.end_sessions = std::move(drop_next_);
+  drop_next_.clear();
+  for (auto& p : running_) {
+    c.batch.push_back({.tokens = {p->result.tokens.back().id}, .session = p->kv_name});
+    c.items.push_back(std::move(p));
+  }
+  decoding_ = static_cast<int64_t>(running_.size());
+  running_.clear();
   return c;
 }
 
@@ -305,20 +373,28 @@ absl::Status Engine::Execute(Command& command) {
   const Clock::time_point start = Clock::now();
   PrefillTimings timings;
   absl::StatusOr<std::vector<SequenceOutput>> out =
-      model_.Prefill(command.batch, &timings, nullptr);
+      command.kind == Command::kDecode
+          ? model_.Decode(command.batch, static_cast<int64_t>(command.step), &timings)
+          : model_.Prefill(command.batch, &timings, nullptr);
   // The model refuses a batch on every rank alike, changing nothing: answered on rank 0, the
   // loop goes on. Anything else is a fault of the job.
   if (!out.ok() && !absl::IsInvalidArgument(out.status()) &&
       !absl::IsResourceExhausted(out.status()) && !absl::IsNotFound(out.status())) {
     return out.status();
   }
-  if (root_) Answer(command, std::move(out), timings, Since(start));
+  if (!root_) return absl::OkStatus();
+  if (command.kind == Command::kDecode) {
+    AnswerDecode(command, std::move(out));
+  } else {
+    Answer(command, std::move(out), timings, Since(start));
+  }
   return absl::OkStatus();
 }
 
 std::vector<std::string> Engine::IdleSessionsLruFirst(const Command& command) const {
   std::set<std::string> busy;
   for (const PrefillRequest& r : command.batch) busy.insert(r.session);
+  for (const auto& p : running_) busy.insert(p->kv_name);
   std::vector<std::pair<int64_t, std::string>> idle;
   for (const auto& [name, s] : sessions_) {
     if (!s.evicted && !busy.count(name)) idle.push_back({s.last_used, name});
@@ -329,8 +405,37 @@ std::vector<std::string> Engine::IdleSessionsLruFirst(const Command& command) co
   return names;
 }
 
+// A batch that failed changing nothing goes back to the front of the queue, after making room:
+// the KV cache is full, so the least recently used idle session is evicted; with none left,
+// for another shortfall (activations: evicting frees none of that memory), or for a request
+// the model refuses, the next batches run one request at a time, and a request alone gets its
+// own error.
+void Engine::Requeue(Command& command, const absl::Status& why) {
+  std::vector<std::string> idle;
+  if (IsKvCacheFull(why)) idle = IdleSessionsLruFirst(command);
+  // Generations hold the rest: the batch waits for one of them to end.
+  const bool wait = IsKvCacheFull(why) && idle.empty() && !running_.empty();
+  if (!wait && idle.empty() && command.items.size() == 1) {
+    ++stats_.requests_failed;
+    command.items.front()->reply.set_value(why);
+    return;
+  }
+  if (!idle.empty()) {
+    drop_next_.push_back(idle.front());
+    sessions_[idle.front()].evicted = true;
+    ++stats_.evictions;
+  } else if (wait) {
+    prefill_waits_ = true;
+  } else {
+    solo_ = static_cast<int>(command.items.size());
+  }
+  for (auto it = command.items.rbegin(); it != command.items.rend(); ++it) {
+    queue_.push_front(std::move(*it));
+  }
+}
+
 void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs,
-                    const PrefillTimings& timings, double prefill_s) {
+                    const PrefillTimings& timings, double seconds) {
   std::lock_guard lock(mu_);
   stats_.kv_usage_ratio = model_.kv_usage().usage_ratio();  // on the loop thread: no race
   if (command.kind == Command::kEndSessions) {
@@ -340,58 +445,142 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
                            : absl::NotFoundError(absl::StrCat("no session '", p.end_name, "'")));
     return;
   }
-  if (!outputs.ok()) {
-    // The KV cache is full: evict the least recently used idle session and try again; with
-    // none left, for another shortfall (activations: evicting frees none of that memory), or for
-    // a request the model refuses, run the batch one request at a time; a request alone gets
-    // its own error.
-    std::vector<std::string> idle;
-    if (IsKvCacheFull(outputs.status())) idle = IdleSessionsLruFirst(command);
-    if (idle.empty() && command.items.size() == 1) {
-      ++stats_.requests_failed;
-      command.items.front()->reply.set_value(outputs.status());
-      return;
-    }
-    if (!idle.empty()) {
-      evict_next_.push_back(idle.front());
-      sessions_[idle.front()].evicted = true;
-      ++stats_.evictions;
-    } else {
-      solo_ = static_cast<int>(command.items.size());
-    }
-    for (auto it = command.items.rbegin(); it != command.items.rend(); ++it) {
-      queue_.push_front(std::move(*it));
-    }
-    return;
-  }
+  if (!outputs.ok()) return Requeue(command, outputs.status());
   ++stats_.batches;
   if (options_.on_batch) {
     options_.on_batch(static_cast<int>(command.items.size()), timings.new_tokens,
-                      timings.cached_tokens, timings.algorithm, prefill_s);
+                      timings.cached_tokens, timings.algorithm, seconds);
   }
   for (size_t i = 0; i < command.items.size(); ++i) {
-    Pending& p = *command.items[i];
-    EngineResult r;
-    r.first_token = (*outputs)[i].first_token;
-    r.logits = std::move((*outputs)[i].logits);
-    r.prompt_tokens = static_cast<int64_t>(p.request.tokens.size());
-    r.cached_tokens = p.cached;
-    r.recomputed = p.recomputed;
-    r.queue_s = std::max(0.0, Since(p.submitted) - prefill_s);
-    r.prefill_s = prefill_s;
-    r.batch_requests = static_cast<int>(command.items.size());
-    r.timings = timings;
-    if (const std::string& name = p.request.session; !name.empty()) {
-      SessionState& s = sessions_[name];
-      s.evicted = false;
-      s.history.insert(s.history.end(), p.request.tokens.begin(), p.request.tokens.end());
-      s.last_used = stats_.batches;
+    std::unique_ptr<Pending> p = std::move(command.items[i]);
+    SequenceOutput& out = (*outputs)[i];
+    EngineResult& r = p->result;
+    const bool first = !p->started;
+    if (first) {  // a preempted generation keeps its first prefill's figures
+      p->started = true;
+      r.prompt_tokens = static_cast<int64_t>(p->request.tokens.size());
+      r.cached_tokens = p->cached;
+      r.recomputed = p->recomputed;
+      r.queue_s = std::max(0.0, Since(p->submitted) - seconds);
+      r.prefill_s = seconds;
+      r.batch_requests = static_cast<int>(command.items.size());
+      r.timings = timings;
+      p->first_token_at = Clock::now();
+      stats_.prompt_tokens += r.prompt_tokens;
+      stats_.cached_tokens += r.cached_tokens;
     }
-    ++stats_.requests_ok;
-    stats_.prompt_tokens += r.prompt_tokens;
-    stats_.cached_tokens += r.cached_tokens;
-    p.reply.set_value(std::move(r));
+    p->positions_left = model_.config().max_position_embeddings - p->cached -
+                        static_cast<int64_t>(command.batch[i].tokens.size());
+    const bool done = NextToken(*p, out.logits);
+    if (first) {
+      r.first_token = r.tokens.front().id;
+      r.logits = std::move(out.logits);
+    }
+    if (done) {
+      Finish(std::move(p));
+    } else {
+      running_.push_back(std::move(p));
+    }
   }
+}
+
+void Engine::AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs) {
+  std::lock_guard lock(mu_);
+  stats_.kv_usage_ratio = model_.kv_usage().usage_ratio();
+  decoding_ = 0;
+  if (!outputs.ok()) {
+    for (auto& p : command.items) running_.push_back(std::move(p));
+    return MakeRoomToDecode(command, outputs.status());
+  }
+  ++stats_.decode_steps;
+  for (size_t i = 0; i < command.items.size(); ++i) {
+    std::unique_ptr<Pending> p = std::move(command.items[i]);
+    --p->positions_left;  // the token this step fed
+    if (NextToken(*p, (*outputs)[i].logits)) {
+      Finish(std::move(p));
+    } else {
+      running_.push_back(std::move(p));
+    }
+  }
+}
+
+// A decode step that changed nothing: the KV cache is full. An idle session is evicted; with
+// none, the newest generation is preempted (its KV dropped, queued again to prefill what it has);
+// the only one left ends at the capacity ("length"). Another error ends the step's sequences.
+void Engine::MakeRoomToDecode(const Command& command, const absl::Status& why) {
+  if (!IsKvCacheFull(why)) {
+    for (auto& p : running_) {
+      if (IsInternalSession(p->kv_name)) drop_next_.push_back(p->kv_name);
+      ++stats_.requests_failed;
+      p->reply.set_value(why);
+    }
+    running_.clear();
+    return;
+  }
+  if (std::vector<std::string> idle = IdleSessionsLruFirst(command); !idle.empty()) {
+    drop_next_.push_back(idle.front());
+    sessions_[idle.front()].evicted = true;
+    ++stats_.evictions;
+    return;
+  }
+  if (running_.size() == 1) {
+    running_.front()->result.finish_reason = "length";
+    Finish(std::move(running_.front()));
+    running_.clear();
+    return;
+  }
+  std::unique_ptr<Pending> p = std::move(running_.back());
+  running_.pop_back();
+  drop_next_.push_back(p->kv_name);
+  if (!p->request.session.empty()) sessions_[p->request.session].evicted = true;
+  ++p->result.preemptions;
+  ++stats_.preemptions;
+  queue_.push_front(std::move(p));
+}
+
+bool Engine::NextToken(Pending& p, const std::vector<float>& logits) {
+  EngineResult& r = p.result;
+  const EngineRequest& q = p.request;
+  const int index = static_cast<int>(r.tokens.size());
+  r.tokens.push_back(SampleToken(logits, q.sampling, static_cast<uint64_t>(index)));
+  ++stats_.generation_tokens;
+  const int32_t id = r.tokens.back().id;
+  const auto in = [id](const std::vector<int32_t>& ids) {
+    return std::find(ids.begin(), ids.end(), id) != ids.end();
+  };
+  if (in(q.stop_ids) || (!q.ignore_eos && in(options_.eos_ids))) {
+    r.finish_reason = "stop";
+  } else if (static_cast<int>(r.tokens.size()) >= q.max_tokens || p.positions_left <= 0) {
+    r.finish_reason = "length";
+  } else if (q.cancelled && q.cancelled->load()) {
+    r.finish_reason = "abort";
+  }
+  if (q.on_token) q.on_token({index, r.tokens.back(), r.finish_reason});
+  return !r.finish_reason.empty();
+}
+
+// Answers a finished request; its session now holds this turn (and what it generated when it
+// generated more than the first token), a request without one gives its KV back.
+void Engine::Finish(std::unique_ptr<Pending> p) {
+  EngineResult& r = p->result;
+  r.decode_s = Since(p->first_token_at);
+  const EngineRequest& q = p->request;
+  if (!q.session.empty()) {
+    SessionState& s = sessions_[q.session];
+    s.history.insert(s.history.end(), q.tokens.begin(), q.tokens.end());
+    const bool generated = q.max_tokens > 1;
+    if (generated) {
+      for (const SampledToken& t : r.tokens) s.history.push_back(t.id);
+    }
+    s.fed = static_cast<int64_t>(s.history.size()) - (generated ? 1 : 0);
+    s.evicted = false;
+    s.last_used = stats_.batches;
+  } else if (!p->kv_name.empty()) {
+    drop_next_.push_back(p->kv_name);
+  }
+  ++stats_.requests_ok;
+  prefill_waits_ = false;  // its KV is free now
+  p->reply.set_value(std::move(r));
 }
 
 void Engine::Fail(Command& command, const absl::Status& status) {
@@ -407,7 +596,9 @@ void Engine::Fail(Command& command, const absl::Status& status) {
   };
   for (auto& p : command.items) fail(*p);
   for (auto& p : queue_) fail(*p);
+  for (auto& p : running_) fail(*p);
   queue_.clear();
+  running_.clear();
 }
 
 }  // namespace cpfill::runtime

@@ -1,26 +1,43 @@
-// cpfill/runtime/engine.h — the long-running prefill engine: one model, one KV cache, one queue.
+// cpfill/runtime/engine.h — the long-running engine: one model, one KV cache, one queue, and the
+// sequences it is generating.
 //
 // Every rank builds an Engine over its LlamaModel and calls Run() (collective; it returns after
 // Shutdown). World rank 0 alone takes work: Submit (thread-safe, from any thread, such as an
-// HTTP server's) queues a request and returns a future; the loop forms fused batches first come
-// first served up to max_batch_tokens new tokens, never two turns of one session in a batch and
-// never a later turn before an earlier one, broadcasts each batch, and every rank prefills it
-// together. While idle, rank 0 broadcasts a heartbeat every `heartbeat` that ends in a barrier,
-// so every rank's waits keep their deadline: a silent rank, rank 0 or another, ends the job.
+// HTTP server's) queues a request and returns a future. The loop on rank 0 decides each step and
+// broadcasts it; every rank runs it together:
+//   - a prefill batch: queued requests first come first served up to max_batch_tokens new
+//     tokens, never two turns of one session in a batch and never a later turn before an earlier
+//     one (nor a turn while the session is still generating);
+//   - a decode step (paper Alg. 4, LlamaModel::Decode): one token for every running sequence.
+// When both are due they alternate, so neither new prompts nor running generations starve.
+// While idle, rank 0 broadcasts a heartbeat every `heartbeat` that ends in a barrier, so every
+// rank's waits keep their deadline: a silent rank, rank 0 or another, ends the job.
 //
-// Sessions keep their KV in the model's cache between turns. When a batch does not fit, rank 0
-// evicts the least recently used idle session and tries again; a later turn of an evicted session
-// prefills its whole history again (reported as recomputed, no cached tokens). A batch that fails
-// as a whole (a request the model refuses) is retried one request at a time, so a bad request
-// gets its own error and the others go on.
+// Generation: rank 0 picks each token from the logits (runtime/sampling.h: greedy or seeded
+// temperature / top-k / top-p) and stops at a stop id (the checkpoint's EOS unless ignore_eos),
+// at max_tokens, or at the model's last position. A request with max_tokens 1 is a prefill and
+// its first token (the prefill service of a disaggregated deployment); one with more keeps its
+// KV while it generates.
 //
-//   Engine engine(*model, world, {.max_batch_tokens = 65536});
+// Sessions keep their KV in the model's cache between turns. With max_tokens > 1 the generated
+// tokens join the conversation (the last one's KV is written with the next turn); with
+// max_tokens 1 they do not (the decoder elsewhere owns them, and the next turn brings them). When
+// a batch does not fit, rank 0 evicts the least recently used idle session and tries again; a
+// later turn of an evicted session prefills its whole history again (reported as recomputed).
+// When a decode step does not fit and no session is idle, the newest running sequence is
+// preempted: its KV is dropped and it is queued again to prefill its prompt and the tokens it has
+// generated, then goes on (vLLM's recompute preemption). A batch that fails as a whole (a
+// request the model refuses) is retried one request at a time, so a bad request gets its own
+// error and the others go on.
+//
+//   Engine engine(*model, world, {.max_batch_tokens = 65536, .eos_ids = {128001}});
 //   std::thread loop([&] { status = engine.Run(); });          // every rank
-//   auto reply = engine.Submit({.tokens = ids, .session = "chat-1"});   // rank 0
-//   absl::StatusOr<EngineResult> r = reply->get();
+//   auto reply = engine.Submit({.tokens = ids, .session = "chat-1", .max_tokens = 64});   // rank 0
+//   absl::StatusOr<EngineResult> r = reply->get();             // r->tokens, r->finish_reason
 //   engine.Shutdown();  loop.join();
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -28,6 +45,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -36,31 +54,53 @@
 #include "parallel/communicator.h"
 #include "runtime/llama_model.h"
 #include "runtime/prefill_batch.h"
+#include "runtime/sampling.h"
 
 namespace cpfill::runtime {
 
 struct EngineOptions {
   int64_t max_batch_tokens = 131072;          // new tokens in one fused batch
   int max_queue = 1024;                       // waiting requests before Submit refuses
+  int max_running = 256;                      // sequences generating at once (a decode batch)
+  std::vector<int32_t> eos_ids;               // generation stops at these (the checkpoint's EOS)
   std::chrono::milliseconds heartbeat{1000};  // rank 0's idle broadcast; below the deadline
   // Rank 0, after each batch (the server's log line): requests, new and cached tokens, the ring
   // algorithm, seconds.
   std::function<void(int, int64_t, int64_t, parallel::RingAlgorithm, double)> on_batch;
 };
 
+// One generated token, as a stream sees it.
+struct GeneratedToken {
+  int index = 0;  // 0: the first token (from the prefill)
+  SampledToken token;
+  std::string finish_reason;  // set on the last token: "stop", "length" or "abort"
+};
+
 struct EngineRequest {
   std::vector<int32_t> tokens;  // this turn's new tokens
   std::string session;          // "": nothing kept; else continue and keep this conversation
+  int max_tokens = 1;           // tokens to generate; 1: prefill and the first token only
+  SamplingParams sampling;
+  std::vector<int32_t> stop_ids;  // stop at these too
+  bool ignore_eos = false;        // do not stop at the engine's eos_ids
+  // Rank 0's engine thread calls it with each token as it is chosen (streaming); must not block.
+  std::function<void(const GeneratedToken&)> on_token;
+  // Set by the client (a stream whose reader left): generation ends with finish_reason "abort".
+  std::shared_ptr<std::atomic<bool>> cancelled;
 };
 
 struct EngineResult {
   int32_t first_token = -1;
-  std::vector<float> logits;   // [vocab] of the last position
+  std::vector<float> logits;   // [vocab] of the prompt's last position
+  std::vector<SampledToken> tokens;  // generated, first token first
+  std::string finish_reason;   // "stop" (a stop id), "length" (max_tokens, positions), "abort"
   int64_t prompt_tokens = 0;   // this turn's new tokens
   int64_t cached_tokens = 0;   // the session's tokens whose KV was reused
   bool recomputed = false;     // the session had been evicted: its history was prefilled again
+  int preemptions = 0;         // times the KV cache filled and this sequence was recomputed
   double queue_s = 0;          // from Submit to the start of the batch that answered it
   double prefill_s = 0;        // that batch's prefill, every rank together
+  double decode_s = 0;         // from the first token to the last
   int batch_requests = 0;      // requests in that batch
   PrefillTimings timings;      // that batch's
 };
@@ -69,6 +109,7 @@ struct EngineResult {
 struct EngineStats {
   int64_t requests_ok = 0, requests_failed = 0, prompt_tokens = 0, cached_tokens = 0;
   int64_t batches = 0, evictions = 0, waiting = 0, sessions = 0;
+  int64_t generation_tokens = 0, decode_steps = 0, preemptions = 0, running = 0;
   double kv_usage_ratio = 0;  // rank 0's KV cache, after the last batch or session end
 };
 
@@ -82,7 +123,8 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Rank 0, any thread. InvalidArgument for a request no batch could run (empty, a token id
-  // outside the vocabulary, more new tokens than max_batch_tokens); Unavailable when max_queue
+  // outside the vocabulary, more new tokens than max_batch_tokens, more tokens and max_tokens
+  // than the model's positions, bad sampling parameters); Unavailable when max_queue
   // requests wait (retry later); FailedPrecondition after Shutdown. Otherwise the future gets the
   // result or the request's own error (ResourceExhausted when it cannot fit the KV cache even
   // with every idle session evicted).
@@ -109,6 +151,7 @@ class Engine {
   struct Command;
   struct SessionState {
     std::vector<int32_t> history;  // every token of the conversation so far
+    int64_t fed = 0;               // of which the KV cache holds the first `fed`
     bool evicted = false;          // its KV is gone; the next turn prefills the history again
     int64_t last_used = 0;         // batch counter when last used (LRU)
   };
@@ -116,12 +159,18 @@ class Engine {
   absl::Status Check(const EngineRequest& request) const;  // what Submit refuses at once
   absl::StatusOr<Command> NextCommand();  // rank 0: waits up to a heartbeat for work
   Command FormBatch();                    // rank 0, lock held: the next batch or control op
+  Command DecodeStep();                   // rank 0, lock held: a token for each running one
   absl::Status Execute(Command& command);
   void Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs,
-              const PrefillTimings& timings, double prefill_s);
+              const PrefillTimings& timings, double seconds);
+  void AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs);
+  void Requeue(Command& command, const absl::Status& why);
+  void MakeRoomToDecode(const Command& command, const absl::Status& why);
+  // Rank 0, lock held: takes the next token of `p` from `logits`; true when `p` is finished.
+  bool NextToken(Pending& p, const std::vector<float>& logits);
+  void Finish(std::unique_ptr<Pending> p);
   void Fail(Command& command, const absl::Status& status);
   std::vector<std::string> IdleSessionsLruFirst(const Command& command) const;
-
   LlamaModel& model_;
   parallel::Communicator& world_;
   const EngineOptions options_;
@@ -130,9 +179,15 @@ class Engine {
   mutable std::mutex mu_;
   std::condition_variable work_;
   std::deque<std::unique_ptr<Pending>> queue_;  // requests and session ends, in arrival order
+  std::vector<std::unique_ptr<Pending>> running_;  // generating, oldest first
+  int64_t decoding_ = 0;  // of them, in the decode step under way (taken out of running_)
   bool shutdown_ = false;
+  bool prefill_next_ = true;  // prefill batches and decode steps alternate when both are due
+  bool prefill_waits_ = false;  // the KV cache is full of generations: prefill after one ends
+  int64_t step_ = 0;          // decode steps so far: PlanDecode's moving offset
+  int64_t next_id_ = 0;       // names the KV of generating requests without a session
   int solo_ = 0;  // next batches run one request at a time (after a batch failed as a whole)
-  std::vector<std::string> evict_next_;
+  std::vector<std::string> drop_next_;  // sessions every rank drops with the next command
   std::map<std::string, SessionState> sessions_;
   EngineStats stats_;
 };

@@ -181,6 +181,25 @@ void LlamaModel::RollBackKv(const Running& r) {
 absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
     const std::vector<PrefillRequest>& batch, PrefillTimings* timings,
     const std::function<void(int)>& progress) {
+  return Step(batch, std::nullopt, timings, progress);
+}
+
+absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Decode(
+    const std::vector<PrefillRequest>& batch, int64_t step, PrefillTimings* timings) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    CPFILL_CHECK_ARG(batch[i].tokens.size() == 1, "decode: request ", i, " has ",
+                     batch[i].tokens.size(), " tokens; a decode step takes one per sequence");
+    if (!sessions_.count(batch[i].session)) {
+      return absl::NotFoundError(
+          absl::StrCat("decode: request ", i, ": no session '", batch[i].session, "'"));
+    }
+  }
+  return Step(batch, step, timings, nullptr);
+}
+
+absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
+    const std::vector<PrefillRequest>& batch, std::optional<int64_t> decode_step,
+    PrefillTimings* timings, const std::function<void(int)>& progress) {
   PrefillTimings local_t;
   PrefillTimings& t = timings ? *timings : local_t;
   t = PrefillTimings{};
@@ -196,7 +215,8 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
                                            auto it = sessions_.find(name);
                                            return it == sessions_.end() ? nullptr
                                                                         : &it->second.where;
-                                         }));
+                                         },
+                                         decode_step));
   for (const PrefillRequest& req : batch) {
     auto it = sessions_.find(req.session);
     r.seq.push_back(req.session.empty() || it == sessions_.end() ? next_seq_++ : it->second.seq);
@@ -206,6 +226,9 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
 
   absl::Status status =
       ChooseAlgorithm(options_, config_, backend_->tp().size(), cp.size(), r.b, &t);
+  // A decode step's queries are one row per sequence, held whole by one rank: passing them
+  // (Alg. 4) moves B rows where passing KV would move every cached token.
+  if (decode_step && cp.size() > 1) t.algorithm = parallel::RingAlgorithm::kPassQ;
   if (status.ok()) status = Forward(r, t, progress);
   absl::StatusOr<std::vector<SequenceOutput>> out =
       status.ok() ? LastLogits(r, t) : absl::StatusOr<std::vector<SequenceOutput>>(status);

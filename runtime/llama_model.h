@@ -26,6 +26,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,14 @@ class LlamaModel {
   absl::StatusOr<std::vector<SequenceOutput>> Prefill(const std::vector<PrefillRequest>& batch,
                                                       PrefillTimings* timings,
                                                       const std::function<void(int)>& progress);
+
+  // One decode step, collective: every request is one token that continues an existing session
+  // (NotFound for an unknown one) and the batch is planned by sharding::PlanDecode: request i's
+  // token, its KV row and its layer work go to CP rank (i + step) mod N, so every rank's KV grows
+  // at the same rate. Attention is batched ring pass-Q (paper Alg. 4: the batch's queries travel,
+  // the KV stays). Same results, errors and rollback as Prefill.
+  absl::StatusOr<std::vector<SequenceOutput>> Decode(const std::vector<PrefillRequest>& batch,
+                                                     int64_t step, PrefillTimings* timings);
 
   // Forgets a session and frees its KV blocks (collective only in that every rank should call
   // it). NotFound for an unknown name.
@@ -86,6 +95,10 @@ class LlamaModel {
     int64_t rows, cols;
   };
   std::vector<Activation> Activations(Running& r) const;
+  absl::StatusOr<std::vector<SequenceOutput>> Step(const std::vector<PrefillRequest>& batch,
+                                                   std::optional<int64_t> decode_step,
+                                                   PrefillTimings* timings,
+                                                   const std::function<void(int)>& progress);
   absl::Status CheckActivationMemory(Running& r);
   absl::Status ReserveKv(Running& r);
   void RollBackKv(const Running& r);

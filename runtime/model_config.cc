@@ -240,6 +240,21 @@ absl::Status ModelConfig::ValidateForTp(int tp) const {
   return absl::OkStatus();
 }
 
+// eos_token_id: a token id, a list of them, or null; each inside the vocabulary.
+absl::StatusOr<std::vector<int32_t>> ParseEosIds(const nlohmann::json& v, int vocab,
+                                                 const std::string& where) {
+  std::vector<int32_t> ids;
+  if (v.is_null()) return ids;
+  const nlohmann::json list = v.is_array() ? v : nlohmann::json::array({v});
+  for (const nlohmann::json& id : list) {
+    const std::optional<int64_t> n = json::AsInt64(id);
+    CPFILL_CHECK_ARG(n.has_value() && *n >= 0 && *n < vocab, where, ": eos_token_id ",
+                     json::Show(id), " is not a token id of the vocabulary [0, ", vocab, ")");
+    ids.push_back(static_cast<int32_t>(*n));
+  }
+  return ids;
+}
+
 absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::string name) {
   if (!config.is_object()) {
     return absl::InvalidArgumentError(
@@ -303,6 +318,10 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::str
   CPFILL_ASSIGN_OR_RETURN(c.tie_word_embeddings, reader.Bool("tie_word_embeddings", false));
   CPFILL_ASSIGN_OR_RETURN(c.max_position_embeddings,
                           reader.PositiveInt<int64_t>("max_position_embeddings"));
+  if (const nlohmann::json* eos = json::Find(config, "eos_token_id"); eos != nullptr) {
+    CPFILL_ASSIGN_OR_RETURN(c.eos_token_ids,
+                            ParseEosIds(*eos, c.vocab_size, "model config '" + c.name + "'"));
+  }
   return c;
 }
 
@@ -317,7 +336,17 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model) {
                                             ") nor a directory with config.json"));
   }
   CPFILL_ASSIGN_OR_RETURN(nlohmann::json config, json::ReadFile(config_path.string()));
-  return ParseHfConfig(config, model);
+  CPFILL_ASSIGN_OR_RETURN(ModelConfig c, ParseHfConfig(config, model));
+  const std::filesystem::path generation = std::filesystem::path(model) / "generation_config.json";
+  if (std::filesystem::is_regular_file(generation, ec)) {
+    CPFILL_ASSIGN_OR_RETURN(nlohmann::json g, json::ReadFile(generation.string()));
+    const nlohmann::json* eos = g.is_object() ? json::Find(g, "eos_token_id") : nullptr;
+    if (eos != nullptr) {
+      CPFILL_ASSIGN_OR_RETURN(c.eos_token_ids,
+                              ParseEosIds(*eos, c.vocab_size, generation.string()));
+    }
+  }
+  return c;
 }
 
 }  // namespace cpfill::runtime

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
@@ -37,6 +38,10 @@ struct ModelConfig {
   double rms_norm_eps = 1e-5;
   bool tie_word_embeddings = false;  // LM head = embedding matrix
   int64_t max_position_embeddings = 131072;
+  // Generation stops at these: config.json's eos_token_id (a number or a list), replaced by
+  // generation_config.json's when that file names one (as transformers' generate does). Presets
+  // have none.
+  std::vector<int32_t> eos_token_ids;
 
   // Parameters of the whole model (embedding, layers, norms, LM head unless tied).
   int64_t ParameterCount() const;
@@ -47,6 +52,7 @@ struct ModelConfig {
 
 // Parses a Hugging Face config.json of the Llama family (model_type "llama"). InvalidArgument
 // naming the key for a missing or malformed field or an unsupported rope_scaling type.
+// generation_config.json is read by LoadModelConfig.
 absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::string name);
 
 // `model` is a preset name (tiny, llama3-8b, llama3-70b, llama3-405b) or a directory holding

@@ -334,6 +334,36 @@ TEST(LoadModelConfig, PresetsAndDirectories) {
   EXPECT_TRUE(Contains(bad.status(), "config.json")) << bad.status();
 }
 
+TEST(LoadModelConfig, EosIdsFromConfigAndGenerationConfig) {
+  nlohmann::json j = Llama8BJson();
+  j["eos_token_id"] = 128001;
+  absl::StatusOr<ModelConfig> c = ParseHfConfig(j, "m");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->eos_token_ids, std::vector<int32_t>({128001}));
+  j["eos_token_id"] = {128001, 128009};
+  EXPECT_EQ(ParseHfConfig(j, "m")->eos_token_ids, std::vector<int32_t>({128001, 128009}));
+  j["eos_token_id"] = nullptr;
+  EXPECT_TRUE(ParseHfConfig(j, "m")->eos_token_ids.empty());
+  for (const nlohmann::json& bad : {nlohmann::json("</s>"), nlohmann::json(128256),
+                                    nlohmann::json({1, -1})}) {
+    j["eos_token_id"] = bad;
+    absl::StatusOr<ModelConfig> refused = ParseHfConfig(j, "m");
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(Contains(refused.status(), "eos_token_id")) << refused.status();
+  }
+  // generation_config.json's list replaces config.json's id.
+  const std::string dir = ::testing::TempDir() + "/model_config_test_eos";
+  std::filesystem::create_directories(dir);
+  j["eos_token_id"] = 128001;
+  std::ofstream(dir + "/config.json") << j.dump();
+  std::ofstream(dir + "/generation_config.json") << R"({"eos_token_id": [128001, 128008, 128009]})";
+  absl::StatusOr<ModelConfig> loaded = LoadModelConfig(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->eos_token_ids, std::vector<int32_t>({128001, 128008, 128009}));
+  std::ofstream(dir + "/generation_config.json") << R"({"eos_token_id": "x"})";
+  EXPECT_TRUE(Contains(LoadModelConfig(dir).status(), "generation_config.json"));
+}
+
 TEST(ModelConfig, ParameterCountsMatchPublishedSizes) {
   auto count = [](const std::string& name) {
     absl::StatusOr<ModelConfig> c = LoadModelConfig(name);

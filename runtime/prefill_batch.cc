@@ -12,7 +12,8 @@ namespace cpfill::runtime {
 
 absl::StatusOr<BatchPlan> PlanBatch(
     const ModelConfig& config, const std::vector<PrefillRequest>& batch, int cp_size, int cp_rank,
-    const std::function<const SessionLayout*(const std::string&)>& session) {
+    const std::function<const SessionLayout*(const std::string&)>& session,
+    std::optional<int64_t> decode_step) {
   BatchPlan b;
   sharding::KvLayout cache;
   cache.cp_size = cp_size;
@@ -40,7 +41,12 @@ absl::StatusOr<BatchPlan> PlanBatch(
                                    : std::vector<sharding::PositionRun>{});
     }
   }
-  CPFILL_ASSIGN_OR_RETURN(b.plan, sharding::PlanPrefill(b.sequences, cp_size, &cache));
+  if (decode_step) {
+    CPFILL_ASSIGN_OR_RETURN(b.plan,
+                            sharding::PlanDecode(b.sequences, cp_size, *decode_step, &cache));
+  } else {
+    CPFILL_ASSIGN_OR_RETURN(b.plan, sharding::PlanPrefill(b.sequences, cp_size, &cache));
+  }
   b.layout = sharding::MakeLocalLayout(b.plan, cp_rank);
   b.local_ids.resize(b.layout.q_rows());
   for (int s = 0; s < b.plan.num_sequences(); ++s) {

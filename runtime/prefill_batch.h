@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,9 +66,12 @@ struct BatchPlan {
 
 // Checks the requests (non-empty, ids in the vocabulary, a session at most once, positions
 // within the model's) and plans them. `session` returns the cache of a named session, or null.
+// With `decode_step`, a decode step (paper §3.6): one new token per request, each placed whole
+// on one CP rank, round-robin with an offset that moves every step (sharding::PlanDecode).
 absl::StatusOr<BatchPlan> PlanBatch(
     const ModelConfig& config, const std::vector<PrefillRequest>& batch, int cp_size, int cp_rank,
-    const std::function<const SessionLayout*(const std::string&)>& session);
+    const std::function<const SessionLayout*(const std::string&)>& session,
+    std::optional<int64_t> decode_step = std::nullopt);
 
 // KV token rows that any one of `cp_size` ranks needs for `batch` alone (every sequence's share
 // of 2N chunks rounded up, plus a partly filled block each): the capacity of a one-shot run.

@@ -197,5 +197,61 @@ TEST(LlamaPrefill, KvBlocksFollowSessions) {
   EXPECT_EQ(m.kv_tokens_held(), 0);
 }
 
+// Decode (Alg. 4): two sessions prefilled, then greedy decode steps as one batch, each step's
+// logits equal to one rank's prefill of the whole sequence so far; the new tokens' KV spreads
+// over the CP ranks (no rank more than one row ahead per sequence); a decode step of an unknown
+// session or of two tokens is refused and changes nothing.
+TEST(LlamaModel, DecodeStepsEqualOneRankPrefillOfTheWholeSequence) {
+  auto& mpi = testing::Mpi();
+  const runtime::ModelConfig c = Tiny();
+  const int tp = mpi.world_size() == 4 ? 2 : 1;
+  auto grid = parallel::CreateProcessGrid(mpi, {.tp = tp, .ranks_per_node = tp});
+  ASSERT_TRUE(grid.ok()) << grid.status();
+  auto w = runtime::SyntheticWeights(c, 7, grid->tp_rank, tp);
+  ASSERT_TRUE(w.ok());
+  auto model = runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world,
+                                            {});
+  ASSERT_TRUE(model.ok()) << model.status();
+  runtime::LlamaModel& m = **model;
+  std::vector<std::vector<int32_t>> seqs = {Prompt(37, c.vocab_size, 1), Prompt(5, c.vocab_size, 2)};
+  std::vector<PrefillRequest> batch = {{.tokens = seqs[0], .session = "a"},
+                                       {.tokens = seqs[1], .session = "b"}};
+  auto out = m.Prefill(batch, nullptr, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const int64_t held_before = m.kv_tokens_held();
+  constexpr int kSteps = 9;
+  std::string error;
+  for (int step = 0; step < kSteps && error.empty(); ++step) {
+    // Rank 0 has the logits; every rank must feed the same tokens.
+    int32_t next[2] = {(*out)[0].first_token, (*out)[1].first_token};
+    ASSERT_TRUE(grid->world->Broadcast(next, sizeof(next), 0).ok());
+    for (int s = 0; s < 2; ++s) seqs[s].push_back(next[s]);
+    runtime::PrefillTimings t;
+    out = m.Decode({{.tokens = {next[0]}, .session = "a"}, {.tokens = {next[1]}, .session = "b"}},
+                   step, &t);
+    ASSERT_TRUE(out.ok()) << out.status();
+    if (grid->cp_size > 1) EXPECT_EQ(t.algorithm, parallel::RingAlgorithm::kPassQ);
+    if (grid->world_rank == 0) {
+      error = Compare(*out, OneRank(c, {{{.tokens = seqs[0]}, {.tokens = seqs[1]}}}));
+      if (!error.empty()) error = "step " + std::to_string(step) + ": " + error;
+    }
+  }
+  auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << error;
+  // 2 x kSteps new rows over the CP ranks: each rank got its share, give or take one per sequence.
+  const int64_t grew = m.kv_tokens_held() - held_before;
+  const int64_t share = 2 * kSteps / grid->cp_size;
+  EXPECT_GE(grew, share - 2);
+  EXPECT_LE(grew, share + 2);
+  // Refused alike on every rank, nothing changed.
+  const int64_t held = m.kv_tokens_held();
+  EXPECT_EQ(m.Decode({{.tokens = {1}, .session = "nobody"}}, 0, nullptr).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(m.Decode({{.tokens = {1, 2}, .session = "a"}}, 0, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.kv_tokens_held(), held);
+}
+
 }  // namespace
 }  // namespace cpfill

@@ -155,19 +155,20 @@ def run(cpfill, server, port_file, log, tmp, env):
             prompt = [r.randrange(vocab) for _ in range(r.choice([1, 7, 33, 130, 400]))]
             status, body = http(port, "POST", "/v1/completions",
                                 {"model": "tiny", "prompt": prompt, "max_tokens": 1,
-                                 "logprobs": 5})
+                                 "temperature": 0, "logprobs": 5})
             with lock:
                 results[("plain", k, i)] = (prompt, status, body)
             if i % 7 == 3 and len(conversation) < 3 * 40:  # a session turn
                 said = [r.randrange(vocab) for _ in range(40)]
                 conversation = conversation + said
                 status, body = http(port, "POST", "/v1/completions",
-                                    {"prompt": said, "session": f"c{k}", "logprobs": 5})
+                                    {"prompt": said, "session": f"c{k}", "logprobs": 5,
+                                     "max_tokens": 1, "temperature": 0})
                 with lock:
                     results[("turn", k, len(conversation))] = (list(conversation), status, body)
             if i % 5 == 0:  # a bad one, with what its error must say
                 bad = [({"prompt": [1, vocab + 5]}, 400, "outside the vocabulary"),
-                       ({"prompt": [1], "max_tokens": 4}, 400, "decode is not available"),
+                       ({"prompt": [1], "max_tokens": 0}, 400, "\"max_tokens\""),
                        (b"{not json", 400, "not valid JSON"),
                        ({"prompt": "text"}, 400, "tokenizer"),
                        ({"prompt": [1] * (MAX_BATCH + 1)}, 400, "more than a batch takes")][i // 5 % 5]

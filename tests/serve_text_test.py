@@ -57,7 +57,7 @@ def start(cpfill, ckpt, tmp, env):
 
 
 def complete(port, prompt, session=None):
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     if session:
         body["session"] = session
     status, text = http(port, "POST", "/v1/completions", body)

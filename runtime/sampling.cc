@@ -1,0 +1,107 @@
+#include "runtime/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "base/random.h"
+#include "base/status.h"
+
+namespace cpfill::runtime {
+namespace {
+
+// Candidates sorted first for top-p: for a language model's distribution their mass almost
+// always reaches top_p, so the whole vocabulary (128K for Llama 3) is sorted only when it does
+// not.
+constexpr size_t kNucleusFirstPass = 1024;
+
+int32_t Argmax(std::span<const float> z) {
+  return static_cast<int32_t>(std::max_element(z.begin(), z.end()) - z.begin());
+}
+
+double LogSumExp(std::span<const float> z, double scale) {
+  double max = -std::numeric_limits<double>::infinity(), sum = 0;
+  for (float x : z) max = std::max(max, double(x) * scale);
+  if (!std::isfinite(max)) return max;
+  for (float x : z) sum += std::exp(double(x) * scale - max);
+  return max + std::log(sum);
+}
+
+// Token ids, most likely first (ties: lower id first), the first `n` of them sorted.
+std::vector<int32_t> MostLikely(std::span<const float> z, size_t n) {
+  std::vector<int32_t> ids(z.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  const auto before = [&](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
+  n = std::min(n, ids.size());
+  std::partial_sort(ids.begin(), ids.begin() + n, ids.end(), before);
+  ids.resize(n);
+  return ids;
+}
+
+// The candidates sampling keeps, most likely first: top_k, then the smallest prefix whose
+// probability (at the temperature) reaches top_p.
+std::vector<int32_t> Candidates(std::span<const float> z, const SamplingParams& p,
+                                double scale, double log_z) {
+  const size_t k = p.top_k > 0 ? static_cast<size_t>(p.top_k) : z.size();
+  if (p.top_p >= 1.0) return MostLikely(z, k);
+  for (size_t n = std::min(k, kNucleusFirstPass);; n = k) {
+    std::vector<int32_t> ids = MostLikely(z, n);
+    double mass = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      mass += std::exp(double(z[ids[i]]) * scale - log_z);
+      if (mass >= p.top_p) {
+        ids.resize(i + 1);
+        return ids;
+      }
+    }
+    if (n == k) return ids;  // rounding left the sum just under top_p: keep them all
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateSampling(const SamplingParams& p, int64_t vocab) {
+  CPFILL_CHECK_ARG(std::isfinite(p.temperature) && p.temperature >= 0 && p.temperature <= 100,
+                   "temperature is ", p.temperature, ", must be in [0, 100]");
+  CPFILL_CHECK_ARG(p.top_k >= 0, "top_k is ", p.top_k, ", must be >= 0 (0: every token)");
+  CPFILL_CHECK_ARG(std::isfinite(p.top_p) && p.top_p > 0 && p.top_p <= 1, "top_p is ", p.top_p,
+                   ", must be in (0, 1]");
+  CPFILL_CHECK_ARG(p.logprobs >= 0 && p.logprobs <= 20 && p.logprobs <= vocab, "logprobs is ",
+                   p.logprobs, ", must be in [0, 20]");
+  return absl::OkStatus();
+}
+
+SampledToken SampleToken(std::span<const float> logits, const SamplingParams& p, uint64_t step) {
+  SampledToken out;
+  if (logits.empty()) return out;
+  if (p.temperature == 0 || p.top_k == 1) {
+    out.id = Argmax(logits);
+  } else {
+    const double scale = 1.0 / p.temperature;
+    const double log_z = LogSumExp(logits, scale);
+    const std::vector<int32_t> kept = Candidates(logits, p, scale, log_z);
+    std::vector<double> weight(kept.size());
+    double total = 0;
+    for (size_t i = 0; i < kept.size(); ++i) {
+      total += weight[i] = std::exp(double(logits[kept[i]]) * scale - log_z);
+    }
+    // A uniform draw in [0, 1) from 53 bits of the counter-based generator.
+    const double u = double(Mix64(Mix64(p.seed) ^ step) >> 11) * 0x1.0p-53 * total;
+    size_t i = 0;
+    for (double acc = weight[0]; acc <= u && i + 1 < kept.size(); acc += weight[++i]) {
+    }
+    out.id = kept[i];
+  }
+  const double log_z = LogSumExp(logits, 1.0);
+  out.logprob = double(logits[out.id]) - log_z;
+  if (p.logprobs > 0) {
+    for (int32_t id : MostLikely(logits, static_cast<size_t>(p.logprobs))) {
+      out.top.push_back({id, double(logits[id]) - log_z});
+    }
+  }
+  return out;
+}
+
+}  // namespace cpfill::runtime
