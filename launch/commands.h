@@ -12,6 +12,7 @@ int RunSelectCommand(int argc, char** argv);
 int RunCalibrateCommand(int argc, char** argv);
 int RunPrefillCommand(int argc, char** argv);
 int RunServeCommand(int argc, char** argv);
+int RunGenerateCommand(int argc, char** argv);
 int RunExportCommand(int argc, char** argv);
 int RunEnvCommand(int argc, char** argv);
 int RunTokenizeCommand(int argc, char** argv);

@@ -26,8 +26,11 @@ constexpr char kUsage[] =
     "              rate and link bandwidth, fit the selector; writes the JSON --fit reads\n"
     "  prefill     prefill a Llama-3 family model, TP inside nodes and CP across (under\n"
     "              mpirun); first tokens and time to first token; --check against one rank\n"
-    "  serve       a long-running prefill service (under mpirun): rank 0 serves HTTP\n"
-    "              (OpenAI-compatible completions, sessions, /health, /metrics)\n"
+    "  generate    prefill and generate tokens (decode as batched ring pass-Q, under mpirun);\n"
+    "              tokens, TTFT and time per output token; --check against one rank\n"
+    "  serve       a long-running prefill and generation service (under mpirun): rank 0\n"
+    "              serves HTTP (OpenAI-compatible completions, streaming, sessions, /health,\n"
+    "              /metrics)\n"
     "  export      write a preset's synthetic weights as a Hugging Face checkpoint directory\n"
     "  tokenize    encode texts and decode token ids with a checkpoint's tokenizer.json; JSON\n"
     "  env         list the environment variables cpfill reads, their defaults and values\n";
@@ -47,6 +50,7 @@ int main(int argc, char** argv) {
   if (command == "calibrate") return RunCalibrateCommand(argc, argv);
   if (command == "prefill") return RunPrefillCommand(argc, argv);
   if (command == "serve") return RunServeCommand(argc, argv);
+  if (command == "generate") return RunGenerateCommand(argc, argv);
   if (command == "export") return RunExportCommand(argc, argv);
   if (command == "env") return RunEnvCommand(argc, argv);
   if (command == "tokenize") return RunTokenizeCommand(argc, argv);

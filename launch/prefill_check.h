@@ -32,4 +32,22 @@ absl::StatusOr<PrefillCheck> CheckPrefillOnOneRank(
     const std::vector<runtime::SequenceOutput>& out, runtime::PrefillOptions options, bool bf16,
     double tolerance);
 
+// A distributed greedy generation against one rank teacher-forced on the same tokens: the
+// reference prefills each prompt, then decodes the tokens the run generated, one step each,
+// and every generated token must be the reference's argmax at its step, or a near tie there (the
+// reference's logit of it within `tie` of its max). Also checks the first-token logits as
+// CheckPrefillOnOneRank does. `generated[s]` are sequence s's tokens, first token first.
+struct GenerationCheck {
+  PrefillCheck first;     // the prefill's logits
+  int64_t tokens = 0;     // generated tokens compared
+  int mismatches = 0, near_ties = 0;
+  bool pass = false;
+};
+absl::StatusOr<GenerationCheck> CheckGenerationOnOneRank(
+    const runtime::ModelConfig& config, runtime::ModelWeights weights,
+    const std::vector<runtime::PrefillRequest>& prompts,
+    const std::vector<runtime::SequenceOutput>& first,
+    const std::vector<std::vector<int32_t>>& generated, runtime::PrefillOptions options, bool bf16,
+    double tolerance);
+
 }  // namespace cpfill::launch

@@ -344,6 +344,26 @@ prefill_check)
   "$py" -c "import json,sys; r=json.load(open('$tmp/p.json')); assert r['check']['pass']; assert r['knobs']['CPFILL_TEST_EXIT_RANK'] == '-1'" ||
     fail "prefill JSON"
   ;;
+generate_check)
+  # Decode (issue 19): greedy generation on TP2 x CP2 and on CP4 (pass-Q decode steps) equals one
+  # rank teacher-forced on the same tokens; the JSON report says so.
+  expect_exit 0 'check: .*0 not the reference.*PASS' -- mpi 4 "$cpfill" generate --model tiny \
+    --tp 2 --ranks-per-node 2 --backend cpu --prompt-lens 300,77,1000 --max-tokens 12 --check
+  expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" generate --model tiny --backend cpu \
+    --prompt-lens 129,2 --max-tokens 20 --check --json "$tmp/g.json"
+  "$py" -c "import json; r=json.load(open('$tmp/g.json')); assert r['check']['pass'] and r['check']['tokens'] == 40; assert all(len(s['tokens']) == 20 and s['finish_reason'] == 'length' for s in r['sequences'])" ||
+    fail "generate JSON"
+  ;;
+generate_bad_input)
+  expect_exit 2 'exactly one of --prompt-lens, --tokens and --text' -- mpi 2 "$cpfill" generate \
+    --model tiny --backend cpu
+  expect_exit 2 'greedy generations: --temperature 0' -- mpi 2 "$cpfill" generate --model tiny \
+    --backend cpu --prompt-lens 5 --temperature 0.7 --check
+  expect_exit 2 '--text needs the model.s tokenizer' -- mpi 2 "$cpfill" generate --model tiny \
+    --backend cpu --text hello
+  expect_exit 2 'max-tokens' -- mpi 2 "$cpfill" generate --model tiny --backend cpu \
+    --prompt-lens 5 --max-tokens 0
+  ;;
 prefill_matches_hf_reference)
   # A Hugging Face checkpoint directory (written by `cpfill export`), prefilled with TP2 x CP2
   # and with pass-Q on CP4, against an independent numpy Llama (HF's computation, float64).

@@ -1,0 +1,263 @@
+// `cpfill generate`: prefill and generate on the engine (TP inside nodes, CP across; decode
+// steps as batched ring pass-Q, Alg. 4), one batch from the command line: prints each sequence's
+// tokens (and text, with a tokenizer), the time to first token and per output token, and where
+// the new tokens' KV went; --check compares every generated token with one rank teacher-forced
+// on the same tokens. The engine is the one `serve` runs (engine_host.h).
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "base/status.h"
+#include "launch/commands.h"
+#include "launch/engine_host.h"
+#include "launch/flags.h"
+#include "launch/model_setup.h"
+#include "launch/prefill_check.h"
+#include "launch/session.h"
+#include "runtime/engine.h"
+
+namespace cpfill::launch {
+namespace {
+
+struct GenerateFlags {
+  EngineFlags engine;
+  std::vector<int64_t> prompt_lens;
+  std::string tokens_file, text;
+  int max_tokens = 16;
+  runtime::SamplingParams sampling;
+  int64_t sample_seed = 0;
+  bool ignore_eos = false, check = false;
+  double tolerance = 1e-3;
+  std::string json_file;
+  SessionFlags session;
+};
+
+void DefineFlags(FlagSet& flags, GenerateFlags* f) {
+  AddEngineFlags(flags, &f->engine);
+  flags.IntList("prompt-lens", &f->prompt_lens, "synthetic prompts of these lengths (from --seed)")
+      .Within({1, kMaxTokens});
+  flags.String("tokens", &f->tokens_file, "a JSON list of lists of token ids");
+  flags.String("text", &f->text, "one text prompt (needs the checkpoint's tokenizer; BOS added)");
+  flags.Int("max-tokens", &f->max_tokens, "tokens to generate per sequence").Within({1, 1 << 20});
+  flags.Double("temperature", &f->sampling.temperature, "0: greedy").Within({0, 100});
+  flags.Double("top-p", &f->sampling.top_p, "nucleus sampling").Within(Range::LeftOpen(0, 1));
+  flags.Int("top-k", &f->sampling.top_k, "0: every token").Within({0, 1e9});
+  flags.Int("sample-seed", &f->sample_seed, "seed of sampling (sequence i uses seed + i)")
+      .Within(Range::AtLeast(0));
+  flags.Bool("ignore-eos", &f->ignore_eos, "generate --max-tokens even past EOS");
+  flags.Bool("check",
+             &f->check, "compare every generated token with one rank (greedy only)");
+  flags.Double("tolerance", &f->tolerance, "max abs logit difference --check accepts")
+      .Within(Range::Above(0));
+  flags.String("json", &f->json_file, "write the report as JSON to this file");
+  AddSessionFlags(flags, &f->session);
+}
+
+// The prompts, the same on every rank: bad input alike everywhere.
+absl::StatusOr<std::vector<runtime::PrefillRequest>> Prompts(const GenerateFlags& f,
+                                                             const EngineHost& host) {
+  const int given = !f.prompt_lens.empty() + !f.tokens_file.empty() + !f.text.empty();
+  CPFILL_CHECK_ARG(given == 1, "give exactly one of --prompt-lens, --tokens and --text");
+  CPFILL_CHECK_ARG(!f.check || f.sampling.temperature == 0,
+                   "--check compares greedy generations: --temperature 0");
+  if (!f.tokens_file.empty()) return ReadTokensFile(f.tokens_file);
+  if (!f.prompt_lens.empty()) {
+    return SyntheticPrompts(f.prompt_lens, host.config.vocab_size,
+                            static_cast<uint64_t>(f.engine.seed));
+  }
+  CPFILL_CHECK_ARG(host.tokenizer.has_value(), "--text needs the model's tokenizer (",
+                   f.engine.model, " has no tokenizer.json); give --tokens");
+  CPFILL_ASSIGN_OR_RETURN(std::vector<int32_t> ids, host.tokenizer->Encode(f.text, true));
+  return std::vector<runtime::PrefillRequest>{{.tokens = std::move(ids)}};
+}
+
+// Every rank runs the engine's loop; rank 0 submits the batch from a thread of its own and
+// shuts the engine down once every sequence is answered.
+absl::StatusOr<std::vector<runtime::EngineResult>> Generate(
+    const GenerateFlags& f, EngineHost& host, bool root,
+    const std::vector<runtime::PrefillRequest>& prompts) {
+  runtime::Engine& engine = *host.engine;
+  std::vector<absl::StatusOr<runtime::EngineResult>> got;
+  std::thread driver;
+  if (root) {
+    driver = std::thread([&] {
+      std::vector<runtime::EngineRequest> requests;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        runtime::EngineRequest r{.tokens = prompts[i].tokens, .max_tokens = f.max_tokens,
+                                 .sampling = f.sampling, .ignore_eos = f.ignore_eos};
+        r.sampling.seed = static_cast<uint64_t>(f.sample_seed) + i;
+        requests.push_back(std::move(r));
+      }
+      auto replies = engine.SubmitAll(std::move(requests));
+      if (!replies.ok()) {
+        got.push_back(replies.status());
+      } else {
+        for (auto& reply : *replies) got.push_back(reply.get());
+      }
+      engine.Shutdown();
+    });
+  }
+  const absl::Status ran = engine.Run();
+  if (driver.joinable()) driver.join();
+  CPFILL_RETURN_IF_ERROR(ran);
+  std::vector<runtime::EngineResult> results;
+  for (auto& r : got) {
+    CPFILL_RETURN_IF_ERROR(r.status());
+    results.push_back(std::move(*r));
+  }
+  return results;
+}
+
+std::vector<int32_t> Ids(const runtime::EngineResult& r) {
+  std::vector<int32_t> ids;
+  for (const auto& t : r.tokens) ids.push_back(t.id);
+  return ids;
+}
+
+std::string IdsText(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (int32_t id : ids) absl::StrAppend(&s, s.empty() ? "" : " ", id);
+  return s;
+}
+
+double Tpot(const runtime::EngineResult& r) {
+  return r.tokens.size() > 1 ? r.decode_s / double(r.tokens.size() - 1) : 0.0;
+}
+
+void PrintResults(Session& session, const EngineHost& host,
+                  const std::vector<runtime::PrefillRequest>& prompts,
+                  const std::vector<runtime::EngineResult>& results) {
+  for (size_t s = 0; s < results.size(); ++s) {
+    const runtime::EngineResult& r = results[s];
+    session.Print("sequence %d: %d prompt tokens, %d generated (%s): %s\n", s,
+                  prompts[s].tokens.size(), r.tokens.size(), r.finish_reason, IdsText(Ids(r)));
+    if (host.tokenizer) {
+      auto text = host.tokenizer->Decode(Ids(r), /*skip_special=*/false);
+      if (text.ok()) session.Print("  text: %s\n", *text);
+    }
+    session.Print("  TTFT %.2f ms, TPOT %.3f ms (%d decode steps in %.2f ms)\n",
+                  (r.queue_s + r.prefill_s) * 1e3, Tpot(r) * 1e3, r.tokens.size() - 1,
+                  r.decode_s * 1e3);
+  }
+}
+
+GenerationCheck CheckOnRoot(Session& session, const GenerateFlags& f, const EngineHost& host,
+                            const std::vector<runtime::PrefillRequest>& prompts,
+                            const std::vector<runtime::EngineResult>& results,
+                            parallel::Communicator& world) {
+  GenerationCheck check;
+  const bool bf16 = host.backend == "cuda";
+  check.pass = session.VerdictFromRoot(world, [&] {
+    session.Print("check: the same tokens, teacher-forced on one rank (CPU, fp32)...\n");
+    auto weights = MakeWeights(host.config, f.engine.model,
+                               static_cast<uint64_t>(f.engine.seed), 0, 1);
+    if (!weights.ok()) session.Fail(weights.status());
+    std::vector<runtime::SequenceOutput> first;
+    std::vector<std::vector<int32_t>> generated;
+    for (const auto& r : results) {
+      first.push_back({.logits = r.logits, .first_token = r.first_token});
+      generated.push_back(Ids(r));
+    }
+    runtime::PrefillOptions options;
+    options.kv_block_tokens = f.engine.kv_block_tokens;
+    auto c = CheckGenerationOnOneRank(host.config, std::move(*weights), prompts, first, generated,
+                                      options, bf16, f.tolerance);
+    if (!c.ok()) session.Fail(c.status());
+    check = *c;
+    session.Print(
+        "check: prompt logits max |diff| %.3g (allowed %.3g); %d generated tokens, %d not the "
+        "reference's argmax, %d of them near ties: %s\n",
+        check.first.max_abs_diff, check.first.allowed, check.tokens,
+        check.mismatches + check.near_ties, check.near_ties, check.pass ? "PASS" : "FAIL");
+    return check.pass;
+  });
+  return check;
+}
+
+nlohmann::ordered_json Report(const GenerateFlags& f, const EngineHost& host,
+                              const parallel::ProcessGrid& grid,
+                              const std::vector<runtime::PrefillRequest>& prompts,
+                              const std::vector<runtime::EngineResult>& results) {
+  nlohmann::ordered_json seqs = nlohmann::ordered_json::array();
+  for (size_t s = 0; s < results.size(); ++s) {
+    const runtime::EngineResult& r = results[s];
+    seqs.push_back({{"prompt_tokens", prompts[s].tokens.size()},
+                    {"tokens", Ids(r)},
+                    {"finish_reason", r.finish_reason},
+                    {"ttft_ms", (r.queue_s + r.prefill_s) * 1e3},
+                    {"tpot_ms", Tpot(r) * 1e3},
+                    {"decode_ms", r.decode_s * 1e3},
+                    {"preemptions", r.preemptions}});
+  }
+  return {{"command", "generate"},
+          {"model", host.config.name},
+          {"layers", host.config.num_layers},
+          {"world_size", grid.world_size},
+          {"tp", grid.tp_size},
+          {"cp", grid.cp_size},
+          {"backend", host.backend},
+          {"max_tokens", f.max_tokens},
+          {"temperature", f.sampling.temperature},
+          {"sequences", std::move(seqs)}};
+}
+
+// Without a KV size, what the batch needs: each prompt's share and the decode steps' rows,
+// which PlanDecode spreads over the CP ranks.
+void SizeKvCache(GenerateFlags& f, const std::vector<int64_t>& lens, int cp_size) {
+  if (f.engine.kv_capacity_tokens != 0 || f.engine.kv_memory_fraction != 0) return;
+  int64_t tokens = 0;
+  for (int64_t n : lens) tokens += n / cp_size + f.max_tokens / cp_size + 2 * f.engine.kv_block_tokens;
+  f.engine.kv_capacity_tokens = tokens;
+}
+
+int Run(int argc, char** argv) {
+  GenerateFlags f;
+  FlagSet flags("generate",
+                "prefill prompts and generate tokens on the engine (TP inside nodes, CP across; "
+                "decode as batched ring pass-Q); --check against one rank (under mpirun)");
+  DefineFlags(flags, &f);
+  const absl::Status parsed = flags.Parse(argc, argv, 2);
+  Started started = Session::Begin(&argc, &argv, flags, parsed, f.session);
+  if (started.exit_code) return *started.exit_code;
+  Session& session = *started.session;
+  parallel::ProcessGrid& grid = *started.grid;
+  if (auto bad = session.CheckOutputs({{"json", f.json_file}})) return *bad;
+  if (!f.prompt_lens.empty()) SizeKvCache(f, f.prompt_lens, grid.cp_size);
+  if (f.engine.kv_capacity_tokens == 0 && f.engine.kv_memory_fraction == 0) {
+    f.engine.kv_capacity_tokens = 1 << 16;  // --tokens / --text: sized before they are read
+  }
+  auto host = BuildEngineHost(f.engine, flags, session, grid, {});
+  if (!host.ok()) return session.Refuse(host.status());
+  auto prompts = Prompts(f, **host);
+  if (!prompts.ok()) return session.ConfigError(prompts.status());
+  session.Print("cpfill generate: %s (%d layers), %d sequence(s), up to %d tokens each; %s; %s\n",
+                (*host)->config.name, (*host)->config.num_layers, prompts->size(), f.max_tokens,
+                grid.Describe(), (*host)->backend);
+
+  auto results = Generate(f, **host, session.is_root(), *prompts);
+  if (!results.ok()) return session.Refuse(results.status());
+  PrintResults(session, **host, *prompts, *results);
+  GenerationCheck check;
+  if (f.check) check = CheckOnRoot(session, f, **host, *prompts, *results, *grid.world);
+  if (session.is_root() && !f.json_file.empty()) {
+    nlohmann::ordered_json report = Report(f, **host, grid, *prompts, *results);
+    if (f.check) {
+      report["check"] = {{"prompt_logits_max_abs_diff", check.first.max_abs_diff},
+                         {"tokens", check.tokens},
+                         {"mismatches", check.mismatches},
+                         {"near_ties", check.near_ties},
+                         {"pass", check.pass}};
+    }
+    session.WriteReport(f.json_file, std::move(report));
+  }
+  return f.check && !check.pass ? kExitCheckFailed : kExitOk;
+}
+
+}  // namespace
+
+int RunGenerateCommand(int argc, char** argv) { return Run(argc, argv); }
+
+}  // namespace cpfill::launch
