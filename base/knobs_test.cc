@@ -31,6 +31,7 @@ TEST_F(KnobsTest, EveryNameIsDeclaredOnceWithADefaultThatPassesItsOwnCheck) {
   }
   for (std::string_view n : {kAttentionKernel, kAttentionVariant, kHopperPingPong,
                              kHopperPersistent, kHopperQBuffers, kHopperMaxCtas, kHopperSchedule,
+                             kDecodeKernel,
                              kRanksPerNode, kTestExitRank, kTestStallRank, kLocalRanks}) {
     EXPECT_TRUE(seen.count(n)) << n;
   }
