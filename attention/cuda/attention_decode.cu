@@ -33,6 +33,7 @@ constexpr int kDecodeStages = 3;      // cp.async ring of K/V tiles: two in flig
 constexpr int kMinTilesPerSplit = 2;  // below this a split is mostly its prologue and epilogue
 constexpr int kMaxDecodeSlices = 64;  // slices per launch (kernel parameters, 4 KiB)
 constexpr int kCombineThreads = 256;
+constexpr int kMaxSplits = 1024;  // per slice: the combine keeps every split's LSE in shared memory
 
 // One slice of a launch.
 struct DecodeSlice {
@@ -144,6 +145,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   unsigned char* s_stages = smem + Cfg::kQBytes;
   __shared__ float s_m[kDecodeWarps][16], s_l[kDecodeWarps][16];
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The combine kernel may be placed once every CTA of this grid has started (it waits for
+  // this grid's end before reading): with one wave that takes no slot a split CTA needs.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group_id = lane >> 2, tig = lane & 3;
   const DecodeSlice sl = p.slices[FindSlice<&DecodeSlice::item_start>(p, blockIdx.x)];
@@ -361,24 +367,31 @@ __device__ __forceinline__ void WriteRow(const DecodeParams& p, int64_t out_row,
 }
 
 // One CTA per (token, head) of a slice: the exact merge of its splits (weights relative to the
-// largest LSE, -inf splits weigh 0 and are not read), split groups of kDim / 4 threads each
-// summing every kGroups-th split, then the output mode.
+// largest LSE; a -inf split weighs 0, and its O, written 0, adds nothing), split groups of
+// kDim / 4 threads each summing every kGroups-th split, then the output mode. Launched as a
+// programmatic dependent of the split kernel: it may start while the split kernel's last CTAs
+// run, and waits for their results before its first read.
 template <int kDim>
 __global__ void __launch_bounds__(kCombineThreads)
     DecodeCombineKernel(const __grid_constant__ DecodeParams p) {
   constexpr int kLanes = kDim / 4;
   constexpr int kGroups = kCombineThreads / kLanes;
   __shared__ float4 s_acc[kGroups][kLanes];
-  __shared__ float s_w[kGroups];
+  __shared__ float s_lse[kMaxSplits];
+  __shared__ float s_wsum[kGroups];
   __shared__ float s_max[kCombineThreads / 32];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const DecodeSlice sl = p.slices[FindSlice<&DecodeSlice::pair_start>(p, blockIdx.x)];
   const int local = static_cast<int>(blockIdx.x) - sl.pair_start;
   const int token = local / p.num_heads, head = local % p.num_heads;
 
-  // Step 1: the largest split LSE of the row.
+  // Step 1: every split's LSE into shared memory, and the largest.
   float mx = -INFINITY;
   for (int j = threadIdx.x; j < sl.splits; j += kCombineThreads) {
-    mx = fmaxf(mx, p.lse_part[PartialRow(sl, j, token, head, p.num_heads)]);
+    s_lse[j] = p.lse_part[PartialRow(sl, j, token, head, p.num_heads)];
+    mx = fmaxf(mx, s_lse[j]);
   }
 #pragma unroll
   for (int d = 16; d > 0; d /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
@@ -386,17 +399,19 @@ __global__ void __launch_bounds__(kCombineThreads)
   __syncthreads();
 #pragma unroll
   for (int w = 0; w < kCombineThreads / 32; ++w) mx = fmaxf(mx, s_max[w]);
+  const bool empty = mx == -INFINITY;
 
-  // Step 2: each group's weighted sum of its splits' O.
+  // Step 2: each group's weighted sum of its splits' O; no branch on the weight, so the
+  // unrolled loads of several splits are in flight together.
   const int g = threadIdx.x / kLanes, c = threadIdx.x % kLanes;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
-  for (int j = g; mx != -INFINITY && j < sl.splits; j += kGroups) {
-    const int64_t pr = PartialRow(sl, j, token, head, p.num_heads);
-    const float lse = p.lse_part[pr];
-    if (lse == -INFINITY) continue;
-    const float w = __expf(lse - mx);
-    const float4 x = reinterpret_cast<const float4*>(p.o_part + pr * kDim)[c];
+  const int splits = empty ? 0 : sl.splits;
+#pragma unroll 4
+  for (int j = g; j < splits; j += kGroups) {
+    const float w = __expf(s_lse[j] - mx);
+    const float4 x =
+        reinterpret_cast<const float4*>(p.o_part + PartialRow(sl, j, token, head, p.num_heads) * kDim)[c];
     acc.x += w * x.x;
     acc.y += w * x.y;
     acc.z += w * x.z;
@@ -404,7 +419,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     wsum += w;
   }
   s_acc[g][c] = acc;
-  if (c == 0) s_w[g] = wsum;
+  if (c == 0) s_wsum[g] = wsum;
   __syncthreads();
   if (threadIdx.x >= kLanes) return;
 
@@ -417,9 +432,8 @@ __global__ void __launch_bounds__(kCombineThreads)
     acc.y += s_acc[k][c].y;
     acc.z += s_acc[k][c].z;
     acc.w += s_acc[k][c].w;
-    wsum += s_w[k];
+    wsum += s_wsum[k];
   }
-  const bool empty = mx == -INFINITY;
   const float inv = empty ? 0.f : 1.f / wsum;
   const float4 o = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
   const unsigned lanes = kLanes >= 32 ? 0xffffffffu : (1u << kLanes) - 1;
@@ -500,7 +514,8 @@ DecodePlan PlanDecode(const CudaAttentionArgs& a) {
     longest = std::max<int64_t>(longest, KeyTiles(s.kv_len));
   }
   total *= a.shape.num_kv_heads;
-  int64_t tps = std::max<int64_t>(kMinTilesPerSplit, (total + slots - 1) / slots);
+  int64_t tps = std::max<int64_t>({kMinTilesPerSplit, (total + slots - 1) / slots,
+                                   (longest + kMaxSplits - 1) / kMaxSplits});
   while (tps < longest && CountCtas(a, tps) > slots) tps += std::max<int64_t>(1, tps / 32);
   DecodePlan plan;
   for (int64_t i = 0; i < a.num_slices; ++i) {
@@ -532,8 +547,18 @@ absl::Status LaunchGroup(const DecodeParams& p, int32_t ctas, int32_t pairs, int
                               DecodeConfig<kDim>::kSmemBytes, stream>>>(p);
     CPFILL_CUDA_CHECK(cudaGetLastError());
   }
-  DecodeCombineKernel<kDim><<<pairs, kCombineThreads, 0, stream>>>(p);
-  CPFILL_CUDA_CHECK(cudaGetLastError());
+  // The combine as a programmatic dependent launch: its CTAs are placed once every split CTA
+  // has started (the split kernel triggers at its start), hiding the launch gap.
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(pairs);
+  cfg.blockDim = dim3(kCombineThreads);
+  cfg.stream = stream;
+  cfg.attrs = &pdl;
+  cfg.numAttrs = 1;
+  CPFILL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, DecodeCombineKernel<kDim>, p));
   return absl::OkStatus();
 }
 
