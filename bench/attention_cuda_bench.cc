@@ -20,8 +20,8 @@
 
 #include "attention/attention.h"
 #include "attention/cuda/attention_cuda.h"
-#include "benchmark/benchmark.h"
 #include "bench/gpu_spin.h"
+#include "benchmark/benchmark.h"
 
 namespace cpfill::attention::cuda {
 namespace {
@@ -39,6 +39,14 @@ void FillRandom(__nv_bfloat16* d, size_t n, uint64_t seed) {
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   for (auto& x : h) x = __float2bfloat16(u(rng));
   cudaMemcpy(d, h.data(), n * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice);
+}
+
+AttentionShape BenchShape(int heads, int kv_heads, int dim, bool causal) {
+  return {.num_heads = heads,
+          .num_kv_heads = kv_heads,
+          .head_dim = dim,
+          .softmax_scale = 1.0f / std::sqrt(float(dim)),
+          .causal = causal};
 }
 
 // A fused batch of sequences (full prefill), on the device.
@@ -83,11 +91,7 @@ struct Batch {
     }
   }
   CudaAttentionArgs Args() const {
-    return {.shape = {.num_heads = heads,
-                      .num_kv_heads = kv_heads,
-                      .head_dim = dim,
-                      .softmax_scale = 1.0f / std::sqrt(float(dim)),
-                      .causal = causal},
+    return {.shape = BenchShape(heads, kv_heads, dim, causal),
             .q = q,
             .q_pos = pos,
             .q_tokens = tokens,
@@ -105,8 +109,9 @@ struct Batch {
 
 // Times `fn` with CUDA events, one event pair per benchmark iteration; `before` runs ahead of
 // each iteration's start event (untimed).
+void Nothing() {}
 template <typename Fn, typename Before = void (*)()>
-void TimeWithEvents(benchmark::State& state, Fn fn, Before before = [] {}) {
+void TimeWithEvents(benchmark::State& state, Fn fn, Before before = Nothing) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
@@ -277,11 +282,7 @@ void BM_Decode(benchmark::State& state) {
   cudaMemcpy(k_pos, hk.data(), kv_tokens * 4, cudaMemcpyHostToDevice);
   std::vector<CudaAttentionArgs> args;
   for (int c = 0; c < copies; ++c) {
-    args.push_back({.shape = {.num_heads = heads,
-                              .num_kv_heads = kv_heads,
-                              .head_dim = dim,
-                              .softmax_scale = 1.0f / std::sqrt(float(dim)),
-                              .causal = true},
+    args.push_back({.shape = BenchShape(heads, kv_heads, dim, true),
                     .q = q,
                     .q_pos = q_pos,
                     .q_tokens = batch,
@@ -308,8 +309,8 @@ void BM_Decode(benchmark::State& state) {
   state.counters["copy_GBps"] = bw / 1e9;
   state.counters["kv_MB"] = kv_bytes / 1e6;
   state.counters["kv_copies"] = copies;
-  for (void* p : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)lse, (void*)q_pos, (void*)k_pos,
-                  ws}) {
+  for (void* p :
+       {(void*)q, (void*)k, (void*)v, (void*)o, (void*)lse, (void*)q_pos, (void*)k_pos, ws}) {
     cudaFree(p);
   }
 }

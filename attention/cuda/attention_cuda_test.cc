@@ -484,8 +484,8 @@ struct DecodeSeq {
 // from its query (LSE -inf), and a row covered by no slice.
 Case DecodeCase(std::string name, int heads, int kv_heads, int dim, bool causal,
                 const std::vector<DecodeSeq>& seqs) {
-  Case c{.name = std::move(name), .heads = heads, .kv_heads = kv_heads, .dim = dim,
-         .causal = causal};
+  Case c{
+      .name = std::move(name), .heads = heads, .kv_heads = kv_heads, .dim = dim, .causal = causal};
   for (auto [nq, nk] : seqs) {
     const int64_t qb = c.q_pos.size(), kb = c.k_pos.size();
     AppendRun(c.q_pos, static_cast<int32_t>(std::max<int64_t>(0, nk - nq)), nq);
@@ -556,7 +556,7 @@ TEST(CudaDecodeAttention, MixedKvLengthsGqaGroupsCausalAndNot) {
     for (bool causal : {true, false}) {
       // 40000 keys at 16:1 and 1:1; 9000 at 32:8 (eight KV heads: host memory of the reference)
       const int64_t longest = kvh == 8 ? 9000 : 40000;
-      const std::vector<DecodeSeq> seqs = {{1, 1},    {1, 17},       {0, 50}, {2, 1000},
+      const std::vector<DecodeSeq> seqs = {{1, 1},       {1, 17}, {0, 50},  {2, 1000},
                                            {4, longest}, {3, 17}, {1, 1000}};
       CheckDecodeCase(DecodeCase(absl::StrCat("decode ", h, ":", kvh, causal ? " causal" : ""), h,
                                  kvh, 128, causal, seqs),

@@ -76,7 +76,9 @@ struct DecodeConfig {
                 "the O exchange fits the stages");
 };
 
-__host__ __device__ inline int32_t MTiles(int64_t q_len, int group) { return static_cast<int32_t>((q_len * group + 15) / 16); }
+__host__ __device__ inline int32_t MTiles(int64_t q_len, int group) {
+  return static_cast<int32_t>((q_len * group + 15) / 16);
+}
 __host__ __device__ inline int32_t KeyTiles(int64_t kv_len) {
   return static_cast<int32_t>((kv_len + kDecodeBlockN - 1) / kDecodeBlockN);
 }
@@ -89,8 +91,8 @@ __device__ __forceinline__ int FindSlice(const DecodeParams& p, int x) {
   return s;
 }
 
-__device__ __forceinline__ int64_t PartialRow(const DecodeSlice& sl, int split, int token,
-                                              int head, int num_heads) {
+__device__ __forceinline__ int64_t PartialRow(const DecodeSlice& sl, int split, int token, int head,
+                                              int num_heads) {
   return (static_cast<int64_t>(sl.partial_row) + static_cast<int64_t>(split) * sl.q_len + token) *
              num_heads +
          head;
@@ -101,9 +103,9 @@ __device__ __forceinline__ int64_t PartialRow(const DecodeSlice& sl, int split, 
 // Writes the CTA's partial (O, LSE) per packed row: the four warps' states, each relative to
 // its own running max, merged through shared memory (s_o: [warps][16][kExchangeStride]).
 template <int kDim>
-__device__ __forceinline__ void StoreSplit(const DecodeParams& p, const DecodeSlice& sl,
-                                           int split, int row0, const float* s_o,
-                                           const float (*s_m)[16], const float (*s_l)[16]) {
+__device__ __forceinline__ void StoreSplit(const DecodeParams& p, const DecodeSlice& sl, int split,
+                                           int row0, const float* s_o, const float (*s_m)[16],
+                                           const float (*s_l)[16]) {
   using Cfg = DecodeConfig<kDim>;
   constexpr int kQuads = kDim / 4;
   const int rows = sl.q_len * p.group;
@@ -119,7 +121,8 @@ __device__ __forceinline__ void StoreSplit(const DecodeParams& p, const DecodeSl
     for (int w = 0; w < kDecodeWarps; ++w) {
       // A warp that saw no key has m = -inf: weight exp2(-inf) = 0, and its O is 0.
       const float wt = m == -INFINITY ? 0.f : FastExp2((s_m[w][r] - m) * p.scale_log2);
-      const float4 x = reinterpret_cast<const float4*>(s_o + (w * 16 + r) * Cfg::kExchangeStride)[c];
+      const float4 x =
+          reinterpret_cast<const float4*>(s_o + (w * 16 + r) * Cfg::kExchangeStride)[c];
       acc.x += wt * x.x;
       acc.y += wt * x.y;
       acc.z += wt * x.z;
@@ -128,8 +131,8 @@ __device__ __forceinline__ void StoreSplit(const DecodeParams& p, const DecodeSl
     }
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int row = row0 + r;
-    const int64_t pr = PartialRow(sl, split, row / p.group,
-                                  blockIdx.y * p.group + row % p.group, p.num_heads);
+    const int64_t pr =
+        PartialRow(sl, split, row / p.group, blockIdx.y * p.group + row % p.group, p.num_heads);
     reinterpret_cast<float4*>(p.o_part + pr * kDim)[c] =
         make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     if (c == 0) p.lse_part[pr] = l > 0.f ? (m * p.scale_log2 + __log2f(l)) * kLn2 : -INFINITY;
@@ -259,8 +262,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     for (int e = 0; e < 8; ++e) {
       const int c = warp * 16 + (e >> 2) * 8 + tig * 2 + (e & 1);
       const int32_t kp = tpos[c], qp = q_pos[(e >> 1) & 1];
-      const bool visible =
-          key0 + c < sl.kv_len && kp >= 0 && qp >= 0 && (!p.causal || kp <= qp);
+      const bool visible = key0 + c < sl.kv_len && kp >= 0 && qp >= 0 && (!p.causal || kp <= qp);
       if (!visible) s_acc[e >> 2][e & 3] = -INFINITY;
     }
 
@@ -321,7 +323,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     float* orow = s_o + (warp * 16 + r) * Cfg::kExchangeStride + tig * 2;
 #pragma unroll
     for (int dt = 0; dt < kDim / 8; ++dt) {
-      *reinterpret_cast<float2*>(orow + dt * 8) = make_float2(o_acc[dt][2 * h], o_acc[dt][2 * h + 1]);
+      *reinterpret_cast<float2*>(orow + dt * 8) =
+          make_float2(o_acc[dt][2 * h], o_acc[dt][2 * h + 1]);
     }
   }
   __syncthreads();
@@ -410,8 +413,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll 4
   for (int j = g; j < splits; j += kGroups) {
     const float w = __expf(s_lse[j] - mx);
-    const float4 x =
-        reinterpret_cast<const float4*>(p.o_part + PartialRow(sl, j, token, head, p.num_heads) * kDim)[c];
+    const float4 x = reinterpret_cast<const float4*>(
+        p.o_part + PartialRow(sl, j, token, head, p.num_heads) * kDim)[c];
     acc.x += w * x.x;
     acc.y += w * x.y;
     acc.z += w * x.z;
@@ -479,8 +482,8 @@ int64_t Slots(const CudaAttentionArgs& a) {
     sms = 1;
   }
   if (a.communication_in_flight) sms = std::max(1, sms - kSmsForCommunication);
-  const int per_sm = a.shape.head_dim == 64 ? SplitKernel<64>().ctas_per_sm
-                                            : SplitKernel<128>().ctas_per_sm;
+  const int per_sm =
+      a.shape.head_dim == 64 ? SplitKernel<64>().ctas_per_sm : SplitKernel<128>().ctas_per_sm;
   return static_cast<int64_t>(sms) * per_sm;
 }
 
@@ -514,8 +517,8 @@ DecodePlan PlanDecode(const CudaAttentionArgs& a) {
     longest = std::max<int64_t>(longest, KeyTiles(s.kv_len));
   }
   total *= a.shape.num_kv_heads;
-  int64_t tps = std::max<int64_t>({kMinTilesPerSplit, (total + slots - 1) / slots,
-                                   (longest + kMaxSplits - 1) / kMaxSplits});
+  int64_t tps = std::max<int64_t>(
+      {kMinTilesPerSplit, (total + slots - 1) / slots, (longest + kMaxSplits - 1) / kMaxSplits});
   while (tps < longest && CountCtas(a, tps) > slots) tps += std::max<int64_t>(1, tps / 32);
   DecodePlan plan;
   for (int64_t i = 0; i < a.num_slices; ++i) {
@@ -543,8 +546,8 @@ absl::Status LaunchGroup(const DecodeParams& p, int32_t ctas, int32_t pairs, int
                          cudaStream_t stream) {
   if (ctas > 0) {
     CPFILL_CUDA_CHECK(SplitKernel<kDim>().attr_error);
-    DecodeSplitKernel<kDim><<<dim3(ctas, num_kv_heads), kDecodeThreads,
-                              DecodeConfig<kDim>::kSmemBytes, stream>>>(p);
+    DecodeSplitKernel<kDim>
+        <<<dim3(ctas, num_kv_heads), kDecodeThreads, DecodeConfig<kDim>::kSmemBytes, stream>>>(p);
     CPFILL_CUDA_CHECK(cudaGetLastError());
   }
   // The combine as a programmatic dependent launch: its CTAs are placed once every split CTA
@@ -567,8 +570,8 @@ absl::Status LaunchGroup(const DecodeParams& p, int32_t ctas, int32_t pairs, int
 bool DecodeAttentionApplies(const CudaAttentionArgs& a) {
   static const bool enabled = knobs::Bool(knobs::kDecodeKernel);
   if (!enabled || !SupportedHeadDim(a.shape.head_dim) || a.shape.num_kv_heads <= 0 ||
-      a.shape.num_heads % a.shape.num_kv_heads != 0 || a.slices == nullptr ||
-      !Aligned16(a.q) || !Aligned16(a.k) || !Aligned16(a.v)) {
+      a.shape.num_heads % a.shape.num_kv_heads != 0 || a.slices == nullptr || !Aligned16(a.q) ||
+      !Aligned16(a.k) || !Aligned16(a.v)) {
     return false;
   }
   bool any_rows = false;
@@ -587,9 +590,9 @@ absl::Status LaunchDecodeAttention(const CudaAttentionArgs& a, void* workspace,
                                    size_t workspace_bytes, cudaStream_t stream) {
   const DecodePlan plan = PlanDecode(a);
   const int64_t part_values = plan.partial_rows * a.shape.num_heads;
-  CPFILL_CHECK_ARG(workspace_bytes >= PartialBytes(a, plan.partial_rows), "decode attention: ",
-                   workspace_bytes, " workspace bytes, ", PartialBytes(a, plan.partial_rows),
-                   " needed");
+  CPFILL_CHECK_ARG(workspace_bytes >= PartialBytes(a, plan.partial_rows),
+                   "decode attention: ", workspace_bytes, " workspace bytes, ",
+                   PartialBytes(a, plan.partial_rows), " needed");
   DecodeParams p{};
   p.q = a.q;
   p.k = a.k;
@@ -623,13 +626,12 @@ absl::Status LaunchDecodeAttention(const CudaAttentionArgs& a, void* workspace,
     p.num_slices = static_cast<int32_t>(count);
     CPFILL_CHECK_ARG(ctas < (int64_t{1} << 31) && pairs < (int64_t{1} << 31),
                      "decode attention: ", ctas, " CTAs exceed one launch");
-    CPFILL_RETURN_IF_ERROR(a.shape.head_dim == 64
-                               ? LaunchGroup<64>(p, static_cast<int32_t>(ctas),
-                                                 static_cast<int32_t>(pairs),
-                                                 a.shape.num_kv_heads, stream)
-                               : LaunchGroup<128>(p, static_cast<int32_t>(ctas),
-                                                  static_cast<int32_t>(pairs),
-                                                  a.shape.num_kv_heads, stream));
+    CPFILL_RETURN_IF_ERROR(
+        a.shape.head_dim == 64
+            ? LaunchGroup<64>(p, static_cast<int32_t>(ctas), static_cast<int32_t>(pairs),
+                              a.shape.num_kv_heads, stream)
+            : LaunchGroup<128>(p, static_cast<int32_t>(ctas), static_cast<int32_t>(pairs),
+                               a.shape.num_kv_heads, stream));
   }
   return absl::OkStatus();
 }
