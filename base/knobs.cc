@@ -33,6 +33,9 @@ constexpr KnobSpec kKnobs[] = {
      "Hopper kernel: at most N persistent CTAs (0: one per SM); tests walk many items per CTA"},
     {kHopperSchedule, KnobType::kChoice, "dynamic", "dynamic|static",
      "Hopper kernel: items from a global counter, longest first (static: round-robin)"},
+    {kDecodeKernel, KnobType::kBool, "1", "0|1",
+     "CUDA attention: calls with at most 4 query rows per slice take the split-KV decode "
+     "kernel (0: the prefill kernel, for comparison)"},
     {kRanksPerNode, KnobType::kInt, "0", "0..1000000",
      "ranks per emulated node when --ranks-per-node is not given (0: the ranks of each host)"},
     {kTestExitRank, KnobType::kInt, "-1", "-1..1000000",

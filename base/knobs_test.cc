@@ -29,9 +29,10 @@ TEST_F(KnobsTest, EveryNameIsDeclaredOnceWithADefaultThatPassesItsOwnCheck) {
     EXPECT_TRUE(Validate().ok()) << k.name << ": " << Validate();
     unsetenv(std::string(k.name).c_str());
   }
-  for (std::string_view n : {kAttentionKernel, kAttentionVariant, kHopperPingPong,
-                             kHopperPersistent, kHopperQBuffers, kHopperMaxCtas, kHopperSchedule,
-                             kRanksPerNode, kTestExitRank, kTestStallRank, kLocalRanks}) {
+  for (std::string_view n :
+       {kAttentionKernel, kAttentionVariant, kHopperPingPong, kHopperPersistent, kHopperQBuffers,
+        kHopperMaxCtas, kHopperSchedule, kDecodeKernel, kRanksPerNode, kTestExitRank,
+        kTestStallRank, kLocalRanks}) {
     EXPECT_TRUE(seen.count(n)) << n;
   }
 }

@@ -5,12 +5,14 @@
 // (causal: the unmasked half). Shapes: the per-GPU attention of Llama-3-405B on TP8 (16 query
 // heads, 1 KV head, head dim 128) and of Llama-3-8B (32 / 8), causal and not, 4K to 32K tokens;
 // a fused batch of mixed lengths against the same tokens as one sequence; the merge of 4
-// partials in GB/s (bytes read + written).
+// partials in GB/s (bytes read + written); decode steps (one query per sequence against its own
+// 32K or 128K keys, batch 1 to 32) in GB/s of K/V read against the HBM floor.
 //
 //   build/bench/attention_cuda_bench --benchmark_out=cuda.json --benchmark_out_format=json
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -18,6 +20,7 @@
 
 #include "attention/attention.h"
 #include "attention/cuda/attention_cuda.h"
+#include "bench/gpu_spin.h"
 #include "benchmark/benchmark.h"
 
 namespace cpfill::attention::cuda {
@@ -36,6 +39,14 @@ void FillRandom(__nv_bfloat16* d, size_t n, uint64_t seed) {
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   for (auto& x : h) x = __float2bfloat16(u(rng));
   cudaMemcpy(d, h.data(), n * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice);
+}
+
+AttentionShape BenchShape(int heads, int kv_heads, int dim, bool causal) {
+  return {.num_heads = heads,
+          .num_kv_heads = kv_heads,
+          .head_dim = dim,
+          .softmax_scale = 1.0f / std::sqrt(float(dim)),
+          .causal = causal};
 }
 
 // A fused batch of sequences (full prefill), on the device.
@@ -80,11 +91,7 @@ struct Batch {
     }
   }
   CudaAttentionArgs Args() const {
-    return {.shape = {.num_heads = heads,
-                      .num_kv_heads = kv_heads,
-                      .head_dim = dim,
-                      .softmax_scale = 1.0f / std::sqrt(float(dim)),
-                      .causal = causal},
+    return {.shape = BenchShape(heads, kv_heads, dim, causal),
             .q = q,
             .q_pos = pos,
             .q_tokens = tokens,
@@ -100,9 +107,11 @@ struct Batch {
   }
 };
 
-// Times `fn` with CUDA events, one event pair per benchmark iteration.
-template <typename Fn>
-void TimeWithEvents(benchmark::State& state, Fn fn) {
+// Times `fn` with CUDA events, one event pair per benchmark iteration; `before` runs ahead of
+// each iteration's start event (untimed).
+void Nothing() {}
+template <typename Fn, typename Before = void (*)()>
+void TimeWithEvents(benchmark::State& state, Fn fn, Before before = Nothing) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
@@ -112,6 +121,7 @@ void TimeWithEvents(benchmark::State& state, Fn fn) {
   }
   cudaDeviceSynchronize();
   for (auto _ : state) {
+    before();
     cudaEventRecord(start);
     absl::Status s = fn();
     cudaEventRecord(stop);
@@ -193,6 +203,118 @@ void BM_Merge(benchmark::State& state) {
   cudaFree(out_lse);
 }
 
+// Fills n bf16 values on the device with random numbers in [-1, 1]: one random block uploaded,
+// then copied device to device (a host loop over gigabytes would take minutes). The copies
+// repeat, which a bandwidth-bound kernel does not notice.
+void FillRandomLarge(__nv_bfloat16* d, size_t n, uint64_t seed) {
+  const size_t block = std::min<size_t>(n, size_t{16} << 20);
+  FillRandom(d, block, seed);
+  for (size_t done = block; done < n; done += block) {
+    cudaMemcpy(d + done, d, std::min(block, n - done) * sizeof(__nv_bfloat16),
+               cudaMemcpyDeviceToDevice);
+  }
+}
+
+// The device's copy bandwidth in bytes moved (read + written) per second: the median of 10
+// device-to-device copies of 1 GiB, measured once per process. The decode floor is the K/V
+// bytes read at this rate.
+double CopyBandwidthBytesPerSecond() {
+  static const double bw = [] {
+    const size_t bytes = size_t{1} << 30;
+    void* a = DeviceAlloc(bytes);
+    void* b = DeviceAlloc(bytes);
+    if (a == nullptr || b == nullptr) return 0.0;
+    cudaMemset(a, 1, bytes);
+    cudaEvent_t start, stop;
+    cudaEventCreate(&start);
+    cudaEventCreate(&stop);
+    std::vector<float> ms(10);
+    for (float& t : ms) {
+      cudaEventRecord(start);
+      cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+      cudaEventRecord(stop);
+      cudaEventSynchronize(stop);
+      cudaEventElapsedTime(&t, start, stop);
+    }
+    std::sort(ms.begin(), ms.end());
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cudaFree(a);
+    cudaFree(b);
+    return 2.0 * bytes / (ms[ms.size() / 2] / 1e3);
+  }();
+  return bw;
+}
+
+// A decode step: `batch` sequences of `context` keys each (own K/V), one query each at the last
+// position. The K/V of successive iterations rotate over copies that together exceed 256 MiB,
+// so every iteration reads them from HBM (one 16 MiB copy would stay in the 50 MiB L2), and
+// each iteration is queued behind a 100 us spin (gpu_spin.h): the host's launch latency is
+// out of the timed window and L2 holds no dirty lines to write back.
+void BM_Decode(benchmark::State& state) {
+  const int64_t context = state.range(0), batch = state.range(1);
+  const int heads = state.range(2), kv_heads = state.range(3), dim = 128;
+  const int64_t kv_tokens = context * batch;
+  const size_t kv_values = static_cast<size_t>(kv_tokens) * kv_heads * dim;
+  const double kv_bytes = 2.0 * kv_values * sizeof(__nv_bfloat16);
+  const int copies = static_cast<int>(std::clamp((256e6 + kv_bytes - 1) / kv_bytes, 1.0, 16.0));
+  auto* q = static_cast<__nv_bfloat16*>(DeviceAlloc(batch * heads * dim * 2));
+  auto* k = static_cast<__nv_bfloat16*>(DeviceAlloc(copies * kv_values * 2));
+  auto* v = static_cast<__nv_bfloat16*>(DeviceAlloc(copies * kv_values * 2));
+  auto* o = static_cast<__nv_bfloat16*>(DeviceAlloc(batch * heads * dim * 2));
+  auto* lse = static_cast<float*>(DeviceAlloc(batch * heads * 4));
+  auto* q_pos = static_cast<int32_t*>(DeviceAlloc(batch * 4));
+  auto* k_pos = static_cast<int32_t*>(DeviceAlloc(kv_tokens * 4));
+  if (!q || !k || !v || !o || !lse || !q_pos || !k_pos) {
+    state.SkipWithError("device allocation failed");
+    return;
+  }
+  FillRandom(q, batch * heads * dim, 1);
+  FillRandomLarge(k, copies * kv_values, 2);
+  FillRandomLarge(v, copies * kv_values, 3);
+  std::vector<int32_t> hq(batch, static_cast<int32_t>(context - 1)), hk(kv_tokens);
+  std::vector<SequenceSlice> slices;
+  for (int64_t b = 0; b < batch; ++b) {
+    slices.push_back({b, 1, b * context, context});
+    for (int64_t i = 0; i < context; ++i) hk[b * context + i] = static_cast<int32_t>(i);
+  }
+  cudaMemcpy(q_pos, hq.data(), batch * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(k_pos, hk.data(), kv_tokens * 4, cudaMemcpyHostToDevice);
+  std::vector<CudaAttentionArgs> args;
+  for (int c = 0; c < copies; ++c) {
+    args.push_back({.shape = BenchShape(heads, kv_heads, dim, true),
+                    .q = q,
+                    .q_pos = q_pos,
+                    .q_tokens = batch,
+                    .k = k + c * kv_values,
+                    .v = v + c * kv_values,
+                    .k_pos = k_pos,
+                    .kv_tokens = kv_tokens,
+                    .slices = slices.data(),
+                    .num_slices = batch,
+                    .output = OutputMode::kBfloat16,
+                    .o = o,
+                    .lse = lse});
+  }
+  const size_t ws_bytes = AttentionWorkspaceBytes(args[0]);
+  void* ws = DeviceAlloc(ws_bytes + 16);
+  int64_t it = 0;
+  TimeWithEvents(
+      state, [&] { return PartialAttentionCuda(args[it++ % copies], ws, ws_bytes, nullptr); },
+      [] { bench::SpinGpu(100'000, nullptr); });
+  const double bw = CopyBandwidthBytesPerSecond();
+  state.counters["GBps"] =
+      benchmark::Counter(kv_bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["floor_us"] = bw > 0 ? kv_bytes / bw * 1e6 : 0;
+  state.counters["copy_GBps"] = bw / 1e9;
+  state.counters["kv_MB"] = kv_bytes / 1e6;
+  state.counters["kv_copies"] = copies;
+  for (void* p :
+       {(void*)q, (void*)k, (void*)v, (void*)o, (void*)lse, (void*)q_pos, (void*)k_pos, ws}) {
+    cudaFree(p);
+  }
+}
+
 void Shapes(benchmark::internal::Benchmark* b) {
   for (auto [h, kvh] : {std::pair{16, 1}, std::pair{32, 8}}) {
     for (int causal : {1, 0}) {
@@ -212,6 +334,12 @@ BENCHMARK(BM_AttentionMixed)
     ->ArgNames({"heads", "kv_heads", "mixed"})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Decode)
+    ->ArgsProduct({{32768, 131072}, {1, 8, 32}, {16}, {1}})
+    ->ArgsProduct({{32768, 131072}, {1, 8, 32}, {32}, {8}})
+    ->ArgNames({"context", "batch", "heads", "kv_heads"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Merge)
     ->Args({4, 16384})
     ->Args({8, 16384})

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attention/cuda/attention_decode.h"
 #include "attention/cuda/flash_kernel.cuh"
 #include "attention/online_softmax.h"
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
@@ -191,6 +192,7 @@ int DeviceCount() {
 }
 
 size_t AttentionWorkspaceBytes(const CudaAttentionArgs& args) {
+  if (internal::DecodeAttentionApplies(args)) return internal::DecodeWorkspaceBytes(args);
   const size_t summaries = SummaryBytes(args);
   return summaries == 0 ? 0 : summaries + kSchedulerCounterBytes;
 }
@@ -236,6 +238,10 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
     CPFILL_CUDA_CHECK(cudaGetLastError());
   }
 
+  // Decode steps (a few query rows per slice): the split-KV kernel (attention_decode.h).
+  if (internal::DecodeAttentionApplies(a)) {
+    return internal::LaunchDecodeAttention(a, workspace, workspace_bytes, stream);
+  }
   const std::vector<int64_t> work = WorkingSlices(a);
   KeyTileSummary* summaries = static_cast<KeyTileSummary*>(workspace);
 #ifdef CPFILL_HAVE_HOPPER_KERNEL

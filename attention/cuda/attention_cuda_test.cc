@@ -17,7 +17,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention/attention.h"
+#include "attention/cuda/attention_decode.h"
 #include "attention/reference.h"
+#include "base/knobs.h"
 #include "gtest/gtest.h"
 
 namespace cpfill::attention::cuda {
@@ -468,6 +470,134 @@ TEST(CudaAttentionLarge, LongCausalSequenceAndManySlices) {
   c.q_tokens = c.q_pos.size();
   c.kv_tokens = c.k_pos.size();
   CheckCase(c, 22);
+}
+
+// ---- decode: the split-KV kernel (attention_decode.h) -----------------------------------
+
+struct DecodeSeq {
+  int64_t q_len, kv_len;
+};
+
+// One slice per sequence: kv_len keys at positions 0.. (every 37th padding when `pad_keys`),
+// its q_len queries at the last q_len key positions (the new tokens are in the KV already).
+// Then three extra slices' worth of edge rows: a padded query, a slice whose keys are all hidden
+// from its query (LSE -inf), and a row covered by no slice.
+Case DecodeCase(std::string name, int heads, int kv_heads, int dim, bool causal,
+                const std::vector<DecodeSeq>& seqs) {
+  Case c{
+      .name = std::move(name), .heads = heads, .kv_heads = kv_heads, .dim = dim, .causal = causal};
+  for (auto [nq, nk] : seqs) {
+    const int64_t qb = c.q_pos.size(), kb = c.k_pos.size();
+    AppendRun(c.q_pos, static_cast<int32_t>(std::max<int64_t>(0, nk - nq)), nq);
+    for (int64_t i = 0; i < nk; ++i) c.k_pos.push_back(i % 37 == 5 ? -1 : static_cast<int32_t>(i));
+    c.slices.push_back({qb, nq, kb, nk});
+  }
+  // A padded query beside a real one, over the first sequence's keys.
+  c.slices.push_back({static_cast<int64_t>(c.q_pos.size()), 2, 0, seqs[0].kv_len});
+  c.q_pos.push_back(kPadPosition);
+  c.q_pos.push_back(static_cast<int32_t>(seqs[0].kv_len));
+  // Keys hidden from the query: later positions (causal) or all padding.
+  const int64_t kb = c.k_pos.size();
+  for (int i = 0; i < 100; ++i) c.k_pos.push_back(causal ? 1000 + i : kPadPosition);
+  c.slices.push_back({static_cast<int64_t>(c.q_pos.size()), 1, kb, 100});
+  c.q_pos.push_back(3);
+  c.q_pos.push_back(7);  // in no slice
+  c.q_tokens = c.q_pos.size();
+  c.kv_tokens = c.k_pos.size();
+  return c;
+}
+
+// kMergeIntoFloat32 over a random running (O, LSE) (rows 3 mod 7 empty): covered rows must be
+// the exact merge of the running values and this call's reference, other rows untouched.
+void CheckMergeIntoRandomRunning(const Case& c, uint64_t seed) {
+  const Inputs in = MakeInputs(c, seed);
+  std::vector<double> o_ref, lse_ref;
+  Reference(c, in, &o_ref, &lse_ref);
+  std::mt19937_64 rng(seed + 1);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  const int64_t rows = c.q_tokens * c.heads;
+  std::vector<float> run_o(rows * c.dim), run_lse(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool empty = r % 7 == 3;
+    run_lse[r] = empty ? -INFINITY : 3.f + 3.f * u(rng);
+    for (int d = 0; d < c.dim; ++d) run_o[r * c.dim + d] = empty ? 0.f : u(rng);
+  }
+  std::vector<bool> covered(c.q_tokens, false);
+  for (const SequenceSlice& s : c.slices) {
+    for (int64_t t = s.q_begin; t < s.q_begin + s.q_len; ++t) covered[t] = true;
+  }
+  std::vector<double> want_o(run_o.begin(), run_o.end()), want_lse(run_lse.begin(), run_lse.end());
+  for (int64_t r = 0; r < rows; ++r) {
+    const double a = run_lse[r], b = lse_ref[r], m = std::max(a, b);
+    if (!covered[r / c.heads] || std::isinf(m)) continue;
+    const double wa = std::exp(a - m), wb = std::exp(b - m);
+    want_lse[r] = m + std::log(wa + wb);
+    for (int d = 0; d < c.dim; ++d) {
+      want_o[r * c.dim + d] = (wa * run_o[r * c.dim + d] + wb * o_ref[r * c.dim + d]) / (wa + wb);
+    }
+  }
+  std::vector<float> o, lse;
+  RunOnGpu(c, in, OutputMode::kMergeIntoFloat32, &o, &lse, &run_o, &run_lse);
+  ExpectGood(Compare(c, o, lse, want_o, want_lse), c.name + " (merge into running)");
+}
+
+// Every output mode, after checking the call takes the decode kernel (unless the knob is off).
+void CheckDecodeCase(const Case& c, uint64_t seed) {
+  CudaAttentionArgs a{.shape = ShapeOf(c),
+                      .slices = c.slices.data(),
+                      .num_slices = static_cast<int64_t>(c.slices.size())};
+  EXPECT_EQ(internal::DecodeAttentionApplies(a), knobs::Bool(knobs::kDecodeKernel)) << c.name;
+  CheckCase(c, seed);
+  CheckMergeIntoRandomRunning(c, seed + 100);
+}
+
+TEST(CudaDecodeAttention, MixedKvLengthsGqaGroupsCausalAndNot) {
+  for (auto [h, kvh] : {std::pair{16, 1}, std::pair{32, 8}, std::pair{4, 4}}) {
+    for (bool causal : {true, false}) {
+      // 40000 keys at 16:1 and 1:1; 9000 at 32:8 (eight KV heads: host memory of the reference)
+      const int64_t longest = kvh == 8 ? 9000 : 40000;
+      const std::vector<DecodeSeq> seqs = {{1, 1},       {1, 17}, {0, 50},  {2, 1000},
+                                           {4, longest}, {3, 17}, {1, 1000}};
+      CheckDecodeCase(DecodeCase(absl::StrCat("decode ", h, ":", kvh, causal ? " causal" : ""), h,
+                                 kvh, 128, causal, seqs),
+                      static_cast<uint64_t>(h * 10 + kvh + causal));
+    }
+  }
+}
+
+TEST(CudaDecodeAttention, HeadDim64AndMoreSlicesThanOneLaunch) {
+  // 70 sequences of one query each: two launch groups of the split and combine kernels.
+  std::vector<DecodeSeq> seqs;
+  for (int s = 0; s < 70; ++s) seqs.push_back({1, 1 + (s * 397) % 3000});
+  CheckDecodeCase(DecodeCase("decode d64 70 seqs", 16, 2, 64, true, seqs), 41);
+}
+
+TEST(CudaDecodeAttention, ManySplitsAndPeakySoftmax) {
+  // One query over 128K keys: hundreds of splits for the combine; large scores.
+  Case c = DecodeCase("decode 128K peaky", 16, 1, 128, true, {{1, 131072}});
+  c.amplitude = 12.0f;
+  CheckDecodeCase(c, 43);
+}
+
+TEST(CudaDecodeAttention, RejectsHeadDim96) {
+  Case c = DecodeCase("decode d96", 4, 4, 96, true, {{1, 10}});
+  int dummy[4];
+  CudaAttentionArgs a{.shape = ShapeOf(c),
+                      .q = reinterpret_cast<const __nv_bfloat16*>(dummy),
+                      .q_pos = dummy,
+                      .q_tokens = c.q_tokens,
+                      .k = reinterpret_cast<const __nv_bfloat16*>(dummy),
+                      .v = reinterpret_cast<const __nv_bfloat16*>(dummy),
+                      .k_pos = dummy,
+                      .kv_tokens = c.kv_tokens,
+                      .slices = c.slices.data(),
+                      .num_slices = static_cast<int64_t>(c.slices.size()),
+                      .o = dummy,
+                      .lse = reinterpret_cast<float*>(dummy)};
+  EXPECT_FALSE(internal::DecodeAttentionApplies(a));
+  const absl::Status s = PartialAttentionCuda(a, nullptr, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("head_dim 96"), std::string::npos) << s;
 }
 
 }  // namespace
