@@ -293,6 +293,10 @@ cuda_backend_check)
     --prompt-lens 700,33,1 --repeat 2 --check --json "$tmp/g.json"
   "$py" -c "import json; assert json.load(open('$tmp/g.json'))['backend'] == 'cuda'" ||
     fail "prefill JSON names the backend"
+  # Greedy generation on the GPU (decode steps on the split-KV kernel) against one rank in fp32,
+  # teacher-forced on the same tokens.
+  expect_exit 0 'check: .*PASS' -- mpi 1 "$cpfill" generate --backend cuda --model tiny \
+    --prompt-lens 700,33,1 --max-tokens 24 --check
   ;;
 memory_checked_first)
   # Weights, KV and activations too large for this machine are refused with the numbers and a

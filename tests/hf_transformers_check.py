@@ -7,7 +7,9 @@ saves each with LlamaForCausalLM.save_pretrained (one bf16 and sharded with an i
 a single file), prefills them with `cpfill prefill --model DIR --tokens ... --save-logits ...`
 without any conversion, and compares the last-position logits and first tokens with
 transformers' own forward pass: an fp32 model on the CPU, loaded with from_pretrained from the
-same directory, so it holds exactly the weights cpfill read.
+same directory, so it holds exactly the weights cpfill read. Then `cpfill generate` (greedy,
+12 tokens) against transformers' greedy `generate` on the same model: the same tokens (on CUDA,
+up to a near tie of the reference, after which the texts differ).
 
   hf_transformers_check.py PATH/TO/cpfill TMPDIR [--backend cpu|cuda|all] [--mpirun-np N]
 
@@ -200,6 +202,53 @@ def compare(case, backend, prompts, ref, got):
     return ok
 
 
+NEW_TOKENS = 12
+
+
+def reference_generation(model, prompt):
+    """transformers' greedy generate (fp32 CPU, stops at the checkpoint's EOS as cpfill does):
+    the tokens and the logits each was chosen from."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [score[0].double() for score in out.scores]
+
+
+def run_generate(args, backend, directory, tokens_file, json_file):
+    command = [args.cpfill, "generate", "--model", directory, "--tokens", tokens_file,
+               "--max-tokens", str(NEW_TOKENS), "--temperature", "0", "--backend", backend,
+               "--json", json_file]
+    if args.mpirun_np > 1:
+        command = ["mpirun", "-np", str(args.mpirun_np), "--allow-run-as-root",
+                   "--oversubscribe"] + command
+    done = subprocess.run(command, env=dict(os.environ, **MPI_ENV), capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        return None, f"{' '.join(command)}: exit {done.returncode}\n{done.stdout}{done.stderr}"
+    return [s["tokens"] for s in json.load(open(json_file))["sequences"]], ""
+
+
+def compare_generation(case, backend, model, prompts, got, prefill_error):
+    """cpfill's greedy tokens against transformers' generate: equal, or (CUDA) equal up to a
+    near tie of the reference, after which the two continue different texts."""
+    ok = True
+    for prompt, tokens in zip(prompts, got):
+        want, scores = reference_generation(model, prompt)
+        same = 0
+        while same < min(len(want), len(tokens)) and want[same] == tokens[same]:
+            same += 1
+        verdict = "equal" if tokens == want else "MISMATCH"
+        if tokens != want and backend == "cuda" and same < min(len(want), len(tokens)):
+            top2 = torch.topk(scores[same], 2).values
+            if float(top2[0] - top2[1]) <= 2 * prefill_error:
+                verdict = f"near tie at token {same}"
+        ok = ok and verdict != "MISMATCH"
+        print(f"  {case['name']:<20} {backend:<5} {len(prompt):>6}  generate {len(tokens)} "
+              f"tokens, {same} as transformers: {verdict}")
+    return ok
+
+
 def gpu_present():
     try:
         return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=60).returncode == 0
@@ -242,7 +291,8 @@ def main():
         tokens_file = os.path.join(args.tmpdir, f"{case['name']}.tokens.json")
         with open(tokens_file, "w") as f:
             json.dump(prompts, f)
-        ref = reference_logits(load_reference(directory, saved), prompts)
+        ref_model = load_reference(directory, saved)
+        ref = reference_logits(ref_model, prompts)
 
         print(f"  {'case':<20} {'backend':<5} {'tokens':>6} {'max |diff|':>11} "
               f"{'cpfill':>7} {'hf':>7}   (first tokens)")
@@ -256,6 +306,16 @@ def main():
                 case_failures.append(f"{case['name']}/{backend} (cpfill failed)")
             elif not compare(case, backend, prompts, ref, got):
                 case_failures.append(f"{case['name']}/{backend}")
+            else:
+                prefill_error = float((got["logits"].double() - ref).abs().max())
+                gen_file = os.path.join(args.tmpdir, f"{case['name']}.{backend}.generate.json")
+                tokens, output = run_generate(args, backend, directory, tokens_file, gen_file)
+                if tokens is None:
+                    print(f"  -> {case['name']} on {backend}: cpfill generate failed:\n{output}")
+                    case_failures.append(f"{case['name']}/{backend} (generate failed)")
+                elif not compare_generation(case, backend, ref_model, prompts, tokens,
+                                            prefill_error):
+                    case_failures.append(f"{case['name']}/{backend} (generate)")
         if case_failures:  # what transformers wrote, for whoever fixes the loader
             print(describe_checkpoint(directory))
         failures += case_failures
