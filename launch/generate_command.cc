@@ -50,7 +50,10 @@ void DefineFlags(FlagSet& flags, GenerateFlags* f) {
   flags.Bool("ignore-eos", &f->ignore_eos, "generate --max-tokens even past EOS");
   flags.Bool("check",
              &f->check, "compare every generated token with one rank (greedy only)");
-  flags.Double("tolerance", &f->tolerance, "max abs logit difference --check accepts")
+  flags
+      .Double("tolerance", &f->tolerance,
+              "max abs logit difference --check accepts (cuda: relative to the logits' scale, "
+              "default 3e-2)")
       .Within(Range::Above(0));
   flags.String("json", &f->json_file, "write the report as JSON to this file");
   AddSessionFlags(flags, &f->session);
@@ -231,6 +234,7 @@ int Run(int argc, char** argv) {
   }
   auto host = BuildEngineHost(f.engine, flags, session, grid, {});
   if (!host.ok()) return session.Refuse(host.status());
+  if ((*host)->backend == "cuda" && !flags.IsSet("tolerance")) f.tolerance = 3e-2;  // relative
   auto prompts = Prompts(f, **host);
   if (!prompts.ok()) return session.ConfigError(prompts.status());
   session.Print("cpfill generate: %s (%d layers), %d sequence(s), up to %d tokens each; %s; %s\n",

@@ -208,9 +208,12 @@ NEW_TOKENS = 12
 def reference_generation(model, prompt):
     """transformers' greedy generate (fp32 CPU, stops at the checkpoint's EOS as cpfill does):
     the tokens and the logits each was chosen from."""
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        # The mask given: without one, generate masks every token equal to the pad id.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, [score[0].double() for score in out.scores]
 
