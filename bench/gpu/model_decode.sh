@@ -42,7 +42,7 @@ check() {  # check TAG ARGS...: cpfill generate --check on the GPU
 }
 check generate-check-tiny --model tiny --prompt-lens 700,33,1 --max-tokens 32
 check generate-check-8b-2l --model llama3-8b --layers 2 --prompt-lens 513,64 --max-tokens 24
-timeout 300 python3 tests/hf_transformers_check.py "$cpfill" "$out/hfc" --backend all \
+timeout 300 python3 tests/hf_transformers_check.py "$cpfill" /tmp/cpfill-hfc --backend all \
   > "$out/hf_transformers_check.log" 2>&1
 note "hf_transformers_check: rc $? $(tail -1 "$out/hf_transformers_check.log")"
 fi
