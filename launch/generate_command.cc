@@ -3,6 +3,7 @@
 // tokens (and text, with a tokenizer), the time to first token and per output token, and where
 // the new tokens' KV went; --check compares every generated token with one rank teacher-forced
 // on the same tokens. The engine is the one `serve` runs (engine_host.h).
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <thread>
@@ -144,6 +145,14 @@ void PrintResults(Session& session, const EngineHost& host,
     session.Print("  TTFT %.2f ms, TPOT %.3f ms (%d decode steps in %.2f ms)\n",
                   (r.queue_s + r.prefill_s) * 1e3, Tpot(r) * 1e3, r.tokens.size() - 1,
                   r.decode_s * 1e3);
+    const runtime::PrefillTimings& d = r.decode_timings;
+    const double steps = std::max<double>(1, double(r.tokens.size()) - 1);
+    session.Print(
+        "  per decode step (world rank 0): model %.3f ms = GEMMs %.3f, attention ring %.3f, "
+        "all-reduce %.3f, KV cache %.3f, LM head %.3f, other %.3f; engine and sampling %.3f ms\n",
+        d.total_s / steps * 1e3, d.gemm_s / steps * 1e3, d.attention_s / steps * 1e3,
+        d.allreduce_s / steps * 1e3, d.kv_s / steps * 1e3, d.lm_head_s / steps * 1e3,
+        (d.other_s + d.embed_s) / steps * 1e3, (r.decode_s - d.total_s) / steps * 1e3);
   }
 }
 
@@ -193,6 +202,14 @@ nlohmann::ordered_json Report(const GenerateFlags& f, const EngineHost& host,
                     {"ttft_ms", (r.queue_s + r.prefill_s) * 1e3},
                     {"tpot_ms", Tpot(r) * 1e3},
                     {"decode_ms", r.decode_s * 1e3},
+                    {"decode_step_phases_ms",
+                     {{"model", r.decode_timings.total_s * 1e3},
+                      {"gemms", r.decode_timings.gemm_s * 1e3},
+                      {"attention_ring", r.decode_timings.attention_s * 1e3},
+                      {"all_reduce", r.decode_timings.allreduce_s * 1e3},
+                      {"kv_cache", r.decode_timings.kv_s * 1e3},
+                      {"lm_head", r.decode_timings.lm_head_s * 1e3},
+                      {"other", (r.decode_timings.other_s + r.decode_timings.embed_s) * 1e3}}},
                     {"preemptions", r.preemptions}});
   }
   return {{"command", "generate"},

@@ -20,6 +20,18 @@ double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 std::string InternalSession(int64_t id) { return absl::StrCat("\x01gen-", id); }
 bool IsInternalSession(const std::string& name) { return !name.empty() && name[0] == '\x01'; }
 
+// Sums a step's phase times (and its total) into `into`.
+void AddPhases(const PrefillTimings& step, PrefillTimings* into) {
+  into->total_s += step.total_s;
+  into->embed_s += step.embed_s;
+  into->gemm_s += step.gemm_s;
+  into->attention_s += step.attention_s;
+  into->allreduce_s += step.allreduce_s;
+  into->lm_head_s += step.lm_head_s;
+  into->other_s += step.other_s;
+  into->kv_s += step.kv_s;
+}
+
 // The broadcast form of a command: little-endian words and length-prefixed strings. Rank 0 is
 // trusted, but a reader still checks every length against what is left.
 class Writer {
@@ -384,7 +396,7 @@ absl::Status Engine::Execute(Command& command) {
   }
   if (!root_) return absl::OkStatus();
   if (command.kind == Command::kDecode) {
-    AnswerDecode(command, std::move(out));
+    AnswerDecode(command, std::move(out), timings);
   } else {
     Answer(command, std::move(out), timings, Since(start));
   }
@@ -484,7 +496,8 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
   }
 }
 
-void Engine::AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs) {
+void Engine::AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs,
+                          const PrefillTimings& timings) {
   std::lock_guard lock(mu_);
   stats_.kv_usage_ratio = model_.kv_usage().usage_ratio();
   decoding_ = 0;
@@ -496,6 +509,7 @@ void Engine::AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceO
   for (size_t i = 0; i < command.items.size(); ++i) {
     std::unique_ptr<Pending> p = std::move(command.items[i]);
     --p->positions_left;  // the token this step fed
+    AddPhases(timings, &p->result.decode_timings);
     if (NextToken(*p, (*outputs)[i].logits)) {
       Finish(std::move(p));
     } else {

@@ -103,6 +103,8 @@ struct EngineResult {
   double decode_s = 0;         // from the first token to the last
   int batch_requests = 0;      // requests in that batch
   PrefillTimings timings;      // that batch's
+  // The decode steps this request took part in, their phases summed (each step's whole batch).
+  PrefillTimings decode_timings;
 };
 
 // Counters since start (rank 0), for /metrics.
@@ -163,7 +165,8 @@ class Engine {
   absl::Status Execute(Command& command);
   void Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs,
               const PrefillTimings& timings, double seconds);
-  void AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs);
+  void AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs,
+                    const PrefillTimings& timings);
   void Requeue(Command& command, const absl::Status& why);
   void MakeRoomToDecode(const Command& command, const absl::Status& why);
   // Rank 0, lock held: takes the next token of `p` from `logits`; true when `p` is finished.

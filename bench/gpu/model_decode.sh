@@ -7,14 +7,14 @@
 #      and tests/hf_transformers_check.py --backend all (prefill and greedy generate against
 #      transformers on checkpoints transformers wrote);
 #   3. (tpot) time per output token of the Llama-3-8B geometry (LAYERS, default 32; synthetic bf16
-#      weights) at CONTEXTS (default 32768,131072), NEW tokens (default 64) greedy: cpfill
+#      weights) at CONTEXTS (default 32768,131040: 128K less NEW, within the model's 131072 positions), NEW tokens (default 64) greedy: cpfill
 #      generate, then transformers' generate (bench/gpu/hf_generate_peer.py) in the same call.
 # Binaries from .gpu-carry/ (bench/gpu/build-carry.sh); logs, JSON and summary.txt under $OUT,
 # packed into $OUT/model-decode.tgz.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 layers=${LAYERS:-32}
-contexts=${CONTEXTS:-32768,131072}
+contexts=${CONTEXTS:-32768,131040}
 new=${NEW:-64}
 what=${1:-all}
 new_summary
