@@ -12,8 +12,8 @@ namespace {
 class KnobsTest : public ::testing::Test {
  protected:
   void TearDown() override {
-    for (const char* n : {"CPFILL_HOPPER_MAX_CTAS", "CPFILL_HOPPER_PINGPONG",
-                          "CPFILL_HOPPER_SCHEDULE"}) {
+    for (const char* n :
+         {"CPFILL_HOPPER_MAX_CTAS", "CPFILL_HOPPER_PINGPONG", "CPFILL_HOPPER_SCHEDULE"}) {
       unsetenv(n);
     }
     ResetCacheForTests();

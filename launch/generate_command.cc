@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -49,8 +48,7 @@ void DefineFlags(FlagSet& flags, GenerateFlags* f) {
   flags.Int("sample-seed", &f->sample_seed, "seed of sampling (sequence i uses seed + i)")
       .Within(Range::AtLeast(0));
   flags.Bool("ignore-eos", &f->ignore_eos, "generate --max-tokens even past EOS");
-  flags.Bool("check",
-             &f->check, "compare every generated token with one rank (greedy only)");
+  flags.Bool("check", &f->check, "compare every generated token with one rank (greedy only)");
   flags
       .Double("tolerance", &f->tolerance,
               "max abs logit difference --check accepts (cuda: relative to the logits' scale, "
@@ -78,39 +76,32 @@ absl::StatusOr<std::vector<runtime::PrefillRequest>> Prompts(const GenerateFlags
   return std::vector<runtime::PrefillRequest>{{.tokens = std::move(ids)}};
 }
 
-// Every rank runs the engine's loop; rank 0 submits the batch from a thread of its own and
-// shuts the engine down once every sequence is answered.
+// Every rank runs the engine's loop. Rank 0 queues the whole batch first and asks for the
+// shutdown at once: the loop drains the queue, generates to the end and then returns (no thread
+// of its own, so nothing is started once the KV cache took the memory it was given).
 absl::StatusOr<std::vector<runtime::EngineResult>> Generate(
     const GenerateFlags& f, EngineHost& host, bool root,
     const std::vector<runtime::PrefillRequest>& prompts) {
   runtime::Engine& engine = *host.engine;
-  std::vector<absl::StatusOr<runtime::EngineResult>> got;
-  std::thread driver;
+  absl::StatusOr<std::vector<runtime::Engine::Reply>> replies = std::vector<runtime::Engine::Reply>{};
   if (root) {
-    driver = std::thread([&] {
-      std::vector<runtime::EngineRequest> requests;
-      for (size_t i = 0; i < prompts.size(); ++i) {
-        runtime::EngineRequest r{.tokens = prompts[i].tokens, .max_tokens = f.max_tokens,
-                                 .sampling = f.sampling, .ignore_eos = f.ignore_eos};
-        r.sampling.seed = static_cast<uint64_t>(f.sample_seed) + i;
-        requests.push_back(std::move(r));
-      }
-      auto replies = engine.SubmitAll(std::move(requests));
-      if (!replies.ok()) {
-        got.push_back(replies.status());
-      } else {
-        for (auto& reply : *replies) got.push_back(reply.get());
-      }
-      engine.Shutdown();
-    });
+    std::vector<runtime::EngineRequest> requests;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      runtime::EngineRequest r{.tokens = prompts[i].tokens,
+                               .max_tokens = f.max_tokens,
+                               .sampling = f.sampling,
+                               .ignore_eos = f.ignore_eos};
+      r.sampling.seed = static_cast<uint64_t>(f.sample_seed) + i;
+      requests.push_back(std::move(r));
+    }
+    replies = engine.SubmitAll(std::move(requests));
+    engine.Shutdown();
   }
-  const absl::Status ran = engine.Run();
-  if (driver.joinable()) driver.join();
-  CPFILL_RETURN_IF_ERROR(ran);
+  CPFILL_RETURN_IF_ERROR(engine.Run());
+  CPFILL_RETURN_IF_ERROR(replies.status());
   std::vector<runtime::EngineResult> results;
-  for (auto& r : got) {
-    CPFILL_RETURN_IF_ERROR(r.status());
-    results.push_back(std::move(*r));
+  for (auto& reply : *replies) {
+    CPFILL_ASSIGN_OR_RETURN(results.emplace_back(), reply.get());
   }
   return results;
 }
@@ -164,8 +155,8 @@ GenerationCheck CheckOnRoot(Session& session, const GenerateFlags& f, const Engi
   const bool bf16 = host.backend == "cuda";
   check.pass = session.VerdictFromRoot(world, [&] {
     session.Print("check: the same tokens, teacher-forced on one rank (CPU, fp32)...\n");
-    auto weights = MakeWeights(host.config, f.engine.model,
-                               static_cast<uint64_t>(f.engine.seed), 0, 1);
+    auto weights =
+        MakeWeights(host.config, f.engine.model, static_cast<uint64_t>(f.engine.seed), 0, 1);
     if (!weights.ok()) session.Fail(weights.status());
     std::vector<runtime::SequenceOutput> first;
     std::vector<std::vector<int32_t>> generated;
@@ -229,7 +220,9 @@ nlohmann::ordered_json Report(const GenerateFlags& f, const EngineHost& host,
 void SizeKvCache(GenerateFlags& f, const std::vector<int64_t>& lens, int cp_size) {
   if (f.engine.kv_capacity_tokens != 0 || f.engine.kv_memory_fraction != 0) return;
   int64_t tokens = 0;
-  for (int64_t n : lens) tokens += n / cp_size + f.max_tokens / cp_size + 2 * f.engine.kv_block_tokens;
+  for (int64_t n : lens) {
+    tokens += (n + f.max_tokens) / cp_size + 2 * f.engine.kv_block_tokens;
+  }
   f.engine.kv_capacity_tokens = tokens;
 }
 
@@ -258,8 +251,11 @@ int Run(int argc, char** argv) {
                 (*host)->config.name, (*host)->config.num_layers, prompts->size(), f.max_tokens,
                 grid.Describe(), (*host)->backend);
 
+  // A request refused on rank 0 (it does not fit the KV cache, ...) ends every rank alike.
   auto results = Generate(f, **host, session.is_root(), *prompts);
-  if (!results.ok()) return session.Refuse(results.status());
+  if (!session.VerdictFromRoot(*grid.world, [&] { return results.ok(); })) {
+    return session.is_root() ? session.Refuse(results.status()) : kExitBadInput;
+  }
   PrintResults(session, **host, *prompts, *results);
   GenerationCheck check;
   if (f.check) check = CheckOnRoot(session, f, **host, *prompts, *results, *grid.world);

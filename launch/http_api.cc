@@ -103,7 +103,8 @@ nlohmann::ordered_json Logprobs(const std::vector<runtime::SampledToken>& tokens
     for (const auto& [id, lp] : t.top) top[std::to_string(id)] = lp;
     tops.push_back(std::move(top));
   }
-  return {{"token_ids", std::move(ids)}, {"token_logprobs", std::move(lps)},
+  return {{"token_ids", std::move(ids)},
+          {"token_logprobs", std::move(lps)},
           {"top_logprobs", std::move(tops)}};
 }
 
@@ -149,21 +150,21 @@ nlohmann::ordered_json Usage(const std::vector<runtime::EngineResult>& results) 
           {"prompt_tokens_details", {{"cached_tokens", cached}}}};
 }
 
-
 // A field that must be a number in [lo, hi] when present and not null.
 absl::StatusOr<std::optional<double>> NumberField(const nlohmann::json& v, const char* name,
                                                   double lo, double hi) {
   const nlohmann::json* f = json::Find(v, name);
   if (f == nullptr || f->is_null()) return std::optional<double>();
-  CPFILL_CHECK_ARG(f->is_number() && f->get<double>() >= lo && f->get<double>() <= hi, "\"",
-                   name, "\" is ", json::Show(*f), ", must be a number in [", lo, ", ", hi, "]");
+  CPFILL_CHECK_ARG(f->is_number() && f->get<double>() >= lo && f->get<double>() <= hi, "\"", name,
+                   "\" is ", json::Show(*f), ", must be a number in [", lo, ", ", hi, "]");
   return std::optional<double>(f->get<double>());
 }
 
 absl::StatusOr<bool> BoolField(const nlohmann::json& v, const char* name) {
   const nlohmann::json* f = json::Find(v, name);
   if (f == nullptr || f->is_null()) return false;
-  CPFILL_CHECK_ARG(f->is_boolean(), "\"", name, "\" is ", json::Show(*f), ", must be true or false");
+  CPFILL_CHECK_ARG(f->is_boolean(), "\"", name, "\" is ", json::Show(*f),
+                   ", must be true or false");
   return f->get<bool>();
 }
 
@@ -212,7 +213,8 @@ absl::Status ParseGeneration(const nlohmann::json& v, CompletionRequest* r) {
     CPFILL_CHECK_ARG(n.has_value(), "\"seed\" is ", json::Show(*seed), ", must be an integer");
     r->seed = static_cast<uint64_t>(*n);
   }
-  if (const nlohmann::json* ids = json::Find(v, "stop_token_ids"); ids != nullptr && !ids->is_null()) {
+  if (const nlohmann::json* ids = json::Find(v, "stop_token_ids");
+      ids != nullptr && !ids->is_null()) {
     CPFILL_ASSIGN_OR_RETURN(r->stop_token_ids, TokenIds(*ids, "\"stop_token_ids\""));
   }
   CPFILL_ASSIGN_OR_RETURN(r->ignore_eos, BoolField(v, "ignore_eos"));

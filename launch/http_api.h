@@ -27,14 +27,14 @@ struct CompletionRequest {
   // "prompt": [ids], [[ids], ...], "text" or ["text", ...] (text encoded with BOS, as vLLM's
   // completions do by default)
   std::vector<std::vector<int32_t>> prompts;
-  std::string session;                        // extension: keep and reuse this conversation's KV
-  int logprobs = 0;                           // top-k of every generated token (0: none)
+  std::string session;  // extension: keep and reuse this conversation's KV
+  int logprobs = 0;     // top-k of every generated token (0: none)
   std::optional<nlohmann::json> kv_transfer_params;  // accepted and echoed
-  int max_tokens = 16;                        // OpenAI's default; 1: prefill and the first token
+  int max_tokens = 16;                         // OpenAI's default; 1: prefill and the first token
   bool stream = false, include_usage = false;  // server-sent events; a last chunk with usage
   runtime::SamplingParams sampling{.temperature = 1.0};  // OpenAI's defaults
-  std::optional<uint64_t> seed;               // none: the server draws one per request
-  std::vector<int32_t> stop_token_ids;        // vLLM's extension; EOS stops unless ignore_eos
+  std::optional<uint64_t> seed;                          // none: the server draws one per request
+  std::vector<int32_t> stop_token_ids;  // vLLM's extension; EOS stops unless ignore_eos
   bool ignore_eos = false;
 };
 
@@ -95,7 +95,8 @@ HttpError ErrorResponse(const absl::Status& status);
 // Latency and size histograms for /metrics (thread-safe).
 class Histogram {
  public:
-  explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1) {}
+  explicit Histogram(std::vector<double> bounds)
+      : bounds_(std::move(bounds)), counts_(bounds_.size() + 1) {}
   void Observe(double x);
   std::string Text(const std::string& name, const std::string& help) const;
 

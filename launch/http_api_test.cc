@@ -98,8 +98,7 @@ TEST(HttpApi, RefusesEachMalformedFieldByName) {
     auto r = ParseCompletionRequest(body, "tiny", nullptr);
     ASSERT_FALSE(r.ok()) << body;
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << body;
-    EXPECT_NE(r.status().message().find(message), std::string::npos)
-        << body << ": " << r.status();
+    EXPECT_NE(r.status().message().find(message), std::string::npos) << body << ": " << r.status();
   }
 }
 

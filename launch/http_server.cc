@@ -84,15 +84,16 @@ void HttpFront::Stop() { server_->stop(); }
 // refuses them all), answered whole or streamed as they generate.
 void HttpFront::Completions(const httplib::Request& req, httplib::Response& res) {
   auto request = std::make_shared<CompletionRequest>();
-  absl::StatusOr<CompletionRequest> parsed = ParseCompletionRequest(req.body, served_model_, tokenizer_);
+  absl::StatusOr<CompletionRequest> parsed =
+      ParseCompletionRequest(req.body, served_model_, tokenizer_);
   if (!parsed.ok()) return SetError(parsed.status(), res);
   *request = std::move(*parsed);
   std::vector<runtime::EngineRequest> prompts = EngineRequestsOf(*request, NextSeed());
   const std::string id = absl::StrCat("cmpl-", next_id_++);
   std::shared_ptr<CompletionStream> stream;
   if (request->stream) {
-    stream = std::make_shared<CompletionStream>(*request, id, UnixSeconds(), served_model_,
-                                                tokenizer_);
+    stream =
+        std::make_shared<CompletionStream>(*request, id, UnixSeconds(), served_model_, tokenizer_);
     for (size_t i = 0; i < prompts.size(); ++i) {
       prompts[i].on_token = stream->Sink(static_cast<int>(i));
       prompts[i].cancelled = stream->cancelled();
@@ -110,9 +111,9 @@ void HttpFront::Completions(const httplib::Request& req, httplib::Response& res)
     histograms_.Observe(*r);
     results.push_back(std::move(*r));
   }
-  res.set_content(JsonText(CompletionResponse(*request, results, id, UnixSeconds(), served_model_,
-                                              tokenizer_)),
-                  kJson);
+  res.set_content(
+      JsonText(CompletionResponse(*request, results, id, UnixSeconds(), served_model_, tokenizer_)),
+      kJson);
 }
 
 // A streamed completion: an error before any prompt's first token is answered as JSON with its
@@ -172,8 +173,8 @@ std::string HttpFront::Finale(const CompletionRequest& request, CompletionStream
     results.push_back(std::move(*r));
   }
   if (request.include_usage && results.size() == replies.size()) {
-    out += ServerSentEvent(
-        JsonText(UsageChunk(stream.id(), UnixSeconds(), served_model_, results)));
+    out +=
+        ServerSentEvent(JsonText(UsageChunk(stream.id(), UnixSeconds(), served_model_, results)));
   }
   return out + "data: [DONE]\n\n";
 }

@@ -10,7 +10,9 @@ constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
 
 }  // namespace
 
-std::string ServerSentEvent(const std::string& json) { return absl::StrCat("data: ", json, "\n\n"); }
+std::string ServerSentEvent(const std::string& json) {
+  return absl::StrCat("data: ", json, "\n\n");
+}
 
 CompletionStream::CompletionStream(const CompletionRequest& request, std::string id,
                                    int64_t created, std::string served_model,
@@ -58,9 +60,9 @@ std::string CompletionStream::Event(int index, const runtime::GeneratedToken& to
   const bool last = !token.finish_reason.empty();
   std::string text;
   const std::string whole = DecodeText(tokenizer_, c.ids);
-  const bool split_character = whole.size() >= kReplacement.size() &&
-                               whole.compare(whole.size() - kReplacement.size(),
-                                             kReplacement.size(), kReplacement) == 0;
+  const bool split_character =
+      whole.size() >= kReplacement.size() &&
+      whole.compare(whole.size() - kReplacement.size(), kReplacement.size(), kReplacement) == 0;
   if ((last || !split_character) && whole.compare(0, c.sent.size(), c.sent) == 0) {
     text = whole.substr(c.sent.size());
     c.sent = whole;

@@ -38,8 +38,8 @@ absl::StatusOr<PrefillCheck> CheckPrefillOnOneRank(
 // reference's logit of it within `tie` of its max). Also checks the first-token logits as
 // CheckPrefillOnOneRank does. `generated[s]` are sequence s's tokens, first token first.
 struct GenerationCheck {
-  PrefillCheck first;     // the prefill's logits
-  int64_t tokens = 0;     // generated tokens compared
+  PrefillCheck first;  // the prefill's logits
+  int64_t tokens = 0;  // generated tokens compared
   int mismatches = 0, near_ties = 0;
   bool pass = false;
 };

@@ -173,7 +173,8 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
-  if (auto bad = session.CheckOutputs({{"port-file", f.port_file}, {"pid-file", f.pid_file}})) return *bad;
+  if (auto bad = session.CheckOutputs({{"port-file", f.port_file}, {"pid-file", f.pid_file}}))
+    return *bad;
   ServeLog log(session, f.log_json);
 
   runtime::EngineOptions engine_options;

@@ -13,7 +13,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 // Names the KV of a generating request without a session. Clients cannot use it: session names
 // with control characters are refused.
@@ -111,7 +113,13 @@ struct Engine::Pending {
 
 // What every rank does next. `items` (rank 0 only) are the pendings it answers, in batch order.
 struct Engine::Command {
-  enum Kind : uint32_t { kHeartbeat = 0, kPrefill = 1, kEndSessions = 2, kDecode = 3, kShutdown = 4 };
+  enum Kind : uint32_t {
+    kHeartbeat = 0,
+    kPrefill = 1,
+    kEndSessions = 2,
+    kDecode = 3,
+    kShutdown = 4
+  };
   Kind kind = kHeartbeat;
   uint64_t step = 0;                      // kDecode: the decode step (PlanDecode's offset)
   std::vector<std::string> end_sessions;  // sessions to end, evict or drop first
@@ -202,8 +210,8 @@ absl::StatusOr<std::vector<Engine::Reply>> Engine::SubmitAll(std::vector<EngineR
   std::lock_guard lock(mu_);
   if (shutdown_) return absl::FailedPreconditionError("the engine is shutting down");
   if (static_cast<int64_t>(queue_.size() + pending.size()) > options_.max_queue) {
-    return absl::UnavailableError(absl::StrCat("the queue is full (", queue_.size(),
-                                               " requests wait); retry later"));
+    return absl::UnavailableError(
+        absl::StrCat("the queue is full (", queue_.size(), " requests wait); retry later"));
   }
   for (auto& p : pending) queue_.push_back(std::move(p));
   work_.notify_one();
@@ -217,8 +225,8 @@ std::future<absl::Status> Engine::EndSession(std::string name) {
   std::future<absl::Status> ended = p->ended.get_future();
   std::lock_guard lock(mu_);
   if (!root_ || shutdown_) {
-    p->ended.set_value(absl::FailedPreconditionError(
-        root_ ? "the engine is shutting down" : "sessions are ended on world rank 0"));
+    p->ended.set_value(absl::FailedPreconditionError(root_ ? "the engine is shutting down"
+                                                           : "sessions are ended on world rank 0"));
     return ended;
   }
   queue_.push_back(std::move(p));
@@ -290,8 +298,8 @@ absl::StatusOr<Engine::Command> Engine::NextCommand() {
                          return p->request.session == queue_.front()->end_name;
                        });
   if (running_.empty()) prefill_waits_ = false;
-  const bool prefill = !queue_.empty() && !blocked && !prefill_waits_ &&
-                       (running_.empty() || prefill_next_);
+  const bool prefill =
+      !queue_.empty() && !blocked && !prefill_waits_ && (running_.empty() || prefill_next_);
   prefill_next_ = !prefill;
   if (prefill) return FormBatch();
   if (!running_.empty()) return DecodeStep();

@@ -91,18 +91,18 @@ struct EngineRequest {
 
 struct EngineResult {
   int32_t first_token = -1;
-  std::vector<float> logits;   // [vocab] of the prompt's last position
+  std::vector<float> logits;         // [vocab] of the prompt's last position
   std::vector<SampledToken> tokens;  // generated, first token first
-  std::string finish_reason;   // "stop" (a stop id), "length" (max_tokens, positions), "abort"
-  int64_t prompt_tokens = 0;   // this turn's new tokens
-  int64_t cached_tokens = 0;   // the session's tokens whose KV was reused
-  bool recomputed = false;     // the session had been evicted: its history was prefilled again
-  int preemptions = 0;         // times the KV cache filled and this sequence was recomputed
-  double queue_s = 0;          // from Submit to the start of the batch that answered it
-  double prefill_s = 0;        // that batch's prefill, every rank together
-  double decode_s = 0;         // from the first token to the last
-  int batch_requests = 0;      // requests in that batch
-  PrefillTimings timings;      // that batch's
+  std::string finish_reason;  // "stop" (a stop id), "length" (max_tokens, positions), "abort"
+  int64_t prompt_tokens = 0;  // this turn's new tokens
+  int64_t cached_tokens = 0;  // the session's tokens whose KV was reused
+  bool recomputed = false;    // the session had been evicted: its history was prefilled again
+  int preemptions = 0;        // times the KV cache filled and this sequence was recomputed
+  double queue_s = 0;         // from Submit to the start of the batch that answered it
+  double prefill_s = 0;       // that batch's prefill, every rank together
+  double decode_s = 0;        // from the first token to the last
+  int batch_requests = 0;     // requests in that batch
+  PrefillTimings timings;     // that batch's
   // The decode steps this request took part in, their phases summed (each step's whole batch).
   PrefillTimings decode_timings;
 };
@@ -181,14 +181,14 @@ class Engine {
 
   mutable std::mutex mu_;
   std::condition_variable work_;
-  std::deque<std::unique_ptr<Pending>> queue_;  // requests and session ends, in arrival order
+  std::deque<std::unique_ptr<Pending>> queue_;     // requests and session ends, in arrival order
   std::vector<std::unique_ptr<Pending>> running_;  // generating, oldest first
   int64_t decoding_ = 0;  // of them, in the decode step under way (taken out of running_)
   bool shutdown_ = false;
-  bool prefill_next_ = true;  // prefill batches and decode steps alternate when both are due
+  bool prefill_next_ = true;    // prefill batches and decode steps alternate when both are due
   bool prefill_waits_ = false;  // the KV cache is full of generations: prefill after one ends
-  int64_t step_ = 0;          // decode steps so far: PlanDecode's moving offset
-  int64_t next_id_ = 0;       // names the KV of generating requests without a session
+  int64_t step_ = 0;            // decode steps so far: PlanDecode's moving offset
+  int64_t next_id_ = 0;         // names the KV of generating requests without a session
   int solo_ = 0;  // next batches run one request at a time (after a batch failed as a whole)
   std::vector<std::string> drop_next_;  // sessions every rank drops with the next command
   std::map<std::string, SessionState> sessions_;

@@ -101,8 +101,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
   const double blocks = std::ceil(double(spec.capacity_tokens) / spec.block_tokens);
   CPFILL_RETURN_IF_ERROR(CheckFitsOnEveryRank(
       world, absl::StrCat("the KV cache (", spec.capacity_tokens, " tokens per rank)"),
-      SaturatingBytes(blocks * (spec.block_tokens * double(spec.bytes_per_token()) +
-                                kHostBytesPerBlock)),
+      SaturatingBytes(blocks *
+                      (spec.block_tokens * double(spec.bytes_per_token()) + kHostBytesPerBlock)),
       [&] { return backend->FreeMemoryBytes(); },
       "lower --kv-capacity-tokens or --kv-memory-fraction, send fewer or shorter prompts (each "
       "sequence holds whole blocks: --kv-block-tokens 16 wastes less on short ones), or use more "
@@ -210,13 +210,13 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
   // Step 0: the requests, their sessions and the plan; the KV blocks, agreed by every rank; the
   // selector's choice for the whole batch (every rank computes the same).
   Running r;
-  CPFILL_ASSIGN_OR_RETURN(r.b, PlanBatch(config_, batch, cp.size(), cp.rank(),
-                                         [&](const std::string& name) -> const SessionLayout* {
-                                           auto it = sessions_.find(name);
-                                           return it == sessions_.end() ? nullptr
-                                                                        : &it->second.where;
-                                         },
-                                         decode_step));
+  CPFILL_ASSIGN_OR_RETURN(r.b, PlanBatch(
+                                   config_, batch, cp.size(), cp.rank(),
+                                   [&](const std::string& name) -> const SessionLayout* {
+                                     auto it = sessions_.find(name);
+                                     return it == sessions_.end() ? nullptr : &it->second.where;
+                                   },
+                                   decode_step));
   for (const PrefillRequest& req : batch) {
     auto it = sessions_.find(req.session);
     r.seq.push_back(req.session.empty() || it == sessions_.end() ? next_seq_++ : it->second.seq);

@@ -344,8 +344,8 @@ TEST(LoadModelConfig, EosIdsFromConfigAndGenerationConfig) {
   EXPECT_EQ(ParseHfConfig(j, "m")->eos_token_ids, std::vector<int32_t>({128001, 128009}));
   j["eos_token_id"] = nullptr;
   EXPECT_TRUE(ParseHfConfig(j, "m")->eos_token_ids.empty());
-  for (const nlohmann::json& bad : {nlohmann::json("</s>"), nlohmann::json(128256),
-                                    nlohmann::json({1, -1})}) {
+  for (const nlohmann::json& bad :
+       {nlohmann::json("</s>"), nlohmann::json(128256), nlohmann::json({1, -1})}) {
     j["eos_token_id"] = bad;
     absl::StatusOr<ModelConfig> refused = ParseHfConfig(j, "m");
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;

@@ -42,8 +42,8 @@ std::vector<int32_t> MostLikely(std::span<const float> z, size_t n) {
 
 // The candidates sampling keeps, most likely first: top_k, then the smallest prefix whose
 // probability (at the temperature) reaches top_p.
-std::vector<int32_t> Candidates(std::span<const float> z, const SamplingParams& p,
-                                double scale, double log_z) {
+std::vector<int32_t> Candidates(std::span<const float> z, const SamplingParams& p, double scale,
+                                double log_z) {
   const size_t k = p.top_k > 0 ? static_cast<size_t>(p.top_k) : z.size();
   if (p.top_p >= 1.0) return MostLikely(z, k);
   for (size_t n = std::min(k, kNucleusFirstPass);; n = k) {

@@ -37,7 +37,8 @@ TEST(Sampling, FollowsTheSoftmaxAtTheTemperature) {
     SamplingParams p{.temperature = temperature, .seed = 11};
     std::vector<double> want(probs.size());
     double total = 0;
-    for (size_t i = 0; i < probs.size(); ++i) total += want[i] = std::pow(probs[i], 1 / temperature);
+    for (size_t i = 0; i < probs.size(); ++i)
+      total += want[i] = std::pow(probs[i], 1 / temperature);
     const auto count = Draw(z, p, kDraws);
     for (size_t i = 0; i < probs.size(); ++i) {
       const double expected = want[i] / total;

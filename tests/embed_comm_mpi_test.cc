@@ -16,7 +16,7 @@
 
 namespace {
 
-constexpr int kGroupA = 4;  // world ranks 0..3: TP2 x CP2; world rank 4: one rank
+constexpr int kGroupA = 4;   // world ranks 0..3: TP2 x CP2; world rank 4: one rank
 constexpr int kPrompts = 5;  // three prompts, then a session's two turns
 const int kLens[kPrompts] = {300, 77, 1000, 300, 50};
 
@@ -59,8 +59,9 @@ std::vector<Answer> Ask(cpfill_engine* e) {
 }
 
 std::vector<const char*> Flags(bool group_a) {
-  std::vector<const char*> f = {"--model", "tiny", "--backend", "cpu", "--threads", "1",
-                                "--kv-capacity-tokens", "8192", "--timeout-s", "60"};
+  std::vector<const char*> f = {
+      "--model", "tiny",        "--backend", "cpu", "--threads", "1", "--kv-capacity-tokens",
+      "8192",    "--timeout-s", "60"};
   if (group_a) {
     f.insert(f.end(), {"--tp", "2", "--ranks-per-node", "2"});
   } else {
@@ -74,8 +75,7 @@ void SendAnswers(const std::vector<Answer>& answers, int to) {
   for (const Answer& a : answers) {
     int64_t head[2] = {a.first_token, a.cached_tokens};
     MPI_Send(head, 2, MPI_INT64_T, to, 0, MPI_COMM_WORLD);
-    MPI_Send(a.logits.data(), static_cast<int>(a.logits.size()), MPI_FLOAT, to, 1,
-             MPI_COMM_WORLD);
+    MPI_Send(a.logits.data(), static_cast<int>(a.logits.size()), MPI_FLOAT, to, 1, MPI_COMM_WORLD);
   }
 }
 

@@ -110,11 +110,12 @@ TEST(EngineGeneration, SessionTurnContinuesAfterTheGeneratedTokens) {
   const bool root = rig.grid->world_rank == 0;
   const auto a = Prompt(41, c.vocab_size, 1), b = Prompt(6, c.vocab_size, 2);
   absl::StatusOr<EngineResult> t1 = absl::UnknownError(""), t2 = t1, t3 = t1;
-  ASSERT_TRUE(RunWith(engine, root, [&] {
-    t1 = engine.Submit({.tokens = a, .session = "s", .max_tokens = 5})->get();
-    t2 = engine.Submit({.tokens = b, .session = "s", .max_tokens = 4})->get();
-    t3 = engine.Submit({.tokens = b, .session = "s"})->get();  // prefill only: no token kept
-  }).ok());
+  ASSERT_TRUE(
+      RunWith(engine, root, [&] {
+        t1 = engine.Submit({.tokens = a, .session = "s", .max_tokens = 5})->get();
+        t2 = engine.Submit({.tokens = b, .session = "s", .max_tokens = 4})->get();
+        t3 = engine.Submit({.tokens = b, .session = "s"})->get();  // prefill only: no token kept
+      }).ok());
   std::string error;
   if (root) {
     OneRank reference(c);
@@ -129,7 +130,8 @@ TEST(EngineGeneration, SessionTurnContinuesAfterTheGeneratedTokens) {
       if (Ids(*t1) != g1) error = "turn 1: " + Show(Ids(*t1)) + "want " + Show(g1);
       if (Ids(*t2) != g2) error = "turn 2: " + Show(Ids(*t2)) + "want " + Show(g2);
       // Turn 2 reused all but turn 1's last token (whose KV was written with turn 2).
-      if (t2->cached_tokens != 41 + 5 - 1) error = "turn 2 cached " + std::to_string(t2->cached_tokens);
+      if (t2->cached_tokens != 41 + 5 - 1)
+        error = "turn 2 cached " + std::to_string(t2->cached_tokens);
       whole.insert(whole.end(), g2.begin(), g2.end());
       whole.insert(whole.end(), b.begin(), b.end());
       if (error.empty()) error = reference.Check(whole, *t3);
@@ -148,18 +150,19 @@ TEST(EngineGeneration, StopIdsStreamingAndSeededSampling) {
                                s2 = greedy, s3 = greedy;
   std::vector<GeneratedToken> streamed;
   ASSERT_TRUE(RunWith(engine, root, [&] {
-    greedy = engine.Submit({.tokens = prompt, .max_tokens = 8})->get();
-    if (!greedy.ok()) return;
-    EngineRequest stop{.tokens = prompt, .max_tokens = 8, .stop_ids = {greedy->tokens[3].id}};
-    stop.on_token = [&](const GeneratedToken& t) { streamed.push_back(t); };
-    stopped = engine.Submit(stop)->get();
-    const runtime::SamplingParams hot{.temperature = 1.5, .top_p = 0.95, .seed = 77};
-    s1 = engine.Submit({.tokens = prompt, .max_tokens = 12, .sampling = hot})->get();
-    s2 = engine.Submit({.tokens = prompt, .max_tokens = 12, .sampling = hot})->get();
-    auto other = hot;
-    other.seed = 78;
-    s3 = engine.Submit({.tokens = prompt, .max_tokens = 12, .sampling = other})->get();
-  }).ok());
+                greedy = engine.Submit({.tokens = prompt, .max_tokens = 8})->get();
+                if (!greedy.ok()) return;
+                EngineRequest stop{
+                    .tokens = prompt, .max_tokens = 8, .stop_ids = {greedy->tokens[3].id}};
+                stop.on_token = [&](const GeneratedToken& t) { streamed.push_back(t); };
+                stopped = engine.Submit(stop)->get();
+                const runtime::SamplingParams hot{.temperature = 1.5, .top_p = 0.95, .seed = 77};
+                s1 = engine.Submit({.tokens = prompt, .max_tokens = 12, .sampling = hot})->get();
+                s2 = engine.Submit({.tokens = prompt, .max_tokens = 12, .sampling = hot})->get();
+                auto other = hot;
+                other.seed = 78;
+                s3 = engine.Submit({.tokens = prompt, .max_tokens = 12, .sampling = other})->get();
+              }).ok());
   std::string error;
   if (root) {
     if (!greedy.ok() || !stopped.ok() || !s1.ok() || !s2.ok() || !s3.ok()) {
@@ -179,7 +182,8 @@ TEST(EngineGeneration, StopIdsStreamingAndSeededSampling) {
           error = "stream token " + std::to_string(i) + " wrong";
         }
       }
-      if (Ids(*s1) != Ids(*s2)) error = "the same seed gave " + Show(Ids(*s1)) + "and " + Show(Ids(*s2));
+      if (Ids(*s1) != Ids(*s2))
+        error = "the same seed gave " + Show(Ids(*s1)) + "and " + Show(Ids(*s2));
       if (Ids(*s1) == Ids(*s3)) error = "another seed gave the same 12 tokens";
     }
   }
@@ -209,17 +213,21 @@ TEST(EngineGeneration, BadGenerationRequestsAreRefusedAtOnce) {
   Engine engine(*rig.model, *rig.grid->world, {});
   const bool root = rig.grid->world_rank == 0;
   std::vector<absl::Status> got;
-  ASSERT_TRUE(RunWith(engine, root, [&] {
-    const auto p = Prompt(10, c.vocab_size, 1);
-    got.push_back(engine.Submit({.tokens = p, .max_tokens = 0}).status());
-    got.push_back(engine.Submit({.tokens = p, .max_tokens = c.max_position_embeddings}).status());
-    got.push_back(engine.Submit({.tokens = p, .max_tokens = 2, .sampling = {.top_p = 0}}).status());
-    got.push_back(engine.Submit({.tokens = p, .max_tokens = 2, .stop_ids = {-1}}).status());
-    got.push_back(engine.Submit({.tokens = p, .session = "a\nb"}).status());
-  }).ok());
+  ASSERT_TRUE(
+      RunWith(engine, root, [&] {
+        const auto p = Prompt(10, c.vocab_size, 1);
+        got.push_back(engine.Submit({.tokens = p, .max_tokens = 0}).status());
+        got.push_back(
+            engine.Submit({.tokens = p, .max_tokens = c.max_position_embeddings}).status());
+        got.push_back(
+            engine.Submit({.tokens = p, .max_tokens = 2, .sampling = {.top_p = 0}}).status());
+        got.push_back(engine.Submit({.tokens = p, .max_tokens = 2, .stop_ids = {-1}}).status());
+        got.push_back(engine.Submit({.tokens = p, .session = "a\nb"}).status());
+      }).ok());
   std::string error;
   for (size_t i = 0; root && i < got.size(); ++i) {
-    if (!absl::IsInvalidArgument(got[i])) error += "case " + std::to_string(i) + ": " + got[i].ToString() + "; ";
+    if (!absl::IsInvalidArgument(got[i]))
+      error += "case " + std::to_string(i) + ": " + got[i].ToString() + "; ";
   }
   Agree(rig, error);
 }

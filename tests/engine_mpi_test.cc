@@ -67,7 +67,8 @@ TEST(Engine, ConcurrentClientsEqualOneShotPrefill) {
           auto turn_reply = engine.Submit({.tokens = said, .session = session});
           Asked& p = asked[k].emplace_back(Asked{.whole = plain});
           p.result = plain_reply.ok() ? plain_reply->get() : plain_reply.status();
-          Asked& t = asked[k].emplace_back(Asked{.whole = conversation, .cached_expected = turn > 0});
+          Asked& t =
+              asked[k].emplace_back(Asked{.whole = conversation, .cached_expected = turn > 0});
           t.result = turn_reply.ok() ? turn_reply->get() : turn_reply.status();
         }
       });
@@ -89,11 +90,13 @@ TEST(Engine, ConcurrentClientsEqualOneShotPrefill) {
         } else {
           error = reference.Check(a.whole, *a.result);
         }
-        if (!error.empty()) error = "client " + std::to_string(k) + " request " + std::to_string(i) + ": " + error;
+        if (!error.empty())
+          error = "client " + std::to_string(k) + " request " + std::to_string(i) + ": " + error;
       }
     }
     const runtime::EngineStats s = engine.stats();
-    if (error.empty() && (s.requests_ok != kClients * 6 || s.requests_failed != 0 || s.waiting != 0)) {
+    if (error.empty() &&
+        (s.requests_ok != kClients * 6 || s.requests_failed != 0 || s.waiting != 0)) {
       error = "stats: ok " + std::to_string(s.requests_ok) + ", failed " +
               std::to_string(s.requests_failed);
     }
@@ -140,7 +143,8 @@ TEST(Engine, FullCacheEvictsTheIdleSessionAndRecomputesItLater) {
     if (error.empty() && !(got[2]->recomputed && got[2]->cached_tokens == 0)) {
       error = "the evicted session's turn was not recomputed";
     }
-    if (error.empty() && !absl::IsResourceExhausted(too_big)) error = "too big: " + too_big.ToString();
+    if (error.empty() && !absl::IsResourceExhausted(too_big))
+      error = "too big: " + too_big.ToString();
     if (error.empty() && engine.stats().evictions < 2) error = "fewer than two evictions";
   }
   auto agreed = parallel::AllRanksOk(*rig.grid->world, error.empty());
@@ -183,7 +187,8 @@ TEST(Engine, PromptsSubmittedTogetherShareOneBatchOrAreRefusedTogether) {
                 std::to_string(got[i]->batch_requests);
       }
     }
-    if (error.empty() && !absl::IsInvalidArgument(one_bad)) error = "one bad: " + one_bad.ToString();
+    if (error.empty() && !absl::IsInvalidArgument(one_bad))
+      error = "one bad: " + one_bad.ToString();
     if (error.empty() && !absl::IsUnavailable(too_many)) error = "too many: " + too_many.ToString();
     if (error.empty() && engine.stats().requests_ok != 3) error = "a refused prompt ran";
   }
@@ -201,7 +206,8 @@ TEST(Engine, EndSessionAndShutdownDrainTheQueue) {
   absl::Status ended = absl::UnknownError(""), unknown = absl::OkStatus(), late = absl::OkStatus();
   auto clients = [&] {
     for (int i = 0; i < 20; ++i) {
-      auto r = engine.Submit({.tokens = Prompt(30 + i, c.vocab_size, i), .session = i < 2 ? "s" : ""});
+      auto r =
+          engine.Submit({.tokens = Prompt(30 + i, c.vocab_size, i), .session = i < 2 ? "s" : ""});
       if (r.ok()) replies.push_back(std::move(*r));
     }
     ended = engine.EndSession("s").get();

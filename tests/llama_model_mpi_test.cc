@@ -209,11 +209,12 @@ TEST(LlamaModel, DecodeStepsEqualOneRankPrefillOfTheWholeSequence) {
   ASSERT_TRUE(grid.ok()) << grid.status();
   auto w = runtime::SyntheticWeights(c, 7, grid->tp_rank, tp);
   ASSERT_TRUE(w.ok());
-  auto model = runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world,
-                                            {});
+  auto model =
+      runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, {});
   ASSERT_TRUE(model.ok()) << model.status();
   runtime::LlamaModel& m = **model;
-  std::vector<std::vector<int32_t>> seqs = {Prompt(37, c.vocab_size, 1), Prompt(5, c.vocab_size, 2)};
+  std::vector<std::vector<int32_t>> seqs = {Prompt(37, c.vocab_size, 1),
+                                            Prompt(5, c.vocab_size, 2)};
   std::vector<PrefillRequest> batch = {{.tokens = seqs[0], .session = "a"},
                                        {.tokens = seqs[1], .session = "b"}};
   auto out = m.Prefill(batch, nullptr, nullptr);

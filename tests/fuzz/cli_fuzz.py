@@ -49,6 +49,8 @@ BASE_ARGS = {
                   "--out", "{dir}/fit.json"],
     "select": ["--heads", "16", "--kv-heads", "1", "--cp", "2", "--new-tokens", "1000",
                "--tflops", "100", "--gbps", "10"],
+    "generate": ["--model", "tiny", "--prompt-lens", "8", "--layers", "1", "--backend", "cpu",
+                 "--threads", "1", "--max-tokens", "3"],
     "export": ["--model", "tiny", "--layers", "1", "--out", "{dir}/ckpt"],
     "env": [],
     # A server runs until stopped: only its refusals are fuzzed (in-range values would serve).
@@ -62,10 +64,11 @@ NEVER_ENDS = {"serve"}
 # Flags whose in-range extremes are legitimately long jobs (a million repeats, 65536 heads of
 # real attention): their maximum is not run as an "either" case.
 EXPENSIVE_MAX = {"repeat", "heads", "kv-heads", "head-dim", "compute-tokens", "context-lens",
-                 "cached-lens", "bandwidth-bytes", "threads", "layers", "new-tokens", "cp"}
+                 "cached-lens", "bandwidth-bytes", "threads", "layers", "new-tokens", "cp",
+                 "max-tokens"}
 
 # Flags naming files cpfill writes, and files it reads.
-OUTPUT_FLAGS = {"json", "out", "save", "save-logits", "port-file"}
+OUTPUT_FLAGS = {"json", "out", "save", "save-logits", "port-file", "pid-file"}
 INPUT_FLAGS = {"tokens", "fit", "texts", "decode"}
 ENUM_FLAGS = {"algo", "rule", "backend"}
 
