@@ -83,7 +83,8 @@ absl::StatusOr<std::vector<runtime::EngineResult>> Generate(
     const GenerateFlags& f, EngineHost& host, bool root,
     const std::vector<runtime::PrefillRequest>& prompts) {
   runtime::Engine& engine = *host.engine;
-  absl::StatusOr<std::vector<runtime::Engine::Reply>> replies = std::vector<runtime::Engine::Reply>{};
+  absl::StatusOr<std::vector<runtime::Engine::Reply>> replies =
+      std::vector<runtime::Engine::Reply>{};
   if (root) {
     std::vector<runtime::EngineRequest> requests;
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -106,20 +107,10 @@ absl::StatusOr<std::vector<runtime::EngineResult>> Generate(
   return results;
 }
 
-std::vector<int32_t> Ids(const runtime::EngineResult& r) {
-  std::vector<int32_t> ids;
-  for (const auto& t : r.tokens) ids.push_back(t.id);
-  return ids;
-}
-
 std::string IdsText(const std::vector<int32_t>& ids) {
   std::string s;
   for (int32_t id : ids) absl::StrAppend(&s, s.empty() ? "" : " ", id);
   return s;
-}
-
-double Tpot(const runtime::EngineResult& r) {
-  return r.tokens.size() > 1 ? r.decode_s / double(r.tokens.size() - 1) : 0.0;
 }
 
 void PrintResults(Session& session, const EngineHost& host,
@@ -128,13 +119,14 @@ void PrintResults(Session& session, const EngineHost& host,
   for (size_t s = 0; s < results.size(); ++s) {
     const runtime::EngineResult& r = results[s];
     session.Print("sequence %d: %d prompt tokens, %d generated (%s): %s\n", s,
-                  prompts[s].tokens.size(), r.tokens.size(), r.finish_reason, IdsText(Ids(r)));
+                  prompts[s].tokens.size(), r.tokens.size(), r.finish_reason,
+                  IdsText(r.token_ids()));
     if (host.tokenizer) {
-      auto text = host.tokenizer->Decode(Ids(r), /*skip_special=*/false);
+      auto text = host.tokenizer->Decode(r.token_ids(), /*skip_special=*/false);
       if (text.ok()) session.Print("  text: %s\n", *text);
     }
     session.Print("  TTFT %.2f ms, TPOT %.3f ms (%d decode steps in %.2f ms)\n",
-                  (r.queue_s + r.prefill_s) * 1e3, Tpot(r) * 1e3, r.tokens.size() - 1,
+                  (r.queue_s + r.prefill_s) * 1e3, r.tpot_s() * 1e3, r.tokens.size() - 1,
                   r.decode_s * 1e3);
     const runtime::PrefillTimings& d = r.decode_timings;
     const double steps = std::max<double>(1, double(r.tokens.size()) - 1);
@@ -162,7 +154,7 @@ GenerationCheck CheckOnRoot(Session& session, const GenerateFlags& f, const Engi
     std::vector<std::vector<int32_t>> generated;
     for (const auto& r : results) {
       first.push_back({.logits = r.logits, .first_token = r.first_token});
-      generated.push_back(Ids(r));
+      generated.push_back(r.token_ids());
     }
     runtime::PrefillOptions options;
     options.kv_block_tokens = f.engine.kv_block_tokens;
@@ -188,10 +180,10 @@ nlohmann::ordered_json Report(const GenerateFlags& f, const EngineHost& host,
   for (size_t s = 0; s < results.size(); ++s) {
     const runtime::EngineResult& r = results[s];
     seqs.push_back({{"prompt_tokens", prompts[s].tokens.size()},
-                    {"tokens", Ids(r)},
+                    {"tokens", r.token_ids()},
                     {"finish_reason", r.finish_reason},
                     {"ttft_ms", (r.queue_s + r.prefill_s) * 1e3},
-                    {"tpot_ms", Tpot(r) * 1e3},
+                    {"tpot_ms", r.tpot_s() * 1e3},
                     {"decode_ms", r.decode_s * 1e3},
                     {"decode_step_phases_ms",
                      {{"model", r.decode_timings.total_s * 1e3},

@@ -108,12 +108,6 @@ nlohmann::ordered_json Logprobs(const std::vector<runtime::SampledToken>& tokens
           {"top_logprobs", std::move(tops)}};
 }
 
-std::vector<int32_t> IdsOf(const std::vector<runtime::SampledToken>& tokens) {
-  std::vector<int32_t> ids;
-  for (const runtime::SampledToken& t : tokens) ids.push_back(t.id);
-  return ids;
-}
-
 nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
   const runtime::PrefillTimings& t = r.timings;
   const parallel::Selection& sel = t.selection;
@@ -133,7 +127,7 @@ nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
           {"selector", sel.reason},
           {"recomputed_session", r.recomputed},
           {"decode_ms", r.decode_s * 1e3},
-          {"tpot_ms", r.tokens.size() > 1 ? r.decode_s * 1e3 / double(r.tokens.size() - 1) : 0.0},
+          {"tpot_ms", r.tpot_s() * 1e3},
           {"preemptions", r.preemptions}};
 }
 
@@ -297,7 +291,7 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
   nlohmann::ordered_json choices = nlohmann::ordered_json::array(), timing = choices;
   for (size_t i = 0; i < results.size(); ++i) {
     const runtime::EngineResult& r = results[i];
-    const std::vector<int32_t> ids = IdsOf(r.tokens);
+    const std::vector<int32_t> ids = r.token_ids();
     nlohmann::ordered_json c = {{"index", i},
                                 {"text", DecodeText(tokenizer, ids)},
                                 {"token_ids", ids},
@@ -408,7 +402,7 @@ void ServingHistograms::Observe(const runtime::EngineResult& r) {
   queue.Observe(r.queue_s);
   batch_tokens.Observe(static_cast<double>(r.timings.new_tokens));
   e2e.Observe(r.queue_s + r.prefill_s + r.decode_s);
-  if (r.tokens.size() > 1) tpot.Observe(r.decode_s / double(r.tokens.size() - 1));
+  if (r.tokens.size() > 1) tpot.Observe(r.tpot_s());
 }
 
 std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters& server,

@@ -159,6 +159,16 @@ struct Engine::Command {
   }
 };
 
+std::vector<int32_t> EngineResult::token_ids() const {
+  std::vector<int32_t> ids;
+  for (const SampledToken& t : tokens) ids.push_back(t.id);
+  return ids;
+}
+
+double EngineResult::tpot_s() const {
+  return tokens.size() > 1 ? decode_s / double(tokens.size() - 1) : 0.0;
+}
+
 Engine::Engine(LlamaModel& model, parallel::Communicator& world, EngineOptions options)
     : model_(model), world_(world), options_(options), root_(world.rank() == 0) {}
 

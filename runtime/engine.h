@@ -105,6 +105,9 @@ struct EngineResult {
   PrefillTimings timings;     // that batch's
   // The decode steps this request took part in, their phases summed (each step's whole batch).
   PrefillTimings decode_timings;
+
+  std::vector<int32_t> token_ids() const;  // of `tokens`
+  double tpot_s() const;  // time per output token after the first (0 for one token)
 };
 
 // Counters since start (rank 0), for /metrics.

@@ -28,12 +28,6 @@ using testing::Rig;
 using testing::RunWith;
 using testing::Tiny;
 
-std::vector<int32_t> Ids(const EngineResult& r) {
-  std::vector<int32_t> ids;
-  for (const auto& t : r.tokens) ids.push_back(t.id);
-  return ids;
-}
-
 std::string Show(const std::vector<int32_t>& ids) {
   std::string s;
   for (int32_t id : ids) s += std::to_string(id) + " ";
@@ -76,9 +70,9 @@ std::string RunGreedy(Engine& engine, const Rig& rig, std::vector<Job>& jobs, in
     const Job& job = jobs[j];
     if (!job.result.ok()) return "job " + std::to_string(j) + ": " + job.result.status().ToString();
     const std::vector<int32_t> want = reference.Greedy(job.prompt, job.max_tokens);
-    if (Ids(*job.result) != want) {
-      return "job " + std::to_string(j) + ": generated " + Show(Ids(*job.result)) + ", want " +
-             Show(want);
+    if (job.result->token_ids() != want) {
+      return "job " + std::to_string(j) + ": generated " + Show(job.result->token_ids()) +
+             ", want " + Show(want);
     }
     if (job.result->finish_reason != "length") return "finish reason " + job.result->finish_reason;
   }
@@ -127,8 +121,8 @@ TEST(EngineGeneration, SessionTurnContinuesAfterTheGeneratedTokens) {
       whole.insert(whole.end(), g1.begin(), g1.end());
       whole.insert(whole.end(), b.begin(), b.end());
       const auto g2 = reference.Greedy(whole, 4);
-      if (Ids(*t1) != g1) error = "turn 1: " + Show(Ids(*t1)) + "want " + Show(g1);
-      if (Ids(*t2) != g2) error = "turn 2: " + Show(Ids(*t2)) + "want " + Show(g2);
+      if (t1->token_ids() != g1) error = "turn 1: " + Show(t1->token_ids()) + "want " + Show(g1);
+      if (t2->token_ids() != g2) error = "turn 2: " + Show(t2->token_ids()) + "want " + Show(g2);
       // Turn 2 reused all but turn 1's last token (whose KV was written with turn 2).
       if (t2->cached_tokens != 41 + 5 - 1)
         error = "turn 2 cached " + std::to_string(t2->cached_tokens);
@@ -168,12 +162,12 @@ TEST(EngineGeneration, StopIdsStreamingAndSeededSampling) {
     if (!greedy.ok() || !stopped.ok() || !s1.ok() || !s2.ok() || !s3.ok()) {
       error = "a request failed";
     } else {
-      const auto g = Ids(*greedy);
+      const auto g = greedy->token_ids();
       // The stop id may occur before index 3; generation ends at its first occurrence.
       const size_t first = std::find(g.begin(), g.end(), g[3]) - g.begin();
       const std::vector<int32_t> want(g.begin(), g.begin() + first + 1);
-      if (Ids(*stopped) != want || stopped->finish_reason != "stop") {
-        error = "stop: " + Show(Ids(*stopped)) + stopped->finish_reason;
+      if (stopped->token_ids() != want || stopped->finish_reason != "stop") {
+        error = "stop: " + Show(stopped->token_ids()) + stopped->finish_reason;
       }
       if (streamed.size() != want.size()) error = "streamed " + std::to_string(streamed.size());
       for (size_t i = 0; i < streamed.size() && error.empty(); ++i) {
@@ -182,9 +176,9 @@ TEST(EngineGeneration, StopIdsStreamingAndSeededSampling) {
           error = "stream token " + std::to_string(i) + " wrong";
         }
       }
-      if (Ids(*s1) != Ids(*s2))
-        error = "the same seed gave " + Show(Ids(*s1)) + "and " + Show(Ids(*s2));
-      if (Ids(*s1) == Ids(*s3)) error = "another seed gave the same 12 tokens";
+      if (s1->token_ids() != s2->token_ids())
+        error = "the same seed gave " + Show(s1->token_ids()) + "and " + Show(s2->token_ids());
+      if (s1->token_ids() == s3->token_ids()) error = "another seed gave the same 12 tokens";
     }
   }
   Agree(rig, error);
