@@ -64,6 +64,9 @@ std::unique_ptr<Session> Session::Start(int* argc, char*** argv, const SessionFl
 
 namespace {
 
+// How long a rank other than 0 lingers before exiting on bad input (see AnswerFlagsFirst).
+constexpr std::chrono::seconds kRefusalGrace{10};
+
 // The world rank the launcher gave this process (mpirun, srun --mpi=pmix), or 0 alone: known
 // before MPI starts, so a refusal found in the arguments prints once without any communication.
 int LaunchRank() {
@@ -83,6 +86,12 @@ std::optional<int> AnswerFlagsFirst(const FlagSet& flags, const absl::Status& pa
     if (!refusal.ok()) return RefuseInput(refusal);
     std::fputs(flags.Usage().c_str(), stdout);
     std::fflush(stdout);
+  } else if (!refusal.ok()) {
+    // mpirun tears the job down at the first non-zero exit: a rank that left at once could take
+    // rank 0 with it before rank 0 (started later on a loaded host) has printed the only message.
+    // Rank 0's own exit 2 ends this wait in the usual case; the bound keeps it from hanging
+    // under a launcher that does not kill the rest.
+    std::this_thread::sleep_for(kRefusalGrace);
   }
   return refusal.ok() ? kExitOk : kExitBadInput;
 }
