@@ -93,19 +93,45 @@ absl::Status ParsePrompts(const nlohmann::json& prompt, const runtime::Tokenizer
   return absl::OkStatus();
 }
 
-// Each generated token's log-probability and the top k (keyed by token id).
-nlohmann::ordered_json Logprobs(const std::vector<runtime::SampledToken>& tokens) {
-  nlohmann::ordered_json ids = nlohmann::ordered_json::array(), lps = ids, tops = ids;
+// A token as the logprobs name it: its text with a tokenizer, else "token_id:N" (vLLM's form
+// for token ids), so top_logprobs keys follow OpenAI clients' expectations either way.
+std::string TokenName(const runtime::Tokenizer* tokenizer, int32_t id) {
+  if (tokenizer != nullptr) {
+    const int32_t one[] = {id};
+    if (absl::StatusOr<std::string> text = tokenizer->Decode(one, /*skip_special=*/false);
+        text.ok()) {
+      return *std::move(text);
+    }
+  }
+  return absl::StrCat("token_id:", id);
+}
+
+// OpenAI's completion logprobs: each generated token's name, id (an extension), log-probability,
+// top k by name (two ids with one text keep the likelier) and offset (in characters) into the
+// choice's text.
+nlohmann::ordered_json Logprobs(const std::vector<runtime::SampledToken>& tokens,
+                                const runtime::Tokenizer* tokenizer, size_t text_offset) {
+  nlohmann::ordered_json names = nlohmann::ordered_json::array(), ids = names, lps = names,
+                         tops = names, offsets = names;
   for (const runtime::SampledToken& t : tokens) {
+    const std::string name = TokenName(tokenizer, t.id);
+    names.push_back(name);
     ids.push_back(t.id);
     lps.push_back(t.logprob);
+    offsets.push_back(text_offset);
+    if (tokenizer != nullptr) text_offset += CodePoints(name);  // without one the text is empty
     nlohmann::ordered_json top = nlohmann::ordered_json::object();
-    for (const auto& [id, lp] : t.top) top[std::to_string(id)] = lp;
+    for (const auto& [id, lp] : t.top) {
+      const std::string key = TokenName(tokenizer, id);
+      if (!top.contains(key)) top[key] = lp;
+    }
     tops.push_back(std::move(top));
   }
-  return {{"token_ids", std::move(ids)},
+  return {{"tokens", std::move(names)},
+          {"token_ids", std::move(ids)},
           {"token_logprobs", std::move(lps)},
-          {"top_logprobs", std::move(tops)}};
+          {"top_logprobs", std::move(tops)},
+          {"text_offset", std::move(offsets)}};
 }
 
 nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
@@ -224,6 +250,11 @@ absl::Status ParseGeneration(const nlohmann::json& v, CompletionRequest* r) {
 
 }  // namespace
 
+size_t CodePoints(std::string_view utf8) {
+  return std::count_if(utf8.begin(), utf8.end(),
+                       [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
+}
+
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
                                                          const std::string& served_model,
                                                          const runtime::Tokenizer* tokenizer) {
@@ -297,7 +328,7 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                 {"token_ids", ids},
                                 {"logprobs", nullptr},
                                 {"finish_reason", r.finish_reason}};
-    if (request.logprobs > 0) c["logprobs"] = Logprobs(r.tokens);
+    if (request.logprobs > 0) c["logprobs"] = Logprobs(r.tokens, tokenizer, 0);
     choices.push_back(std::move(c));
     timing.push_back(Timing(r));
   }
@@ -315,13 +346,14 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
 
 nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::string& id,
                                    int64_t created, const std::string& served_model, int index,
-                                   const runtime::GeneratedToken& token, const std::string& text) {
+                                   const runtime::GeneratedToken& token, const std::string& text,
+                                   const runtime::Tokenizer* tokenizer, size_t text_offset) {
   nlohmann::ordered_json c = {{"index", index},
                               {"text", text},
                               {"token_ids", {token.token.id}},
                               {"logprobs", nullptr},
                               {"finish_reason", nullptr}};
-  if (request.logprobs > 0) c["logprobs"] = Logprobs({token.token});
+  if (request.logprobs > 0) c["logprobs"] = Logprobs({token.token}, tokenizer, text_offset);
   if (!token.finish_reason.empty()) c["finish_reason"] = token.finish_reason;
   return {{"id", id},
           {"object", "text_completion"},

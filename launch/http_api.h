@@ -66,10 +66,12 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                           const runtime::Tokenizer* tokenizer);
 
 // One server-sent event of a streamed completion (OpenAI's text_completion chunk): choice `index`
-// gets `text` and the token (its logprobs when asked), and its finish reason on its last token.
+// gets `text` and the token (its logprobs when asked, named through `tokenizer` when there is one,
+// at `text_offset` in the choice's text so far), and its finish reason on its last token.
 nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::string& id,
                                    int64_t created, const std::string& served_model, int index,
-                                   const runtime::GeneratedToken& token, const std::string& text);
+                                   const runtime::GeneratedToken& token, const std::string& text,
+                                   const runtime::Tokenizer* tokenizer, size_t text_offset);
 // The last chunk when stream_options.include_usage is set: no choices, the usage.
 nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
                                   const std::string& served_model,
@@ -78,6 +80,9 @@ nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
 // Text of `ids` that is safe to send: empty until the bytes so far end a whole UTF-8 character
 // (a character split over tokens decodes to U+FFFD until its last byte comes).
 std::string DecodeText(const runtime::Tokenizer* tokenizer, const std::vector<int32_t>& ids);
+// Characters (Unicode code points) of UTF-8 text: logprobs' text_offset counts what clients'
+// strings count, not bytes.
+size_t CodePoints(std::string_view utf8);
 
 // A JSON body as text. Strings that are not valid UTF-8 (a URL's bytes, a parser's message
 // quoting the bad input) are written with U+FFFD in place of the bad bytes instead of throwing.

@@ -140,29 +140,39 @@ TEST(HttpApi, ResponseCarriesTokensUsageLogprobsAndTimings) {
   EXPECT_EQ(out["usage"]["total_tokens"], 5);
   EXPECT_NEAR(out["cpfill"]["prompts"][0]["tpot_ms"].get<double>(), 10.0, 1e-9);
   EXPECT_EQ(out["choices"][0]["logprobs"]["token_logprobs"][1], -1.5);
+  EXPECT_EQ(out["choices"][0]["logprobs"]["tokens"], nlohmann::json({"token_id:2", "token_id:0"}));
+  EXPECT_EQ(out["choices"][0]["logprobs"]["token_ids"], nlohmann::json({2, 0}));
+  EXPECT_EQ(out["choices"][0]["logprobs"]["text_offset"], nlohmann::json({0, 0}));
   EXPECT_EQ(out["usage"]["prompt_tokens_details"]["cached_tokens"], 5);
   EXPECT_EQ(out["kv_transfer_params"]["k"], 1);
   // log-softmax of (0, 1, 3, 2): the top two are tokens 2 and 3.
   const auto& top = out["choices"][0]["logprobs"]["top_logprobs"][0];
   ASSERT_EQ(top.size(), 2u);
   const double log_z = std::log(std::exp(0.0) + std::exp(1.0) + std::exp(3.0) + std::exp(2.0));
-  EXPECT_NEAR(top["2"].get<double>(), 3.0 - log_z, 1e-6);
-  EXPECT_NEAR(top["3"].get<double>(), 2.0 - log_z, 1e-6);
+  EXPECT_NEAR(top["token_id:2"].get<double>(), 3.0 - log_z, 1e-6);
+  EXPECT_NEAR(top["token_id:3"].get<double>(), 2.0 - log_z, 1e-6);
   EXPECT_NEAR(out["cpfill"]["prompts"][0]["ttft_ms"].get<double>(), 3.0, 1e-9);
+}
+
+TEST(HttpApi, TextOffsetsCountCharactersNotBytes) {
+  EXPECT_EQ(CodePoints(""), 0u);
+  EXPECT_EQ(CodePoints("abc"), 3u);
+  EXPECT_EQ(CodePoints("caf\xc3\xa9 \xef\xbf\xbd"), 6u);  // é and U+FFFD: one each
 }
 
 TEST(HttpApi, StreamChunksFollowOpenAi) {
   CompletionRequest request;
   request.prompts = {{1}, {2}};
   runtime::GeneratedToken t{.index = 3, .token = {.id = 9}, .finish_reason = ""};
-  nlohmann::ordered_json c = StreamChunk(request, "cmpl-4", 7, "tiny", 1, t, "ab");
+  nlohmann::ordered_json c = StreamChunk(request, "cmpl-4", 7, "tiny", 1, t, "ab", nullptr, 0);
   EXPECT_EQ(c["object"], "text_completion");
   EXPECT_EQ(c["choices"][0]["index"], 1);
   EXPECT_EQ(c["choices"][0]["text"], "ab");
   EXPECT_EQ(c["choices"][0]["token_ids"][0], 9);
   EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
   t.finish_reason = "length";
-  EXPECT_EQ(StreamChunk(request, "cmpl-4", 7, "tiny", 1, t, "")["choices"][0]["finish_reason"],
+  EXPECT_EQ(StreamChunk(request, "cmpl-4", 7, "tiny", 1, t, "", nullptr,
+                        0)["choices"][0]["finish_reason"],
             "length");
   runtime::EngineResult r;
   r.prompt_tokens = 4;

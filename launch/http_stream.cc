@@ -59,6 +59,7 @@ std::string CompletionStream::Event(int index, const runtime::GeneratedToken& to
   c.ids.push_back(token.token.id);
   const bool last = !token.finish_reason.empty();
   std::string text;
+  const size_t offset = CodePoints(c.sent);
   const std::string whole = DecodeText(tokenizer_, c.ids);
   const bool split_character =
       whole.size() >= kReplacement.size() &&
@@ -71,8 +72,8 @@ std::string CompletionStream::Event(int index, const runtime::GeneratedToken& to
     c.finished = true;
     ++finished_;
   }
-  return ServerSentEvent(
-      JsonText(StreamChunk(request_, id_, created_, served_model_, index, token, text)));
+  return ServerSentEvent(JsonText(
+      StreamChunk(request_, id_, created_, served_model_, index, token, text, tokenizer_, offset)));
 }
 
 }  // namespace cpfill::launch

@@ -148,18 +148,33 @@ std::thread StartFront(HttpFront& front, const ServeFlags& f, int port, Session&
   return http;
 }
 
-// The first SIGTERM or SIGINT on rank 0 starts the drain (see InstallStopHandler).
-void WatchStopSignals(Session& session, HttpFront* front, runtime::Engine& engine, ServeLog& log) {
-  if (absl::Status s = InstallStopHandler(); !s.ok()) session.Fail(s);
-  std::thread([&, front] {
-    const int sig = WaitForStopSignal();
-    if (front == nullptr) return;  // rank 0's shutdown broadcast ends this rank
-    log.Event("draining", {{"signal", sig}},
-              absl::StrFormat("signal %d: draining the queue, then exiting", sig));
-    front->SetHealthy(false);
-    engine.Shutdown();
-  }).detach();  // ends with the process; a second signal is not waited for
-}
+// The first SIGTERM or SIGINT on rank 0 starts the drain (see InstallStopHandler). The watcher
+// is joined when the engine has stopped: a signal arriving after that must not reach the front,
+// the engine or the log, which are gone by then.
+class StopWatcher {
+ public:
+  StopWatcher(Session& session, HttpFront* front, runtime::Engine& engine, ServeLog& log) {
+    if (absl::Status s = InstallStopHandler(); !s.ok()) session.Fail(s);
+    thread_ = std::thread([front, &engine, &log] {
+      const int sig = WaitForStopSignal();
+      if (sig == kWakeUp || front == nullptr) return;  // rank 0's broadcast ends other ranks
+      log.Event("draining", {{"signal", sig}},
+                absl::StrFormat("signal %d: draining the queue, then exiting", sig));
+      front->SetHealthy(false);
+      engine.Shutdown();
+    });
+  }
+  // Wakes the watcher if no signal came (a second signal is not waited for) and joins it.
+  ~StopWatcher() {
+    const char byte = kWakeUp;
+    [[maybe_unused]] ssize_t n = write(stop_pipe[1], &byte, 1);
+    thread_.join();
+  }
+
+ private:
+  static constexpr char kWakeUp = 0;  // no signal has number 0
+  std::thread thread_;
+};
 
 int Run(int argc, char** argv) {
   ServeFlags f;
@@ -196,10 +211,12 @@ int Run(int argc, char** argv) {
   if (!port.ok()) return session.Refuse(port.status());
   std::thread http;
   if (front) http = StartFront(*front, f, *port, session, grid, log);
-  WatchStopSignals(session, front.get(), engine, log);
-
-  // Run until rank 0 shuts down (or a rank fails: the job ends with its error).
-  const absl::Status ran = engine.Run();
+  absl::Status ran;
+  {
+    StopWatcher stop_watcher(session, front.get(), engine, log);
+    // Run until rank 0 shuts down (or a rank fails: the job ends with its error).
+    ran = engine.Run();
+  }
   if (front) {
     front->Stop();
     http.join();

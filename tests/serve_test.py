@@ -102,7 +102,7 @@ def top_logprobs(logits, k):
     m = max(logits)
     log_z = m + math.log(sum(math.exp(x - m) for x in logits))
     order = sorted(range(len(logits)), key=lambda i: -logits[i])[:k]
-    return {str(i): logits[i] - log_z for i in order}
+    return {f"token_id:{i}": logits[i] - log_z for i in order}
 
 
 def main():

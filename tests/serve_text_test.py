@@ -56,8 +56,8 @@ def start(cpfill, ckpt, tmp, env):
     return server, wait_port(server, port_file, seconds=120, log=log), log
 
 
-def complete(port, prompt, session=None):
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+def complete(port, prompt, session=None, **fields):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, **fields}
     if session:
         body["session"] = session
     status, text = http(port, "POST", "/v1/completions", body)
@@ -80,6 +80,20 @@ def check_text_equals_ids(port, tok, text):
         fail(f"{text!r}: text {by_text['choices'][0]['text']!r}, tokenizers decodes {want!r}")
 
 
+def check_logprobs_name_tokens(port, tok):
+    """With a tokenizer, logprobs name tokens by their text, as OpenAI clients read them."""
+    choice = complete(port, "Once upon a time", max_tokens=3, logprobs=4)["choices"][0]
+    lp = choice["logprobs"]
+    names = [tok.decode([i], skip_special_tokens=False) for i in choice["token_ids"]]
+    if lp["tokens"] != names or lp["token_ids"] != choice["token_ids"]:
+        fail(f"logprobs tokens {lp['tokens']} / {lp['token_ids']}, generated {names}")
+    if lp["text_offset"] != [sum(map(len, names[:i])) for i in range(len(names))]:
+        fail(f"logprobs text_offset {lp['text_offset']} for tokens {names}")
+    for name, top in zip(names, lp["top_logprobs"]):
+        if not 1 <= len(top) <= 4 or name not in top:  # greedy: the chosen token is the top one
+            fail(f"top_logprobs {top} lack the chosen token {name!r}")
+
+
 def run(port, tok):
     status, body = http(port, "GET", "/v1/models")
     if status != 200 or not json.loads(body)["data"][0].get("text_prompts"):
@@ -89,6 +103,7 @@ def run(port, tok):
     texts.append(f"{tc.SPECIAL[0]}Hello{tc.SPECIAL[9]} world")
     for text in texts:
         check_text_equals_ids(port, tok, text)
+    check_logprobs_name_tokens(port, tok)
     batch = complete(port, texts[:4])
     for text, choice in zip(texts[:4], batch["choices"]):
         single = complete(port, text)["choices"][0]["token_ids"][0]
