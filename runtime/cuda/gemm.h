@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "absl/status/status.h"
+#include "runtime/cuda/cublaslt_library.h"
 
 namespace cpfill::runtime::cuda {
 
@@ -41,6 +42,7 @@ class Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
+  const CublasLt* lt_ = nullptr;  // opened by Init
   cublasLtHandle_t handle_ = nullptr;
   cudaStream_t stream_ = nullptr;
   void* workspace_ = nullptr;
