@@ -53,6 +53,15 @@ constexpr KnobSpec kKnobs[] = {
     {kLaunchRankPmix, KnobType::kInt, "-1", "-1..100000000",
      "set by srun --mpi=pmix: this process's world rank (as OMPI_COMM_WORLD_RANK)",
      /*external=*/true},
+    // NCCL's own transport switches (the GPU hosts emulate slower links with them): recorded in
+    // a calibration's link, since they change the ring's bandwidth.
+    {kNcclP2pDisable, KnobType::kText, "", "any",
+     "NCCL's: 1 turns off peer-to-peer (NVLink/PCIe) transfers; part of a fit's link",
+     /*external=*/true},
+    {kNcclShmDisable, KnobType::kText, "", "any",
+     "NCCL's: 1 turns off shared-memory transfers; part of a fit's link", /*external=*/true},
+    {kNcclNet, KnobType::kText, "", "any",
+     "NCCL's: the network plugin to use (IB, Socket); part of a fit's link", /*external=*/true},
 };
 
 const KnobSpec& Find(std::string_view name) {
@@ -83,6 +92,8 @@ absl::Status Check(const KnobSpec& spec, std::string_view text) {
       }
       return absl::OkStatus();
     }
+    case KnobType::kText:
+      return absl::OkStatus();
     case KnobType::kChoice:
       for (absl::string_view choice : absl::StrSplit(Sv(spec.allowed), '|')) {
         if (choice == Sv(text)) return absl::OkStatus();
@@ -136,6 +147,8 @@ int64_t Int(std::string_view name) {
 }
 
 std::string Choice(std::string_view name) { return Text(Typed(name, KnobType::kChoice)); }
+
+std::string Text(std::string_view name) { return Text(Typed(name, KnobType::kText)); }
 
 bool IsSet(std::string_view name) {
   return std::getenv(std::string(Find(name).name).c_str()) != nullptr;

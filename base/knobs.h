@@ -23,16 +23,18 @@
 
 namespace cpfill::knobs {
 
-enum class KnobType { kBool, kInt, kChoice };
+enum class KnobType { kBool, kInt, kChoice, kText };
 
 struct KnobSpec {
   std::string_view name;
   KnobType type;
   std::string_view default_value;
-  // kInt: "min..max" (inclusive); kChoice: values separated by '|'; kBool: "0|1".
+  // kInt: "min..max" (inclusive); kChoice: values separated by '|'; kBool: "0|1"; kText:
+  // anything (another program's variable, only recorded).
   std::string_view allowed;
   std::string_view why;
-  bool external = false;  // set by the launcher (Open MPI), not by the user
+  // Another program's variable (the launcher's, NCCL's): reports list it only when it is set.
+  bool external = false;
 };
 
 // The names; each is declared in knobs.cc's table (a unit test checks every one).
@@ -51,6 +53,9 @@ inline constexpr std::string_view kTestFaultAt = "CPFILL_TEST_FAULT_AT";
 inline constexpr std::string_view kLocalRanks = "OMPI_COMM_WORLD_LOCAL_SIZE";
 inline constexpr std::string_view kLaunchRankOmpi = "OMPI_COMM_WORLD_RANK";
 inline constexpr std::string_view kLaunchRankPmix = "PMIX_RANK";
+inline constexpr std::string_view kNcclP2pDisable = "NCCL_P2P_DISABLE";
+inline constexpr std::string_view kNcclShmDisable = "NCCL_SHM_DISABLE";
+inline constexpr std::string_view kNcclNet = "NCCL_NET";
 
 // Every declared knob, in the order `cpfill env` lists them.
 std::span<const KnobSpec> All();
@@ -61,6 +66,7 @@ std::span<const KnobSpec> All();
 bool Bool(std::string_view name);
 int64_t Int(std::string_view name);
 std::string Choice(std::string_view name);
+std::string Text(std::string_view name);
 // True when the environment sets the knob (to anything).
 bool IsSet(std::string_view name);
 

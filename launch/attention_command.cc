@@ -195,7 +195,7 @@ int Run(int argc, char** argv) {
   auto backend = Backend::Create(f.backend, grid, session.mpi().options(), threads);
   if (!backend.ok()) return session.Refuse(backend.status());
   if ((*backend)->bf16() && !flags.IsSet("tolerance")) f.tolerance = 2e-2;  // bf16 inputs and P
-  auto choice = ResolveSelector(f.selector, flags);
+  auto choice = ResolveSelector(f.selector, flags, RingContextOf((*backend)->name(), grid));
   if (!choice.ok()) return session.Refuse(choice.status());
   auto batch = MakeAttentionBatch(f.spec, grid);
   if (!batch.ok()) return session.ConfigError(batch.status());

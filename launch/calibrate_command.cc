@@ -19,6 +19,7 @@
 #include "launch/calibration.h"
 #include "launch/commands.h"
 #include "launch/flags.h"
+#include "launch/selector_flags.h"
 #include "launch/session.h"
 #include "parallel/ring_attention.h"
 #include "parallel/selector.h"
@@ -96,33 +97,57 @@ absl::Status Validate(const CalibrateFlags& f, const parallel::ProcessGrid& grid
 }
 
 // Prints each rule's regret and returns the regrets as JSON: {"all" | "<T+P>": {rule: regret}}.
+// The fitted rule is judged here on the points it was fitted to (in-sample).
 nlohmann::ordered_json ReportRegret(Session& session, const RuleEvaluation& e,
                                     const std::vector<parallel::CalibrationPoint>& points,
                                     std::vector<int64_t> totals) {
   nlohmann::ordered_json out = nlohmann::ordered_json::object();
   totals.push_back(0);  // 0: the whole grid
   for (int64_t total : totals) {
+    std::vector<size_t> which;
+    for (size_t i = 0; i < points.size(); ++i) {
+      if (total == 0 || points[i].new_tokens + points[i].cached_tokens == total) which.push_back(i);
+    }
     nlohmann::ordered_json per_rule = nlohmann::ordered_json::object();
     for (size_t r = 0; r < e.rules.size(); ++r) {
-      double best = 0, chosen = 0;
-      int wrong = 0, count = 0;
-      for (size_t i = 0; i < points.size(); ++i) {
-        const auto& p = points[i];
-        if (total != 0 && p.new_tokens + p.cached_tokens != total) continue;
-        best += std::min(p.pass_kv_s, p.pass_q_s);
-        chosen += e.picks_kv[r][i] ? p.pass_kv_s : p.pass_q_s;
-        wrong += e.picks_kv[r][i] != (p.pass_kv_s <= p.pass_q_s);
-        ++count;
-      }
-      if (best <= 0) continue;
-      const double regret = chosen / best - 1;
+      const Regret g = RegretOn(points, e.picks_kv[r], which);
+      if (g.count == 0) continue;
       const std::string rule(parallel::SelectorRuleName(e.rules[r]));
-      per_rule[rule] = regret;
+      per_rule[rule] = g.regret;
       session.Print("  %-6s regret %6.2f%% (%d of %d points not the faster) on %s\n", rule,
-                    100 * regret, wrong, count,
+                    100 * g.regret, g.wrong, g.count,
                     total == 0 ? std::string("the whole grid") : absl::StrCat("T + P = ", total));
     }
     out[total == 0 ? std::string("all") : absl::StrCat(total)] = std::move(per_rule);
+  }
+  return out;
+}
+
+// Every rule's regret on the held-out half of the lengths, the fitted rule with a fit made on the
+// other half; JSON {"points": n, "fit": {a, b, c}, rule: regret}, or null when that half is too
+// few to fit.
+nlohmann::ordered_json ReportHeldOut(Session& session,
+                                     const std::vector<parallel::CalibrationPoint>& points,
+                                     const parallel::SystemSpec& system,
+                                     const parallel::ModelSpec& model, int cp_size) {
+  auto held = EvaluateHeldOut(points, system, model, cp_size);
+  if (!held.ok()) {
+    session.Print("  held out: no fit (%s)\n", std::string(held.status().message()));
+    return nullptr;
+  }
+  session.Print(
+      "held out: fit on every other T (h = %.4f ln T + %.4f ln(T/(T+P)) + %.4f), "
+      "judged on the %d others:\n",
+      held->fitted.a, held->fitted.b, held->fitted.c, held->held_out.size());
+  nlohmann::ordered_json out = {
+      {"points", held->held_out.size()},
+      {"fit", {{"a", held->fitted.a}, {"b", held->fitted.b}, {"c", held->fitted.c}}}};
+  for (size_t r = 0; r < held->rules.rules.size(); ++r) {
+    const Regret g = RegretOn(points, held->rules.picks_kv[r], held->held_out);
+    const std::string rule(parallel::SelectorRuleName(held->rules.rules[r]));
+    out[rule] = g.regret;
+    session.Print("  %-6s regret %6.2f%% (%d of %d points not the faster)\n", rule, 100 * g.regret,
+                  g.wrong, g.count);
   }
   return out;
 }
@@ -214,12 +239,15 @@ int Run(int argc, char** argv) {
                   std::string(fitted.status().message()));
   }
   file.fitted.source = absl::StrFormat("cpfill calibrate, %s", grid.Describe());
+  file.made_on = RingContextOf((*backend)->name(), grid);
   session.Print("\nfit: h = %.4f ln T + %.4f ln(T/(T+P)) + %.4f\n", file.fitted.a, file.fitted.b,
                 file.fitted.c);
   const RuleEvaluation rules =
       EvaluateRules(*points, *system, one->model, grid.cp_size, file.fitted);
   nlohmann::ordered_json report = Report(grid, **backend, file, rules);
+  report["made_on"] = file.made_on->ToJson();
   report["regret"] = ReportRegret(session, rules, *points, f.g.context_lens);
+  report["regret_held_out"] = ReportHeldOut(session, *points, *system, one->model, grid.cp_size);
   if (session.is_root() && !f.json_file.empty()) {
     session.WriteReport(f.json_file, std::move(report));
   }

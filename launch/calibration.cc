@@ -2,10 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "base/status.h"
-#include "runtime/memory.h"
 #include "launch/attention_job.h"
+#include "runtime/memory.h"
 
 namespace cpfill::launch {
 
@@ -102,6 +103,42 @@ RuleEvaluation EvaluateRules(const std::vector<parallel::CalibrationPoint>& poin
       e.picks_kv[r].push_back(sel.ok() && sel->choice == RingAlgorithm::kPassKV);
     }
   }
+  return e;
+}
+
+Regret RegretOn(const std::vector<parallel::CalibrationPoint>& points,
+                const std::vector<bool>& picks_kv, const std::vector<size_t>& which) {
+  double best = 0, chosen = 0;
+  Regret r;
+  for (size_t i : which) {
+    const parallel::CalibrationPoint& p = points[i];
+    best += std::min(p.pass_kv_s, p.pass_q_s);
+    chosen += picks_kv[i] ? p.pass_kv_s : p.pass_q_s;
+    r.wrong += picks_kv[i] != (p.pass_kv_s <= p.pass_q_s);
+    ++r.count;
+  }
+  r.regret = best > 0 ? chosen / best - 1 : 0;
+  return r;
+}
+
+absl::StatusOr<HeldOutEvaluation> EvaluateHeldOut(
+    const std::vector<parallel::CalibrationPoint>& points, const parallel::SystemSpec& system,
+    const parallel::ModelSpec& model, int cp_size) {
+  std::vector<size_t> order(points.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t x, size_t y) { return points[x].new_tokens < points[y].new_tokens; });
+  HeldOutEvaluation e;
+  std::vector<parallel::CalibrationPoint> seen;
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (k % 2 == 1) {
+      e.held_out.push_back(order[k]);
+    } else {
+      seen.push_back(points[order[k]]);
+    }
+  }
+  CPFILL_ASSIGN_OR_RETURN(e.fitted, parallel::FitCoefficients(seen));
+  e.rules = EvaluateRules(points, system, model, cp_size, e.fitted);
   return e;
 }
 

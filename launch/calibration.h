@@ -59,4 +59,25 @@ RuleEvaluation EvaluateRules(const std::vector<parallel::CalibrationPoint>& poin
                              const parallel::SystemSpec& system, const parallel::ModelSpec& model,
                              int cp_size, const parallel::FittedCoefficients& fitted);
 
+// A rule's regret on some of the points: the total time of its choices over the total of the
+// faster choice, minus 1; and how many of them it got wrong.
+struct Regret {
+  double regret = 0;
+  int wrong = 0, count = 0;
+};
+Regret RegretOn(const std::vector<parallel::CalibrationPoint>& points,
+                const std::vector<bool>& picks_kv, const std::vector<size_t>& which);
+
+// The fitted rule judged on lengths its fit did not see: the points in order of T, every other one
+// held out, the fit made on the rest. `rules` holds every rule's choices at every point with that
+// fit; compare them on `held_out` only. InvalidArgument when the rest is too few to fit.
+struct HeldOutEvaluation {
+  std::vector<size_t> held_out;  // indices into the points
+  parallel::FittedCoefficients fitted;
+  RuleEvaluation rules;
+};
+absl::StatusOr<HeldOutEvaluation> EvaluateHeldOut(
+    const std::vector<parallel::CalibrationPoint>& points, const parallel::SystemSpec& system,
+    const parallel::ModelSpec& model, int cp_size);
+
 }  // namespace cpfill::launch

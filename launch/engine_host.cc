@@ -85,7 +85,8 @@ absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f
                           ResolveBackendName(f.backend, {"cpu", "cuda"}, *grid.world));
   CPFILL_ASSIGN_OR_RETURN(host->config, ModelFor(f, grid.tp_size));
   CPFILL_ASSIGN_OR_RETURN(host->tokenizer, TokenizerFor(f, host->config));
-  CPFILL_ASSIGN_OR_RETURN(SelectorChoice choice, ResolveSelector(f.selector, flags));
+  CPFILL_ASSIGN_OR_RETURN(SelectorChoice choice,
+                          ResolveSelector(f.selector, flags, RingContextOf(host->backend, grid)));
   const runtime::PrefillOptions model_options =
       OptionsFrom(f, choice, session.ThreadsPerRank(grid));
   CPFILL_ASSIGN_OR_RETURN(

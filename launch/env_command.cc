@@ -22,6 +22,8 @@ std::string TypeName(knobs::KnobType type) {
       return "int";
     case knobs::KnobType::kChoice:
       return "choice";
+    case knobs::KnobType::kText:
+      return "text";
   }
   return "?";
 }
@@ -36,13 +38,15 @@ std::string InEffect(const knobs::KnobSpec& k) {
       return std::to_string(knobs::Int(name));
     case knobs::KnobType::kChoice:
       return knobs::Choice(name);
+    case knobs::KnobType::kText:
+      return knobs::Text(name);
   }
   return "?";
 }
 
 std::string Where(const knobs::KnobSpec& k) {
   if (!knobs::IsSet(k.name)) return "default";
-  return k.external ? "set by the launcher" : "set in the environment";
+  return k.external ? "set for another program" : "set in the environment";
 }
 
 nlohmann::ordered_json EnvJson() {

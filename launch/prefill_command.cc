@@ -287,7 +287,7 @@ int Run(int argc, char** argv) {
   if (absl::Status s = PlanInputs(f, grid.tp_size, &config, &batch); !s.ok()) {
     return session.ConfigError(s);
   }
-  auto choice = ResolveSelector(f.selector, flags);
+  auto choice = ResolveSelector(f.selector, flags, RingContextOf(f.backend, grid));
   if (!choice.ok()) return session.Refuse(choice.status());
   const runtime::PrefillOptions options =
       OptionsFrom(f, *choice, batch, grid.cp_size, session.ThreadsPerRank(grid));

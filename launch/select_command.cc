@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "base/json_io.h"
 #include "base/knobs.h"
 #include "launch/commands.h"
@@ -34,7 +35,12 @@ int RunSelectCommand(int argc, char** argv) {
   flags.Int("cached-tokens", &cached_tokens, "cached tokens P").Within({0, kMaxTokens});
   flags.Int("head-dim", &head_dim, "head dimension (predicted times only)").Within({1, 1024});
   flags.String("rule", &rule_name, "alg1 | alg5 | fitted [fitted with --fit, else alg5]");
-  flags.String("fit", &fit_file, "calibration JSON from 'cpfill calibrate'");
+  flags.String("fit", &fit_file,
+               "calibration JSON from 'cpfill calibrate'; refused when made at another CP size");
+  bool fit_rescale = false;
+  flags.Bool("fit-rescale", &fit_rescale,
+             "use a --fit made at another CP size, its boundary moved by the ratio of the eq. 2 "
+             "thresholds");
   if (auto done = AnswerFlagsFirst(flags, flags.Parse(argc, argv, 2))) return *done;
   parallel::FittedCoefficients fitted = parallel::FittedCoefficients::Paper();
   if (!fit_file.empty()) {
@@ -45,6 +51,15 @@ int RunSelectCommand(int argc, char** argv) {
     fitted = cal->fitted;
     if (!flags.IsSet("tflops")) tflops = cal->tflops;
     if (!flags.IsSet("gbps")) gbps = cal->gbps;
+    // What-if: only the CP size is known here, so only it is checked.
+    if (cal->made_on && cal->made_on->cp_size != cp) {
+      if (!fit_rescale) {
+        return RefuseInput(absl::InvalidArgumentError(absl::StrCat(
+            "--fit: ", fit_file, " was calibrated at CP ", cal->made_on->cp_size, ", not --cp ", cp,
+            "; pass --fit-rescale to move its boundary by the ratio of the eq. 2 thresholds")));
+      }
+      fitted = parallel::RescaleFit(*cal, cp, {.tflops = tflops, .gbps = gbps});
+    }
   }
   if (rule_name.empty()) rule_name = fit_file.empty() ? "alg5" : "fitted";
   auto rule = parallel::ParseSelectorRule(rule_name);

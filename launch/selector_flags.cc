@@ -1,22 +1,82 @@
 #include "launch/selector_flags.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/knobs.h"
 #include "base/status.h"
 
 namespace cpfill::launch {
+namespace {
+
+// The CPU backend's C and BW per rank, measured 2026-11-23 on the 2-core development VM (AMD
+// EPYC), 2 ranks of one kernel thread, `cpfill calibrate --backend cpu --context-lens 2048`:
+// C 0.032-0.040 TFLOP/s, BW 1.11-1.21 GB/s (MPI shared memory, 64 MiB messages) over 3 runs. A
+// host with more cores per rank computes faster: calibrate it (--fit) or pass --tflops.
+constexpr double kCpuTflops = 0.035;
+constexpr double kCpuGbps = 1.15;
+
+// Debian's Abseil has its own absl::string_view, which StrCat cannot take from std::string_view.
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+std::string Show(double x) { return absl::StrFormat("%g", x); }
+
+}  // namespace
 
 void AddSelectorFlags(FlagSet& flags, SelectorFlags* sf) {
   flags.String("algo", &sf->algo, "auto | pass-kv | pass-q | all-gather");
   flags.String("rule", &sf->rule,
                "selector rule for --algo auto: alg1 | alg5 | fitted [fitted with --fit, else "
                "alg5]");
-  flags.String("fit", &sf->fit_file, "calibration JSON from 'cpfill calibrate' (a, b, c; C, BW)");
-  flags.Double("tflops", &sf->tflops, "selector: attention compute per rank C, TFLOP/s")
+  flags.String("fit", &sf->fit_file,
+               "calibration JSON from 'cpfill calibrate' (a, b, c; C, BW); refused when made on "
+               "another backend, CP or TP size, node count or link");
+  flags.Bool("fit-rescale", &sf->fit_rescale,
+             "use a --fit made on another ring, its boundary moved by the ratio of the eq. 2 "
+             "thresholds (N*C/BW of this run over the fit's)");
+  flags
+      .Double("tflops", &sf->tflops,
+              "selector: attention compute per rank C, TFLOP/s; 0 = the fit's, else the "
+              "backend's default (cpu " +
+                  Show(SystemDefaults("cpu").tflops) + ", cuda " +
+                  Show(SystemDefaults("cuda").tflops) + ")")
       .Within({0, 1e9});
-  flags.Double("gbps", &sf->gbps, "selector: ring bandwidth per rank BW, GB/s (bytes)")
+  flags
+      .Double("gbps", &sf->gbps,
+              "selector: ring bandwidth per rank BW, GB/s (bytes); 0 = the fit's, else the "
+              "backend's default (cpu " +
+                  Show(SystemDefaults("cpu").gbps) + ", cuda " + Show(SystemDefaults("cuda").gbps) +
+                  ")")
       .Within({0, 1e9});
-  flags.Double("elem-bytes", &sf->elem_bytes, "selector: bytes per element e")
-      .Within(Range::LeftOpen(0, 64));
+  flags
+      .Double("elem-bytes", &sf->elem_bytes,
+              "selector: bytes per element e; 0 = the backend's (cpu 4, cuda 2)")
+      .Within({0, 64});
+}
+
+parallel::SystemSpec SystemDefaults(std::string_view backend) {
+  // CPU: measured (kCpuTflops). CUDA: C measured, BW assumed (selector_flags.h).
+  if (backend == "cpu") return {.tflops = kCpuTflops, .gbps = kCpuGbps, .elem_bytes = 4};
+  return {.tflops = 600, .gbps = 50, .elem_bytes = 2};
+}
+
+parallel::RingContext RingContextOf(std::string_view backend, const parallel::ProcessGrid& grid) {
+  std::string link = backend == "cuda" ? "nccl" : "mpi";
+  if (backend == "cuda-staged") link += " staged through host memory";
+  absl::StrAppend(&link, grid.num_nodes > 1 ? " across nodes" : " within a node");
+  if (backend == "cuda") {
+    for (std::string_view knob :
+         {knobs::kNcclP2pDisable, knobs::kNcclShmDisable, knobs::kNcclNet}) {
+      if (knobs::IsSet(knob)) absl::StrAppend(&link, ", ", Sv(knob), "=", knobs::Text(knob));
+    }
+  }
+  return {.backend = std::string(backend),
+          .cp_size = grid.cp_size,
+          .tp_size = grid.tp_size,
+          .num_nodes = grid.num_nodes,
+          .link = std::move(link)};
 }
 
 namespace {
@@ -26,9 +86,32 @@ absl::Status ForFlag(const char* flag, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat("--", flag, ": ", status.message()));
 }
 
+// --tflops, --gbps and --elem-bytes, where given (not 0), over `system`.
+parallel::SystemSpec WithFlags(parallel::SystemSpec system, const SelectorFlags& sf) {
+  if (sf.tflops > 0) system.tflops = sf.tflops;
+  if (sf.gbps > 0) system.gbps = sf.gbps;
+  if (sf.elem_bytes > 0) system.elem_bytes = sf.elem_bytes;
+  return system;
+}
+
+// The fit's coefficients if it was made on this ring (or says nothing of where) or the user asked
+// to rescale it; else InvalidArgument naming every difference.
+absl::StatusOr<parallel::FittedCoefficients> FitForRun(const parallel::CalibrationFile& cal,
+                                                       const SelectorFlags& sf,
+                                                       const parallel::RingContext& run) {
+  if (!cal.made_on || sf.fit_rescale) return cal.fitted;
+  const std::vector<std::string> differences = parallel::Differences(*cal.made_on, run);
+  CPFILL_CHECK_ARG(differences.empty(), "--fit: ", sf.fit_file,
+                   " was calibrated on another ring: ", absl::StrJoin(differences, "; "),
+                   ". Run `cpfill calibrate` on this one, or pass --fit-rescale to move its "
+                   "boundary by the ratio of the eq. 2 thresholds");
+  return cal.fitted;
+}
+
 }  // namespace
 
-absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const FlagSet& flags) {
+absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const FlagSet& flags,
+                                               const parallel::RingContext& run) {
   SelectorChoice c;
   c.auto_algorithm = sf.algo == "auto";
   if (!c.auto_algorithm) {
@@ -36,14 +119,19 @@ absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const Fl
     if (!algorithm.ok()) return ForFlag("algo", algorithm.status());
     c.algorithm = *algorithm;
   }
-  c.system = {.tflops = sf.tflops, .gbps = sf.gbps, .elem_bytes = sf.elem_bytes};
+  c.system = SystemDefaults(run.backend);
   if (!sf.fit_file.empty()) {
     auto cal = parallel::ReadCalibrationFile(sf.fit_file);
     if (!cal.ok()) return ForFlag("fit", cal.status());
-    c.fitted = cal->fitted;
-    if (!flags.IsSet("tflops") && cal->tflops > 0) c.system.tflops = cal->tflops;
-    if (!flags.IsSet("gbps") && cal->gbps > 0) c.system.gbps = cal->gbps;
+    CPFILL_ASSIGN_OR_RETURN(c.fitted, FitForRun(*cal, sf, run));
+    // The fit's measurements stand for this run's where they were made alike.
+    const bool same_backend = !cal->made_on || cal->made_on->backend == run.backend;
+    const bool same_link = !cal->made_on || (same_backend && cal->made_on->link == run.link);
+    if (same_backend && cal->tflops > 0) c.system.tflops = cal->tflops;
+    if (same_link && cal->gbps > 0) c.system.gbps = cal->gbps;
+    if (sf.fit_rescale) c.fitted = parallel::RescaleFit(*cal, run.cp_size, WithFlags(c.system, sf));
   }
+  c.system = WithFlags(c.system, sf);
   const std::string rule = sf.rule.empty() ? (sf.fit_file.empty() ? "alg5" : "fitted") : sf.rule;
   auto parsed_rule = parallel::ParseSelectorRule(rule);
   if (!parsed_rule.ok()) return ForFlag("rule", parsed_rule.status());

@@ -3,13 +3,16 @@
 //
 //   SelectorFlags sf;  AddSelectorFlags(flags, &sf);
 //   ...parse...
-//   CPFILL_ASSIGN_OR_RETURN(SelectorChoice choice, ResolveSelector(sf, flags));
+//   CPFILL_ASSIGN_OR_RETURN(SelectorChoice choice,
+//                           ResolveSelector(sf, flags, RingContextOf(backend_name, grid)));
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "launch/flags.h"
+#include "parallel/grid.h"
 #include "parallel/selector.h"
 #include "runtime/prefill_batch.h"
 
@@ -19,10 +22,21 @@ struct SelectorFlags {
   std::string algo = "auto";
   std::string rule;  // "": fitted with --fit, else alg5
   std::string fit_file;
-  double tflops = 800;
-  double gbps = 50;
-  double elem_bytes = 2;
+  bool fit_rescale = false;
+  double tflops = 0;  // 0: the backend's default (SystemDefaults)
+  double gbps = 0;
+  double elem_bytes = 0;  // 0: the backend's
 };
+
+// C and BW when neither a flag nor a fit gives them, per backend. CPU: measured on the
+// development VM (launch/selector_flags.cc says when and how). CUDA: C is the Hopper kernel's
+// measured rate on one H100 (bench/RESULTS.md); BW is 50 GB/s, one 400 Gb/s NIC per GPU as on the
+// paper's RDMA hosts, an assumption: `cpfill calibrate` measures a cluster's own.
+parallel::SystemSpec SystemDefaults(std::string_view backend);
+
+// This run's ring, as a calibration records it: backend, CP and TP sizes, nodes, and the link
+// (transport, within or across nodes, NCCL's transport switches when set).
+parallel::RingContext RingContextOf(std::string_view backend, const parallel::ProcessGrid& grid);
 
 struct SelectorChoice {
   bool auto_algorithm = true;  // the selector decides; else `algorithm` is forced
@@ -34,9 +48,13 @@ struct SelectorChoice {
 
 void AddSelectorFlags(FlagSet& flags, SelectorFlags* sf);
 
-// Parses the algorithm and rule names and reads --fit (its measured C and BW apply unless
-// --tflops / --gbps were given). InvalidArgument or NotFound naming the flag or file.
-absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const FlagSet& flags);
+// Parses the algorithm and rule names and reads --fit: its measured C applies on the backend it was
+// made on and its BW on the same link, unless --tflops / --gbps were given; else the backend's
+// defaults. A fit made on another ring than `run` is refused (InvalidArgument naming each
+// difference) unless --fit-rescale asks for parallel::RescaleFit. InvalidArgument or NotFound
+// naming the flag or file.
+absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const FlagSet& flags,
+                                               const parallel::RingContext& run);
 
 // A model's options with the selector's decision in them; the KV cache and threads are left at
 // their defaults for the caller (prefill, serve) to set.

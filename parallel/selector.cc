@@ -80,6 +80,22 @@ nlohmann::ordered_json NumberOrNull(double x, bool present) {
   return present ? nlohmann::ordered_json(x) : nlohmann::ordered_json();
 }
 
+// A calibration file's "made_on" (RingContext::ToJson).
+absl::StatusOr<RingContext> ParseRingContext(const nlohmann::json& v) {
+  CPFILL_CHECK_ARG(v.is_object(), "not a JSON object");
+  RingContext c;
+  CPFILL_ASSIGN_OR_RETURN(c.backend, json::GetString(v, "backend"));
+  CPFILL_ASSIGN_OR_RETURN(c.link, json::GetString(v, "link"));
+  for (auto [key, field] : {std::pair<const char*, int*>{"cp_size", &c.cp_size},
+                            {"tp_size", &c.tp_size},
+                            {"num_nodes", &c.num_nodes}}) {
+    CPFILL_ASSIGN_OR_RETURN(int64_t x, json::GetInt(v, key));
+    CPFILL_CHECK_ARG(x >= 1 && x <= (1 << 24), "\"", key, "\" is ", x, ", not in [1, 2^24]");
+    *field = static_cast<int>(x);
+  }
+  return c;
+}
+
 }  // namespace
 
 std::string_view RingAlgorithmName(RingAlgorithm algo) {
@@ -367,6 +383,40 @@ absl::StatusOr<FittedCoefficients> FitCoefficients(const std::vector<Calibration
   return out;
 }
 
+nlohmann::ordered_json RingContext::ToJson() const {
+  return {{"backend", backend},
+          {"cp_size", cp_size},
+          {"tp_size", tp_size},
+          {"num_nodes", num_nodes},
+          {"link", link}};
+}
+
+std::vector<std::string> Differences(const RingContext& fit, const RingContext& run) {
+  std::vector<std::string> out;
+  const auto differ = [&out](std::string_view what, const auto& a, const auto& b) {
+    if (a != b) out.push_back(absl::StrCat(Sv(what), " ", a, " (the fit) vs ", b, " (this run)"));
+  };
+  differ("backend", fit.backend, run.backend);
+  differ("CP", fit.cp_size, run.cp_size);
+  differ("TP", fit.tp_size, run.tp_size);
+  differ("nodes", fit.num_nodes, run.num_nodes);
+  differ("link", absl::StrCat("'", fit.link, "'"), absl::StrCat("'", run.link, "'"));
+  return out;
+}
+
+FittedCoefficients RescaleFit(const CalibrationFile& file, int run_cp_size,
+                              const SystemSpec& run_system) {
+  FittedCoefficients out = file.fitted;
+  const int fit_cp = file.made_on ? file.made_on->cp_size : run_cp_size;
+  double ratio = static_cast<double>(run_cp_size) / std::max(fit_cp, 1);
+  if (file.tflops > 0 && run_system.tflops > 0) ratio *= run_system.tflops / file.tflops;
+  if (file.gbps > 0 && run_system.gbps > 0) ratio *= file.gbps / run_system.gbps;
+  out.c = file.fitted.c - file.fitted.a * std::log(ratio);
+  out.source = absl::StrFormat("%s, rescaled to CP%d (eq. 2 threshold x %.4g)", file.fitted.source,
+                               run_cp_size, ratio);
+  return out;
+}
+
 absl::StatusOr<CalibrationFile> ReadCalibrationFile(const std::string& path) {
   CPFILL_ASSIGN_OR_RETURN(nlohmann::json v, json::ReadFile(path));  // errors name the path
   const std::string where = absl::StrCat("calibration file '", path, "': ");
@@ -401,6 +451,11 @@ absl::StatusOr<CalibrationFile> ReadCalibrationFile(const std::string& path) {
     CPFILL_CHECK_ARG(*x >= 0, where, "\"", key, "\" is ", *x, ", must be >= 0");
     *field = *x;
   }
+  if (const nlohmann::json* made_on = json::Find(v, "made_on"); made_on != nullptr) {
+    absl::StatusOr<RingContext> context = ParseRingContext(*made_on);
+    if (!context.ok()) return wrap(context.status(), "made_on: ");
+    file.made_on = *std::move(context);
+  }
   if (const nlohmann::json* points = json::Find(v, "points"); points != nullptr) {
     CPFILL_CHECK_ARG(points->is_array(), where, "\"points\" is not an array");
     for (size_t i = 0; i < points->size(); ++i) {
@@ -434,10 +489,12 @@ absl::Status WriteCalibrationFile(const std::string& path, const CalibrationFile
                       {"pass_kv_s", p.pass_kv_s},
                       {"pass_q_s", p.pass_q_s}});
   }
-  const nlohmann::ordered_json v = {
+  nlohmann::ordered_json v = {
       {"rule", "fitted"},   {"a", file.fitted.a},           {"b", file.fitted.b},
       {"c", file.fitted.c}, {"source", file.fitted.source}, {"tflops", file.tflops},
-      {"gbps", file.gbps},  {"points", std::move(points)}};
+      {"gbps", file.gbps}};
+  if (file.made_on) v["made_on"] = file.made_on->ToJson();
+  v["points"] = std::move(points);
   if (absl::Status s = json::WriteFile(path, v); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("calibration file: ", s.message()));
   }

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -118,14 +119,37 @@ struct CalibrationPoint {
 // fewer than 3 points or non-positive times.
 absl::StatusOr<FittedCoefficients> FitCoefficients(const std::vector<CalibrationPoint>& points);
 
+// What a calibration was measured on, and what a run runs on. A fit carries over only where the
+// two agree: elsewhere it is refused, or rescaled when the user asks (RescaleFit).
+struct RingContext {
+  std::string backend;  // "cpu", "cuda", "cuda-staged"
+  int cp_size = 0;
+  int tp_size = 0;
+  int num_nodes = 0;
+  std::string link;  // the CP ring's path, e.g. "nccl within a node, NCCL_P2P_DISABLE=1"
+  nlohmann::ordered_json ToJson() const;
+};
+// What differs, one entry per field: "CP 2 (the fit) vs 4 (this run)"; empty when all agree.
+std::vector<std::string> Differences(const RingContext& fit, const RingContext& run);
+
 // Calibration file (written by `cpfill calibrate`, read by `--fit`): JSON object with at least
-// "a", "b", "c"; optional "tflops", "gbps" (measured C and BW) and "points".
+// "a", "b", "c"; optional "tflops", "gbps" (measured C and BW), "made_on" (a RingContext;
+// absent in a hand-written fit, whose coefficients are taken as given, as the paper's are) and
+// "points".
 struct CalibrationFile {
   FittedCoefficients fitted;
   double tflops = 0;  // 0 when absent
   double gbps = 0;
+  std::optional<RingContext> made_on;
   std::vector<CalibrationPoint> points;
 };
+
+// The fit moved to another ring: the boundary h = 0 shifts along ln T as the eq. 2 threshold
+// T* = N*C*N_KV*e / (2*N_H*BW) shifts from the fit's (N, C, BW) to the run's, that is
+// c' = c - a ln(T*_run / T*_fit). A C or BW unknown on either side (0) counts as unchanged.
+// The source names the rescaling.
+FittedCoefficients RescaleFit(const CalibrationFile& file, int run_cp_size,
+                              const SystemSpec& run_system);
 absl::StatusOr<CalibrationFile> ReadCalibrationFile(const std::string& path);
 absl::Status WriteCalibrationFile(const std::string& path, const CalibrationFile& file);
 

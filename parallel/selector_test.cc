@@ -340,6 +340,8 @@ TEST(SelectorCalibrationFile, RoundTrips) {
   file.tflops = 512.5;
   file.gbps = 24;
   file.points = {{1280, 126720, 0.9, 0.8}, {128000, 0, 11.4, 12.3}};
+  file.made_on = RingContext{
+      .backend = "cuda", .cp_size = 4, .tp_size = 8, .num_nodes = 4, .link = "nccl across nodes"};
   const std::string path = ::testing::TempDir() + "/selector_calibration.json";
   ASSERT_TRUE(WriteCalibrationFile(path, file).ok());
   absl::StatusOr<CalibrationFile> back = ReadCalibrationFile(path);
@@ -355,6 +357,52 @@ TEST(SelectorCalibrationFile, RoundTrips) {
   EXPECT_EQ(back->points[0].cached_tokens, 126720);
   EXPECT_EQ(back->points[1].pass_kv_s, 11.4);
   EXPECT_EQ(back->points[1].pass_q_s, 12.3);
+  ASSERT_TRUE(back->made_on.has_value());
+  EXPECT_TRUE(Differences(*file.made_on, *back->made_on).empty());
+  EXPECT_EQ(back->made_on->link, "nccl across nodes");
+}
+
+TEST(SelectorCalibrationFile, DifferencesNameEachField) {
+  const RingContext fit{
+      .backend = "cuda", .cp_size = 2, .tp_size = 1, .num_nodes = 2, .link = "nccl across nodes"};
+  EXPECT_TRUE(Differences(fit, fit).empty());
+  RingContext run = fit;
+  run.cp_size = 4;
+  run.link = "nccl across nodes, NCCL_P2P_DISABLE=1";
+  EXPECT_EQ(Differences(fit, run),
+            (std::vector<std::string>{"CP 2 (the fit) vs 4 (this run)",
+                                      "link 'nccl across nodes' (the fit) vs 'nccl across nodes, "
+                                      "NCCL_P2P_DISABLE=1' (this run)"}));
+  run = fit;
+  run.backend = "cpu";
+  run.tp_size = 2;
+  EXPECT_EQ(Differences(fit, run),
+            (std::vector<std::string>{"backend cuda (the fit) vs cpu (this run)",
+                                      "TP 1 (the fit) vs 2 (this run)"}));
+}
+
+// Rescaled from CP2 to CP4 at a quarter of the bandwidth, the fitted boundary sits at 8x the new
+// tokens (the eq. 2 threshold N*C/BW grew 8x) for every miss rate.
+TEST(SelectorFit, RescaleMovesTheBoundaryWithTheEq2Threshold) {
+  CalibrationFile file;
+  file.fitted = {.a = -1.0, .b = 1.2, .c = 10, .source = "calibrate"};
+  file.tflops = 300;
+  file.gbps = 40;
+  file.made_on = RingContext{
+      .backend = "cuda", .cp_size = 2, .tp_size = 1, .num_nodes = 2, .link = "nccl across nodes"};
+  const FittedCoefficients moved = RescaleFit(file, 4, {.tflops = 300, .gbps = 10});
+  EXPECT_EQ(moved.a, file.fitted.a);
+  EXPECT_EQ(moved.b, file.fitted.b);
+  EXPECT_NE(moved.source.find("rescaled to CP4"), std::string::npos) << moved.source;
+  for (double m : {0.01, 0.1, 1.0}) {
+    // h = 0 at ln T = -(b ln m + c) / a.
+    const double t_fit = std::exp(-(file.fitted.b * std::log(m) + file.fitted.c) / file.fitted.a);
+    const double t_run = std::exp(-(moved.b * std::log(m) + moved.c) / moved.a);
+    EXPECT_NEAR(t_run / t_fit, 8.0, 1e-9) << "miss rate " << m;
+  }
+  // Unknown C or BW on either side: only the CP size moves it.
+  const FittedCoefficients cp_only = RescaleFit(file, 4, {.tflops = 0, .gbps = 0});
+  EXPECT_NEAR(cp_only.c, file.fitted.c - file.fitted.a * std::log(2.0), 1e-12);
 }
 
 void WriteText(const std::string& path, const std::string& text) {

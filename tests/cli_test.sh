@@ -179,10 +179,11 @@ check_partial_prefill)
     expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" attention --seq-lens 301,17,5 \
       --cached-lens 900,33,0 --heads 8 --kv-heads 1 --head-dim 64 --algo $algo --check
   done
-  # The selector's decisions, not its wording: a 2% miss rate (40 new tokens after 2000 cached)
-  # runs pass-Q, a full prefill of the same size class runs pass-KV; both checked against one rank.
-  expect_exit 0 'check: .*PASS' -- mpi 3 "$cpfill" attention --seq-lens 40 \
-    --cached-lens 2000 --heads 8 --kv-heads 1 --head-dim 64 --check --json "$tmp/partial.json"
+  # The selector's decisions, not its wording: 8 new tokens after 8000 cached (0.1% miss, below
+  # the CPU backend's eq. 2 threshold of ~23 tokens at CP3) runs pass-Q, a full prefill runs
+  # pass-KV; both checked against one rank.
+  expect_exit 0 'check: .*PASS' -- mpi 3 "$cpfill" attention --seq-lens 8 \
+    --cached-lens 8000 --heads 8 --kv-heads 1 --head-dim 64 --check --json "$tmp/partial.json"
   expect_exit 0 'check: .*PASS' -- mpi 3 "$cpfill" attention --seq-lens 4000 \
     --heads 8 --kv-heads 1 --head-dim 64 --check --json "$tmp/full.json"
   "$py" - "$tmp/partial.json" "$tmp/full.json" <<'PY' || fail "the selector's decision"
@@ -268,13 +269,32 @@ multigpu_stopped_rank_named)
   ;;
 calibrate_writes_fit)
   expect_exit 0 'wrote' -- mpi 2 "$cpfill" calibrate --heads 2 --kv-heads 1 --head-dim 16 \
-    --context-lens 512 --miss-rates 0.02,0.1,0.5,1 --repeat 1 --compute-tokens 256 \
+    --context-lens 512 --miss-rates 0.02,0.05,0.1,0.2,0.5,1 --repeat 1 --compute-tokens 256 \
     --bandwidth-bytes 1000000 --out "$tmp/fit.json" --json "$tmp/cal.json"
   "$py" -c "import json; k=json.load(open('$tmp/cal.json'))['knobs']; assert k['CPFILL_HOPPER_SCHEDULE'] == 'dynamic', k" ||
     fail "calibrate JSON lacks the knobs"
   # --fit selects with the calibrated coefficients, not the paper's.
   expect_exit 0 '"rule": *"fitted".*"coefficients_source": *"cpfill calibrate' -- "$cpfill" \
     select --heads 2 --kv-heads 1 --cp 2 --new-tokens 100 --cached-tokens 1000 --fit "$tmp/fit.json"
+  # The fit records its ring and the regret on held-out lengths.
+  "$py" -c "import json
+f = json.load(open('$tmp/fit.json'))['made_on']
+assert f == {'backend': 'cpu', 'cp_size': 2, 'tp_size': 1, 'num_nodes': 1,
+             'link': 'mpi within a node'}, f
+h = json.load(open('$tmp/cal.json'))['regret_held_out']
+assert h['points'] == 3 and set(h) >= {'alg1', 'alg5', 'fitted', 'fit'}, h" ||
+    fail "the fit lacks its ring, or calibrate's JSON the held-out regret"
+  # Made on CP2: refused on a CP4 ring or at --tp 2 (each difference named), used with
+  # --fit-rescale (the boundary moved, and said so).
+  expect_exit 2 'calibrated on another ring: CP 2 \(the fit\) vs 4 \(this run\); nodes 1 \(the fit\) vs 2' \
+    -- mpi 4 "$cpfill" attention --seq-lens 64 --heads 2 --kv-heads 1 --head-dim 16 \
+    --ranks-per-node 2 --fit "$tmp/fit.json"
+  expect_exit 2 'TP 1 \(the fit\) vs 2 \(this run\)' -- mpi 2 "$cpfill" attention --seq-lens 64 \
+    --heads 2 --kv-heads 2 --head-dim 16 --tp 2 --fit "$tmp/fit.json"
+  expect_exit 0 'selector \(fitted, .*rescaled to CP4' -- mpi 4 "$cpfill" attention --seq-lens 64 \
+    --heads 2 --kv-heads 1 --head-dim 16 --ranks-per-node 2 --fit "$tmp/fit.json" --fit-rescale
+  expect_exit 2 'calibrated at CP 2, not --cp 4' -- "$cpfill" select --heads 2 --kv-heads 1 \
+    --cp 4 --new-tokens 100 --fit "$tmp/fit.json"
   ;;
 cuda_backend_check)
   # The CUDA kernel inside the host ring (2 ranks may share one GPU), and the device ring on one
