@@ -9,7 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/json_io.h"
 #include "base/knobs.h"
+#include "base/status.h"
 #include "launch/attention_job.h"
 #include "launch/backend.h"
 #include "launch/commands.h"
@@ -145,6 +147,23 @@ nlohmann::ordered_json Report(const AttentionFlags& f, const AttentionBatch& b,
   return report;
 }
 
+// The last run's ring steps of every rank (the text table shows world rank 0's alone), in world
+// rank order, each with its place in the grid; collective.
+absl::StatusOr<nlohmann::ordered_json> EveryRanksSteps(const parallel::RingTimings& last,
+                                                       const parallel::ProcessGrid& grid,
+                                                       double flops_per_pair) {
+  nlohmann::ordered_json mine = RingTimingsJson(last, flops_per_pair);
+  mine["world_rank"] = grid.world_rank;
+  mine["node"] = grid.node;
+  mine["tp_rank"] = grid.tp_rank;
+  mine["cp_rank"] = grid.cp_rank;
+  CPFILL_ASSIGN_OR_RETURN(std::string text, json::Dump(mine));
+  CPFILL_ASSIGN_OR_RETURN(std::vector<std::string> all, parallel::AllGatherText(*grid.world, text));
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (const std::string& t : all) out.push_back(nlohmann::ordered_json::parse(t));
+  return out;
+}
+
 nlohmann::ordered_json CheckJson(const AttentionCheck& c, double tolerance) {
   return {{"max_abs_o", c.max_abs_o},     {"rel_fro_o", c.rel_fro_o},
           {"max_abs_lse", c.max_abs_lse}, {"lse_inf_mismatches", c.lse_inf_mismatch},
@@ -252,9 +271,16 @@ int Run(int argc, char** argv) {
     }
     session.Print("saved q, k, v, o, lse to %s\n", f.save_file);
   }
+  nlohmann::ordered_json ranks;  // every rank's steps of the last run (collective)
+  if (!f.json_file.empty()) {
+    auto gathered = EveryRanksSteps(last, grid, batch->flops_per_pair());
+    if (!gathered.ok()) session.Fail(gathered.status());
+    ranks = *std::move(gathered);
+  }
   if (session.is_root() && !f.json_file.empty()) {
     nlohmann::ordered_json report =
         Report(f, *batch, grid, **backend, threads, *choice, *sel, algo, *runs);
+    report["ranks"] = std::move(ranks);
     if (f.check) report["check"] = CheckJson(check, f.tolerance);
     session.WriteReport(f.json_file, std::move(report));
   }

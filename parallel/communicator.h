@@ -18,6 +18,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -81,5 +82,9 @@ class Communicator {
 // Agrees on a verdict: true on every rank iff `ok` on every rank. Used by multi-rank tests and
 // by --check so all ranks exit with the same code.
 absl::StatusOr<bool> AllRanksOk(Communicator& comm, bool ok);
+
+// Every rank's `text`, in rank order, on every rank (two all-gathers: the lengths, then the
+// texts padded to the longest). For reports that show every rank, not one.
+absl::StatusOr<std::vector<std::string>> AllGatherText(Communicator& comm, const std::string& text);
 
 }  // namespace cpfill::parallel

@@ -61,6 +61,22 @@ absl::StatusOr<bool> AllRanksOk(Communicator& comm, bool ok) {
   return verdict == 1;
 }
 
+absl::StatusOr<std::vector<std::string>> AllGatherText(Communicator& comm,
+                                                       const std::string& text) {
+  const int n = comm.size();
+  const int64_t mine = static_cast<int64_t>(text.size());
+  std::vector<int64_t> lengths(n);
+  CPFILL_RETURN_IF_ERROR(comm.AllGather(&mine, sizeof(mine), lengths.data()));
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  std::string padded = text;
+  padded.resize(static_cast<size_t>(longest));
+  std::string all(static_cast<size_t>(longest * n), '\0');
+  if (longest > 0) CPFILL_RETURN_IF_ERROR(comm.AllGather(padded.data(), longest, all.data()));
+  std::vector<std::string> out(n);
+  for (int r = 0; r < n; ++r) out[r] = all.substr(static_cast<size_t>(r * longest), lengths[r]);
+  return out;
+}
+
 namespace internal {
 
 using Clock = std::chrono::steady_clock;
@@ -698,9 +714,11 @@ absl::StatusOr<std::unique_ptr<MpiRuntime>> MpiRuntime::Embed(const void* mpi_co
     MPI_Query_thread(&provided);
   }
   if (provided < MPI_THREAD_MULTIPLE) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "MPI runs at thread level ", provided, "; cpfill's progress thread and the program's "
-        "threads need MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE, ") from MPI_Init_thread"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("MPI runs at thread level ", provided,
+                     "; cpfill's progress thread and the program's "
+                     "threads need MPI_THREAD_MULTIPLE (",
+                     MPI_THREAD_MULTIPLE, ") from MPI_Init_thread"));
   }
   const MPI_Comm comm =
       mpi_comm == nullptr ? MPI_COMM_WORLD : *static_cast<const MPI_Comm*>(mpi_comm);

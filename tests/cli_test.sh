@@ -214,6 +214,13 @@ assert r["selection"]["choice"] in ("pass-kv", "pass-q"), r["selection"]
 k = r["knobs"]
 assert k["CPFILL_HOPPER_MAX_CTAS"] == "5" and k["CPFILL_ATTENTION_KERNEL"] == "auto", k
 assert k["OMPI_COMM_WORLD_LOCAL_SIZE"] == "2", k  # set by mpirun: ranks on this host
+# Every rank's steps, not rank 0's alone: its own ring position, its own step sources.
+ranks = r["ranks"]
+assert [x["world_rank"] for x in ranks] == [0, 1] and [x["cp_rank"] for x in ranks] == [0, 1], ranks
+for x in ranks:
+    sources = [s["source_cp_rank"] for s in x["steps"]]
+    assert len(sources) == 2 and sources[0] == x["cp_rank"], (x["cp_rank"], sources)
+assert ranks[0]["steps"][1]["source_cp_rank"] != ranks[1]["steps"][1]["source_cp_rank"], ranks
 print("json ok:", r["algorithm"], r["median_slowest_rank_total_ms"], "ms")
 PY
   ;;
