@@ -8,10 +8,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build}
 
+# slurm-wlm and munge: tests/slurm runs the Slurm job scripts on a one-node Slurm it starts with
+# its own configuration (it needs none of the packages' services);
+# libpmix-dev: Slurm's mpi/pmix plugin loads libpmix.so, which only the -dev package provides.
 packages=(cmake ninja-build g++ make pkg-config python3 python3-venv curl
           libopenmpi-dev openmpi-bin libabsl-dev libucx-dev nlohmann-json3-dev
           libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
-          libcpp-httplib-dev libpcre2-dev clang libclang-rt-14-dev)
+          libcpp-httplib-dev libpcre2-dev clang libclang-rt-14-dev
+          slurm-wlm munge libpmix-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
