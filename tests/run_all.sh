@@ -3,7 +3,7 @@
 #   1. launch/setup.sh (packages, build/), then every CTest of build/: unit, mpi, the CLI fuzz
 #      suite (label fuzz); gpu and multigpu tests skip with a message where there is no GPU;
 #   2. build-asan: the same sources under AddressSanitizer + UndefinedBehaviorSanitizer (CPU
-#      only), running the unit and mpi tests: any finding fails;
+#      only), running the unit and mpi tests (not the Slurm scripts' test): any finding fails;
 #   3. build-fuzz: the libFuzzer targets of the safetensors and config.json readers, each for
 #      FUZZ_SECONDS (default 45) from a valid seed: any crash or sanitizer report fails.
 # Each stage says where it failed; later stages do not run after a failure.
@@ -29,7 +29,7 @@ if [ ! -f "$asan/build.ninja" ]; then
 fi
 cmake --build "$asan" -j "${JOBS:-$(nproc)}" ||
   { echo "run_all: building the sanitized build ($asan) failed" >&2; exit 1; }
-ctest --test-dir "$asan" -L 'unit|mpi' --output-on-failure -j 2
+ctest --test-dir "$asan" -L 'unit|mpi' -LE slurm --output-on-failure -j 2
 
 stage "3/3 libFuzzer (build-fuzz/): safetensors and config.json readers"
 bash tests/fuzz/run_libfuzzer.sh "${FUZZ_BUILD_DIR:-build-fuzz}" "${FUZZ_SECONDS:-45}"
