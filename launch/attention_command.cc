@@ -19,6 +19,7 @@
 #include "launch/ring_report.h"
 #include "launch/selector_flags.h"
 #include "launch/session.h"
+#include "launch/trace.h"
 
 namespace cpfill::launch {
 namespace {
@@ -34,6 +35,7 @@ struct AttentionFlags {
   double tolerance = 1e-4;
   std::string save_file;
   std::string json_file;
+  std::string trace_file;
   int repeat = 1;
   std::string backend = "auto";
   SessionFlags session;
@@ -59,6 +61,8 @@ void DefineFlags(FlagSet& flags, AttentionFlags* f) {
   flags.String("save", &f->save_file,
                "write q, k, v, o, lse in global token order to this safetensors file");
   flags.String("json", &f->json_file, "write the report as JSON to this file");
+  flags.String("trace", &f->trace_file,
+               "write the last run's timeline, every rank, as Chrome trace-event JSON (Perfetto)");
   flags.Int("repeat", &f->repeat, "runs of the batch (timings of each; the median is reported)")
       .Within({1, 1e6});
   flags.Int("seed", &f->seed, "seed of the synthetic inputs").Within(Range::AtLeast(0));
@@ -147,17 +151,12 @@ nlohmann::ordered_json Report(const AttentionFlags& f, const AttentionBatch& b,
   return report;
 }
 
-// The last run's ring steps of every rank (the text table shows world rank 0's alone), in world
-// rank order, each with its place in the grid; collective.
+// The last run's steps and spans of every rank (the text table shows world rank 0's alone), in
+// world rank order, each with its place in the grid (trace.h's RankSteps); collective.
 absl::StatusOr<nlohmann::ordered_json> EveryRanksSteps(const parallel::RingTimings& last,
                                                        const parallel::ProcessGrid& grid,
                                                        double flops_per_pair) {
-  nlohmann::ordered_json mine = RingTimingsJson(last, flops_per_pair);
-  mine["world_rank"] = grid.world_rank;
-  mine["node"] = grid.node;
-  mine["tp_rank"] = grid.tp_rank;
-  mine["cp_rank"] = grid.cp_rank;
-  CPFILL_ASSIGN_OR_RETURN(std::string text, json::Dump(mine));
+  CPFILL_ASSIGN_OR_RETURN(std::string text, json::Dump(RankSteps(last, grid, flops_per_pair)));
   CPFILL_ASSIGN_OR_RETURN(std::vector<std::string> all, parallel::AllGatherText(*grid.world, text));
   nlohmann::ordered_json out = nlohmann::ordered_json::array();
   for (const std::string& t : all) out.push_back(nlohmann::ordered_json::parse(t));
@@ -201,7 +200,10 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
-  if (auto bad = session.CheckOutputs({{"save", f.save_file}, {"json", f.json_file}})) return *bad;
+  if (auto bad = session.CheckOutputs(
+          {{"save", f.save_file}, {"json", f.json_file}, {"trace", f.trace_file}})) {
+    return *bad;
+  }
 
   // Plan: every rank reaches the same verdict on the input.
   f.spec.causal = !f.non_causal;
@@ -272,10 +274,18 @@ int Run(int argc, char** argv) {
     session.Print("saved q, k, v, o, lse to %s\n", f.save_file);
   }
   nlohmann::ordered_json ranks;  // every rank's steps of the last run (collective)
-  if (!f.json_file.empty()) {
+  if (!f.json_file.empty() || !f.trace_file.empty()) {
     auto gathered = EveryRanksSteps(last, grid, batch->flops_per_pair());
     if (!gathered.ok()) session.Fail(gathered.status());
     ranks = *std::move(gathered);
+  }
+  if (session.is_root() && !f.trace_file.empty()) {
+    if (absl::Status s = json::WriteFile(f.trace_file, ChromeTrace(ranks)); !s.ok()) {
+      session.Fail(absl::Status(s.code(), absl::StrCat("--trace: ", s.message())));
+    }
+    session.Print(
+        "wrote the timeline of every rank's last run to %s (Perfetto, chrome://tracing)\n",
+        f.trace_file);
   }
   if (session.is_root() && !f.json_file.empty()) {
     nlohmann::ordered_json report =

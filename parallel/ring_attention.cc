@@ -267,6 +267,14 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> RingAttention::StartExchange(
   return cp_.StartRingExchange(msg[cur], msg[1 - cur], bytes);
 }
 
+void RingAttention::AddSpan(RingTimings* t, std::string name, const char* lane, int origin, int a,
+                            int b) const {
+  t->spans.push_back({.name = std::move(name),
+                      .lane = lane,
+                      .start_s = ops_->Seconds(origin, a),
+                      .duration_s = std::max(0.0, ops_->Seconds(a, b))});
+}
+
 // A step's attention between two marks, then the wait for the exchange that overlapped it (on a
 // GPU the compute stream waits, not the host), marked too.
 absl::Status RingAttention::ComputeStep(const RingStepArgs& a, const RingStepTiming& step,
@@ -300,9 +308,16 @@ void RingAttention::StepLog::Report(RingAttention& ring, RingTimings* t) {
     RingStepTiming& step = steps[reported];
     const StepMarks& mk = marks[reported];
     step.compute_s = ops.Seconds(mk.c0, mk.c1);
+    const std::string name = absl::StrCat("step ", step.step);
+    ring.AddSpan(t, absl::StrCat(name, " attention"), "compute", origin, mk.c0, mk.c1);
     if (const PendingExchange* ex = exchanges[reported].get()) {
       step.transfer_s = ex->transfer_s();
       step.wait_s = std::max(0.0, ops.Seconds(mk.c1, mk.w1));
+      ring.AddSpan(t, absl::StrCat(name, " wait"), "compute", origin, mk.c1, mk.w1);
+      t->spans.push_back({.name = absl::StrCat(name, " exchange"),
+                          .lane = "exchange",
+                          .start_s = ops.Seconds(origin, mk.c0),
+                          .duration_s = step.transfer_s});
     }
     t->visible_pairs += step.visible_pairs;
     t->steps.push_back(step);
@@ -321,9 +336,8 @@ absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* 
   CPFILL_ASSIGN_OR_RETURN(msg[0], Scratch(kMsg0, m.bytes));
   CPFILL_ASSIGN_OR_RETURN(msg[1], Scratch(kMsg1, m.bytes));
   CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(n)));
-  StepLog log(n);
-
   const int p0 = ops_->Mark();
+  StepLog log(n, p0);
   CPFILL_RETURN_IF_ERROR(PackKv(k, v, msg[0]));  // KV_k^k: this rank's KV, padded to L^i
   const int p1 = ops_->Mark();
 
@@ -360,6 +374,7 @@ absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* 
   }
   CPFILL_RETURN_IF_ERROR(ops_->Finish());
   t->pack_s += ops_->Seconds(p0, p1);
+  AddSpan(t, "pack", "compute", p0, p0, p1);
   log.Report(*this, t);
   return absl::OkStatus();
 }
@@ -386,9 +401,8 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   float* partials = reinterpret_cast<float*>(partials_bytes);
   float* received = reinterpret_cast<float*>(received_bytes);
   CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(n)));
-  StepLog log(n);
-
   const int p0 = ops_->Mark();
+  StepLog log(n, p0);
   CPFILL_RETURN_IF_ERROR(PackQ(q, msg[0]));  // Q_k^k
   const int p1 = ops_->Mark();
 
@@ -451,6 +465,10 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   t->pack_s += ops_->Seconds(p0, p1) + ops_->Seconds(m1, u1);
   t->all_to_all_s = ops_->Seconds(a0, a1);
   t->merge_s = ops_->Seconds(a1, m1);
+  AddSpan(t, "pack", "compute", p0, p0, p1);
+  AddSpan(t, "all-to-all", "exchange", p0, a0, a1);
+  AddSpan(t, "merge", "compute", p0, a1, m1);
+  AddSpan(t, "unpack", "compute", p0, m1, u1);
   log.Report(*this, t);
   return absl::OkStatus();
 }
@@ -505,6 +523,10 @@ absl::Status RingAttention::RunAllGather(const void* q, const void* k, const voi
   t->steps.push_back(step);
   t->pack_s += ops_->Seconds(p0, g0) + ops_->Seconds(g1, r1);
   t->all_gather_s = ops_->Seconds(g0, g1);
+  AddSpan(t, "pack", "compute", p0, p0, g0);
+  AddSpan(t, "all-gather", "exchange", p0, g0, g1);
+  AddSpan(t, "repack", "compute", p0, g1, r1);
+  AddSpan(t, "attention", "compute", p0, r1, c1);
   if (on_step_) on_step_(step, 1);
   return absl::OkStatus();
 }
@@ -517,6 +539,8 @@ absl::Status RingAttention::Run(RingAlgorithm algorithm, const void* q, const vo
   RingTimings* t = timings ? timings : &local;
   *t = RingTimings{};
   t->algorithm = algorithm;
+  t->start_unix_s =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   const auto t0 = Clock::now();
   // Another ring may have used the ops since this one was created.
   absl::Status status = BindPositions();

@@ -222,17 +222,21 @@ class RingAttention {
   // ops time on the host, else all at once after Finish(). Keeps the exchanges, whose transfer
   // times are read then.
   struct StepLog {
-    explicit StepLog(int num_steps) : num_steps(num_steps) {}
+    // `origin`: the run's first mark, from which spans are timed.
+    StepLog(int num_steps, int origin) : num_steps(num_steps), origin(origin) {}
     void Add(RingAttention& ring, RingTimings* t, const RingStepTiming& step,
              const StepMarks& marks, std::unique_ptr<PendingExchange> exchange);
     void Report(RingAttention& ring, RingTimings* t);
 
     int num_steps;
+    int origin;
     size_t reported = 0;
     std::vector<RingStepTiming> steps;
     std::vector<StepMarks> marks;
     std::vector<std::unique_ptr<PendingExchange>> exchanges;
   };
+  // A span from mark a to mark b, timed from mark `origin` (after Finish, or at once on the host).
+  void AddSpan(RingTimings* t, std::string name, const char* lane, int origin, int a, int b) const;
   absl::Status ComputeStep(const RingStepArgs& a, const RingStepTiming& step,
                            std::unique_ptr<PendingExchange> exchange, RingTimings* t, StepLog& log);
   // Makes the ops hold this ring's positions (another ring may have replaced them).

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "attention/attention.h"
@@ -34,8 +35,21 @@ struct RingStepTiming {
   int64_t chunk_pairs_hidden = 0;
 };
 
+// One interval of a ring run on one rank, for timelines (--trace): seconds from the run's first
+// mark. Lane "compute" holds the packing, each step's attention, its exposed wait and the merge
+// (on a GPU: the compute stream); lane "exchange" the ring transfers (drawn from the step's
+// compute start, when they were posted, for their measured duration) and the collectives.
+struct RingSpan {
+  std::string name;  // "step 2 attention", "step 2 wait", "step 2 exchange", "all-to-all", ...
+  std::string lane;  // "compute" | "exchange"
+  double start_s = 0;
+  double duration_s = 0;
+};
+
 struct RingTimings {
   RingAlgorithm algorithm = RingAlgorithm::kPassKV;
+  double start_unix_s = 0;  // wall clock (system) when the run began, to line ranks up
+  std::vector<RingSpan> spans;
   std::vector<RingStepTiming> steps;
   double pack_s = 0;        // copies into message layout and back
   double all_gather_s = 0;  // all-gather baseline only

@@ -223,6 +223,27 @@ for x in ranks:
 assert ranks[0]["steps"][1]["source_cp_rank"] != ranks[1]["steps"][1]["source_cp_rank"], ranks
 print("json ok:", r["algorithm"], r["median_slowest_rank_total_ms"], "ms")
 PY
+  # --trace: every rank's last run as a timeline, TP2 x CP2 pass-Q on two emulated nodes.
+  expect_exit 0 'wrote the timeline' -- mpi 4 "$cpfill" attention --seq-lens 300,20 \
+    --cached-lens 0,100 --heads 4 --kv-heads 2 --head-dim 16 --tp 2 --ranks-per-node 2 \
+    --algo pass-q --trace "$tmp/t.json"
+  "$py" - "$tmp/t.json" <<'PY' || fail "trace incomplete"
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+assert names[3] == "rank 3 (node 1, TP rank 1, CP rank 1)", names
+for pid in range(4):
+    spans = {e["name"]: e for e in events if e["ph"] == "X" and e["pid"] == pid}
+    want = {"pack", "step 0 attention", "step 0 exchange", "step 0 wait", "step 1 attention",
+            "all-to-all", "merge", "unpack"}
+    assert want <= set(spans), (pid, sorted(spans))
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in spans.values()), spans
+    assert spans["step 0 exchange"]["tid"] == spans["all-to-all"]["tid"] != spans["merge"]["tid"]
+    # In order on the compute lane: the pack, the steps, the merge after the all-to-all.
+    assert spans["pack"]["ts"] <= spans["step 0 attention"]["ts"] < spans["step 1 attention"]["ts"]
+    assert spans["merge"]["ts"] >= spans["all-to-all"]["ts"] + spans["all-to-all"]["dur"] - 1
+print("trace ok:", len(events), "events")
+PY
   ;;
 dead_rank_ends_job)
   # Rank 2 dies before the ring: the job must end, non-zero, well before the CTest timeout.
