@@ -1,5 +1,6 @@
 #include "base/knobs.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -52,6 +53,11 @@ constexpr KnobSpec kKnobs[] = {
      /*external=*/true},
     {kLaunchRankPmix, KnobType::kInt, "-1", "-1..100000000",
      "set by srun --mpi=pmix: this process's world rank (as OMPI_COMM_WORLD_RANK)",
+     /*external=*/true},
+    {kSlurmStepTasks, KnobType::kInt, "0", "0..100000000",
+     "set by srun: the job step's tasks (with SLURM_STEP_NUM_NODES: ranks per host)",
+     /*external=*/true},
+    {kSlurmStepNodes, KnobType::kInt, "0", "0..100000000", "set by srun: the job step's nodes",
      /*external=*/true},
     // NCCL's own transport switches (the GPU hosts emulate slower links with them): recorded in
     // a calibration's link, since they change the ring's bandwidth.
@@ -149,6 +155,13 @@ int64_t Int(std::string_view name) {
 std::string Choice(std::string_view name) { return Text(Typed(name, KnobType::kChoice)); }
 
 std::string Text(std::string_view name) { return Text(Typed(name, KnobType::kText)); }
+
+int64_t LocalRanks() {
+  if (IsSet(kLocalRanks)) return std::max<int64_t>(1, Int(kLocalRanks));
+  const int64_t tasks = Int(kSlurmStepTasks), nodes = Int(kSlurmStepNodes);
+  if (tasks > 0 && nodes > 0) return (tasks + nodes - 1) / nodes;
+  return 1;
+}
 
 bool IsSet(std::string_view name) {
   return std::getenv(std::string(Find(name).name).c_str()) != nullptr;

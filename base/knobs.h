@@ -53,6 +53,8 @@ inline constexpr std::string_view kTestFaultAt = "CPFILL_TEST_FAULT_AT";
 inline constexpr std::string_view kLocalRanks = "OMPI_COMM_WORLD_LOCAL_SIZE";
 inline constexpr std::string_view kLaunchRankOmpi = "OMPI_COMM_WORLD_RANK";
 inline constexpr std::string_view kLaunchRankPmix = "PMIX_RANK";
+inline constexpr std::string_view kSlurmStepTasks = "SLURM_STEP_NUM_TASKS";
+inline constexpr std::string_view kSlurmStepNodes = "SLURM_STEP_NUM_NODES";
 inline constexpr std::string_view kNcclP2pDisable = "NCCL_P2P_DISABLE";
 inline constexpr std::string_view kNcclShmDisable = "NCCL_SHM_DISABLE";
 inline constexpr std::string_view kNcclNet = "NCCL_NET";
@@ -69,6 +71,10 @@ std::string Choice(std::string_view name);
 std::string Text(std::string_view name);
 // True when the environment sets the knob (to anything).
 bool IsSet(std::string_view name);
+
+// Ranks the launcher started on this host, known before MPI starts: mpirun's local size, else
+// srun's tasks over nodes (the grid insists on the same count per host), else 1.
+int64_t LocalRanks();
 
 // InvalidArgument naming the first knob whose environment value is malformed or out of range,
 // with the allowed values. Launch calls it on every rank before any work.

@@ -32,9 +32,38 @@ TEST_F(KnobsTest, EveryNameIsDeclaredOnceWithADefaultThatPassesItsOwnCheck) {
   for (std::string_view n :
        {kAttentionKernel, kAttentionVariant, kHopperPingPong, kHopperPersistent, kHopperQBuffers,
         kHopperMaxCtas, kHopperSchedule, kDecodeKernel, kRanksPerNode, kTestExitRank,
-        kTestStallRank, kLocalRanks}) {
+        kTestStallRank, kLocalRanks, kSlurmStepTasks, kSlurmStepNodes, kNcclP2pDisable,
+        kNcclShmDisable, kNcclNet}) {
     EXPECT_TRUE(seen.count(n)) << n;
   }
+}
+
+// mpirun's count first; under srun (no OMPI_ variables) tasks over nodes; alone, 1.
+TEST_F(KnobsTest, LocalRanksFromEitherLauncher) {
+  EXPECT_EQ(LocalRanks(), 1);
+  setenv("SLURM_STEP_NUM_TASKS", "8", 1);
+  setenv("SLURM_STEP_NUM_NODES", "2", 1);
+  ResetCacheForTests();
+  EXPECT_EQ(LocalRanks(), 4);
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3", 1);
+  ResetCacheForTests();
+  EXPECT_EQ(LocalRanks(), 3);
+  for (const char* name :
+       {"SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
+    unsetenv(name);
+  }
+  ResetCacheForTests();
+}
+
+// Another program's variable (NCCL's) is recorded as it is, whatever it holds.
+TEST_F(KnobsTest, TextKnobsTakeAnyValue) {
+  EXPECT_EQ(Text(kNcclNet), "");
+  setenv("NCCL_NET", "Socket", 1);
+  ResetCacheForTests();
+  EXPECT_TRUE(Validate().ok());
+  EXPECT_EQ(Text(kNcclNet), "Socket");
+  unsetenv("NCCL_NET");
+  ResetCacheForTests();
 }
 
 TEST_F(KnobsTest, DefaultsWhenUnsetAndEnvironmentWhenValid) {

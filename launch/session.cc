@@ -127,9 +127,9 @@ int Session::ThreadsPerRank(const parallel::ProcessGrid& grid) const {
   if (flags_.threads > 0) return flags_.threads;
   const int cores = std::max(1u, std::thread::hardware_concurrency());
   // The cores are shared by every rank on the host, which may hold several (emulated) nodes:
-  // Open MPI says how many ranks it started here; the node size is the fallback.
+  // The launcher says how many ranks it started here; the node size is the fallback.
   int host_ranks = grid.ranks_per_node;
-  host_ranks = std::max(host_ranks, static_cast<int>(knobs::Int(knobs::kLocalRanks)));
+  host_ranks = std::max(host_ranks, static_cast<int>(knobs::LocalRanks()));
   return std::max(1, cores / std::max(1, host_ranks));
 }
 

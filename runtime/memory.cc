@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <fstream>
-#include <string>
 #include <limits>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -81,7 +81,7 @@ absl::StatusOr<int64_t> HostBytesAvailable() {
   // The host's and the container's share go to every rank on it; an address-space limit is
   // this process's own.
   const int64_t shared = std::min(available, CgroupMemoryLeft());
-  return std::min(shared / knobs::Int(knobs::kLocalRanks), AddressSpaceLeft());
+  return std::min(shared / knobs::LocalRanks(), AddressSpaceLeft());
 }
 
 int64_t HostWeightBytes(const ModelConfig& c, int tp_size) {
@@ -111,18 +111,18 @@ absl::Status CheckFitsOnEveryRank(parallel::Communicator& world, const std::stri
     if (absl::StatusOr<int64_t> f = free_bytes(); f.ok()) free = *f;
   }
   int64_t worst = need_bytes > free ? need_bytes - free : 0;
-  CPFILL_RETURN_IF_ERROR(world.AllReduce(&worst, 1, parallel::DataType::kInt64,
-                                         parallel::ReduceOp::kMax));
+  CPFILL_RETURN_IF_ERROR(
+      world.AllReduce(&worst, 1, parallel::DataType::kInt64, parallel::ReduceOp::kMax));
   if (worst == 0) return absl::OkStatus();
   // The rank short by the most (the lowest such rank) tells everyone its numbers.
   const int64_t none = std::numeric_limits<int64_t>::min();
   const bool mine = need_bytes - free == worst;
   int64_t who[3] = {mine ? -world.rank() : none, none, none};
-  CPFILL_RETURN_IF_ERROR(world.AllReduce(who, 1, parallel::DataType::kInt64,
-                                         parallel::ReduceOp::kMax));
+  CPFILL_RETURN_IF_ERROR(
+      world.AllReduce(who, 1, parallel::DataType::kInt64, parallel::ReduceOp::kMax));
   if (who[0] == -world.rank()) who[1] = need_bytes, who[2] = free;
-  CPFILL_RETURN_IF_ERROR(world.AllReduce(who + 1, 2, parallel::DataType::kInt64,
-                                         parallel::ReduceOp::kMax));
+  CPFILL_RETURN_IF_ERROR(
+      world.AllReduce(who + 1, 2, parallel::DataType::kInt64, parallel::ReduceOp::kMax));
   return Shortfall(what, who[1], who[2], absl::StrCat("rank ", -who[0], " of ", world.size()),
                    remedy);
 }

@@ -311,7 +311,7 @@ uint64_t NameHash(std::string_view name) {
 void ParallelRows(int64_t rows, const std::function<void(int64_t)>& fn) {
   static ThreadPool* pool = [] {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int64_t ranks = std::max<int64_t>(1, knobs::Int(knobs::kLocalRanks));
+    const int64_t ranks = knobs::LocalRanks();
     return new ThreadPool(static_cast<int>(std::max<int64_t>(1, cores / ranks)));
   }();
   constexpr int64_t kRowsPerItem = 64;
