@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -15,6 +16,18 @@ using attention::AttentionShape;
 using attention::PartialView;
 using attention::SequenceSlice;
 using Clock = std::chrono::steady_clock;
+
+// A profiler range for the life of a scope (RingOps::PushRange).
+class ProfilerRange {
+ public:
+  ProfilerRange(RingOps& ops, const std::string& name) : ops_(ops) { ops_.PushRange(name.c_str()); }
+  ~ProfilerRange() { ops_.PopRange(); }
+  ProfilerRange(const ProfilerRange&) = delete;
+  ProfilerRange& operator=(const ProfilerRange&) = delete;
+
+ private:
+  RingOps& ops_;
+};
 
 double SecondsSince(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
@@ -281,10 +294,17 @@ absl::Status RingAttention::ComputeStep(const RingStepArgs& a, const RingStepTim
                                         std::unique_ptr<PendingExchange> exchange, RingTimings* t,
                                         StepLog& log) {
   StepMarks marks;
+  const std::string name = absl::StrCat("step ", step.step);
   marks.c0 = ops_->Mark();
-  CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
+  {
+    ProfilerRange range(*ops_, absl::StrCat(name, " attention"));
+    CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
+  }
   marks.c1 = ops_->Mark();
-  if (exchange) CPFILL_RETURN_IF_ERROR(exchange->Wait());
+  if (exchange) {
+    ProfilerRange range(*ops_, absl::StrCat(name, " wait"));
+    CPFILL_RETURN_IF_ERROR(exchange->Wait());
+  }
   marks.w1 = ops_->Mark();
   log.Add(*this, t, step, marks, std::move(exchange));
   return absl::OkStatus();
@@ -443,8 +463,11 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   for (int p = 0; p < n; ++p) offsets[p] = p * block_bytes;
   send_bytes[me] = 0;
   const int a0 = ops_->Mark();
-  CPFILL_RETURN_IF_ERROR(
-      cp_.AllToAll(partials, send_bytes, offsets, received, send_bytes, offsets));
+  {
+    ProfilerRange range(*ops_, "all-to-all");
+    CPFILL_RETURN_IF_ERROR(
+        cp_.AllToAll(partials, send_bytes, offsets, received, send_bytes, offsets));
+  }
   const int a1 = ops_->Mark();
   t->all_to_all_bytes = static_cast<int64_t>((n - 1) * block_bytes);
 
@@ -456,7 +479,10 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   }
   float* merged_o = reinterpret_cast<float*>(merged_bytes);
   float* merged_lse = merged_o + slots * q_row;
-  CPFILL_RETURN_IF_ERROR(ops_->Merge(shape_, slots, parts, merged_o, merged_lse));
+  {
+    ProfilerRange range(*ops_, "merge");
+    CPFILL_RETURN_IF_ERROR(ops_->Merge(shape_, slots, parts, merged_o, merged_lse));
+  }
   const int m1 = ops_->Mark();
   CPFILL_RETURN_IF_ERROR(UnpackQ(merged_o, merged_lse, o, lse));
   const int u1 = ops_->Mark();
@@ -543,6 +569,7 @@ absl::Status RingAttention::Run(RingAlgorithm algorithm, const void* q, const vo
       std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   const auto t0 = Clock::now();
   // Another ring may have used the ops since this one was created.
+  ProfilerRange range(*ops_, "ring " + std::string(RingAlgorithmName(algorithm)));
   absl::Status status = BindPositions();
   if (status.ok()) {
     switch (algorithm) {

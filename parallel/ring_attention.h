@@ -113,6 +113,10 @@ class RingOps {
   // The one host wait of a run: everything issued (compute and communication) is done, within
   // the communicator's deadline. CPU: nothing to wait for.
   virtual absl::Status Finish() = 0;
+  // Named ranges around what the ring issues, for profilers: CUDA opens NVTX ranges, so `nsys`
+  // timelines carry the names of --trace's spans; the CPU needs none (its spans are exact).
+  virtual void PushRange(const char* name) {}
+  virtual void PopRange() {}
 
  private:
   friend class RingAttention;

@@ -1,5 +1,7 @@
 #include "parallel/cuda/cuda_ring_ops.h"
 
+#include <nvtx3/nvToolsExt.h>
+
 #include <algorithm>
 
 #include "attention/cuda/attention_cuda.h"
@@ -123,6 +125,10 @@ int CudaRingOps::Mark() {
   cudaEventRecord(events_[id], stream_);
   return id;
 }
+
+// NVTX is header-only and does nothing unless a profiler (nsys) is attached.
+void CudaRingOps::PushRange(const char* name) { nvtxRangePushA(name); }
+void CudaRingOps::PopRange() { nvtxRangePop(); }
 
 double CudaRingOps::Seconds(int a, int b) const {
   float ms = 0;

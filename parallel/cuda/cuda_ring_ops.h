@@ -58,6 +58,8 @@ class CudaRingOps : public RingOps {
   int Mark() override;  // records the next event on the stream
   double Seconds(int a, int b) const override;
   absl::Status Finish() override { return cp_.Synchronize(); }
+  void PushRange(const char* name) override;  // NVTX
+  void PopRange() override;
 
   cudaStream_t stream() const { return stream_; }
 
