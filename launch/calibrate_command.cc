@@ -67,7 +67,9 @@ void DefineFlags(FlagSet& flags, CalibrateFlags* f) {
       .Within({1, kMaxTokens});
   flags.Int("bandwidth-bytes", &f->g.bandwidth_bytes, "ring message that measures BW")
       .Within({1, int64_t{1} << 40});
-  flags.Double("elem-bytes", &f->g.elem_bytes, "bytes per element e the rules assume")
+  flags
+      .Double("elem-bytes", &f->g.elem_bytes,
+              "bytes per element e the rules assume [the backend's: cpu 4, cuda 2]")
       .Within(Range::LeftOpen(0, 64));
   flags.String("out", &f->out, "calibration JSON to write (read by --fit)");
   flags.String("json", &f->json_file,
@@ -193,6 +195,8 @@ int Run(int argc, char** argv) {
   auto backend = Backend::Create(f.backend, grid, session.mpi().options(), threads);
   if (!backend.ok()) return session.Refuse(backend.status());
   if ((*backend)->name() == "cuda") UseGpuDefaults(f, flags);
+  // e as the run's selector will assume it: fp32 on the CPU backend (SystemDefaults).
+  if (!flags.IsSet("elem-bytes")) f.g.elem_bytes = SystemDefaults((*backend)->name()).elem_bytes;
   if (absl::Status s = Validate(f, grid); !s.ok()) return session.ConfigError(s);
   auto one = MakeAttentionBatch(
       {.new_lens = {1}, .heads = f.g.heads, .kv_heads = f.g.kv_heads, .head_dim = f.g.head_dim},
@@ -230,6 +234,7 @@ int Run(int argc, char** argv) {
   parallel::CalibrationFile file;
   file.tflops = system->tflops;
   file.gbps = system->gbps;
+  file.elem_bytes = f.g.elem_bytes;
   file.points = *points;
   auto fitted = parallel::FitCoefficients(*points);
   if (fitted.ok()) {

@@ -128,10 +128,13 @@ absl::StatusOr<HeldOutEvaluation> EvaluateHeldOut(
   std::iota(order.begin(), order.end(), size_t{0});
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t x, size_t y) { return points[x].new_tokens < points[y].new_tokens; });
+  // Alternate whole lengths, not points: points of one T go to the same side.
   HeldOutEvaluation e;
   std::vector<parallel::CalibrationPoint> seen;
+  int group = -1;
   for (size_t k = 0; k < order.size(); ++k) {
-    if (k % 2 == 1) {
+    if (k == 0 || points[order[k]].new_tokens != points[order[k - 1]].new_tokens) ++group;
+    if (group % 2 == 1) {
       e.held_out.push_back(order[k]);
     } else {
       seen.push_back(points[order[k]]);

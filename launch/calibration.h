@@ -68,8 +68,8 @@ struct Regret {
 Regret RegretOn(const std::vector<parallel::CalibrationPoint>& points,
                 const std::vector<bool>& picks_kv, const std::vector<size_t>& which);
 
-// The fitted rule judged on lengths its fit did not see: the points in order of T, every other one
-// held out, the fit made on the rest. `rules` holds every rule's choices at every point with that
+// The fitted rule judged on lengths its fit did not see: the distinct T in order, every other one
+// held out (all its points), the fit made on the rest. `rules` holds every rule's choices at every point with that
 // fit; compare them on `held_out` only. InvalidArgument when the rest is too few to fit.
 struct HeldOutEvaluation {
   std::vector<size_t> held_out;  // indices into the points

@@ -29,14 +29,27 @@ TEST(CalibrationHeldOut, FitsOnEveryOtherLengthAndJudgesOnTheRest) {
   auto held = EvaluateHeldOut(points, {.tflops = 1, .gbps = 1, .elem_bytes = 2},
                               {.num_heads = 8, .num_kv_heads = 1, .head_dim = 64}, 2);
   ASSERT_TRUE(held.ok()) << held.status();
-  ASSERT_EQ(held->held_out.size(), points.size() / 2);
-  // Held out: the 2nd, 4th, ... point in order of T.
+  // Held out: every other distinct T, with all its points (T = 1638 appears twice).
   std::vector<int64_t> ts;
   for (const auto& p : points) ts.push_back(p.new_tokens);
   std::sort(ts.begin(), ts.end());
-  for (size_t k = 0; k < held->held_out.size(); ++k) {
-    EXPECT_EQ(points[held->held_out[k]].new_tokens, ts[2 * k + 1]);
+  ts.erase(std::unique(ts.begin(), ts.end()), ts.end());
+  std::vector<parallel::CalibrationPoint> seen;
+  size_t held_count = 0;
+  for (size_t i = 0; i < points.size(); ++i) {
+    const size_t rank = std::lower_bound(ts.begin(), ts.end(), points[i].new_tokens) - ts.begin();
+    const bool held_out = std::count(held->held_out.begin(), held->held_out.end(), i) > 0;
+    EXPECT_EQ(held_out, rank % 2 == 1) << "T=" << points[i].new_tokens;
+    held_count += held_out;
+    if (!held_out) seen.push_back(points[i]);
   }
+  EXPECT_EQ(held_count, held->held_out.size());
+  // The fit saw only the other half: it is the fit of those points, not of all.
+  auto fit_seen = parallel::FitCoefficients(seen);
+  ASSERT_TRUE(fit_seen.ok());
+  EXPECT_EQ(held->fitted.a, fit_seen->a);
+  EXPECT_EQ(held->fitted.c, fit_seen->c);
+  EXPECT_NE(held->fitted.c, parallel::FitCoefficients(points)->c);
   // The boundary is learnt from half the lengths: every held-out point that is clearly on one
   // side (|h| > 0.5) is chosen right; near-ties may go either way.
   const size_t fitted = 2;  // RuleEvaluation's rules: alg1, alg5, fitted
@@ -52,7 +65,7 @@ TEST(CalibrationHeldOut, FitsOnEveryOtherLengthAndJudgesOnTheRest) {
   }
   EXPECT_GE(clear, 6);
   EXPECT_EQ(RegretOn(points, held->rules.picks_kv[fitted], held->held_out).count,
-            static_cast<int>(points.size() / 2));
+            static_cast<int>(held->held_out.size()));
 }
 
 TEST(CalibrationHeldOut, RegretCountsTheSlowerChoice) {

@@ -106,20 +106,37 @@ std::string TokenName(const runtime::Tokenizer* tokenizer, int32_t id) {
   return absl::StrCat("token_id:", id);
 }
 
+// True when decoded text ends in U+FFFD: the last token(s) hold part of a character.
+bool EndsSplit(std::string_view text) {
+  constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+  return text.size() >= kReplacement.size() &&
+         text.substr(text.size() - kReplacement.size()) == kReplacement;
+}
+
 // OpenAI's completion logprobs: each generated token's name, id (an extension), log-probability,
 // top k by name (two ids with one text keep the likelier) and offset (in characters) into the
-// choice's text.
+// choice's text, from `text_offset` on.
 nlohmann::ordered_json Logprobs(const std::vector<runtime::SampledToken>& tokens,
                                 const runtime::Tokenizer* tokenizer, size_t text_offset) {
   nlohmann::ordered_json names = nlohmann::ordered_json::array(), ids = names, lps = names,
                          tops = names, offsets = names;
+  const size_t base_offset = text_offset;
+  std::vector<int32_t> seen;
   for (const runtime::SampledToken& t : tokens) {
     const std::string name = TokenName(tokenizer, t.id);
     names.push_back(name);
     ids.push_back(t.id);
     lps.push_back(t.logprob);
+    seen.push_back(t.id);
     offsets.push_back(text_offset);
-    if (tokenizer != nullptr) text_offset += CodePoints(name);  // without one the text is empty
+    // Where the next token starts in the choice's text: the characters of all tokens so far,
+    // decoded together (a character split over tokens counts once); while they end in a
+    // replacement character (a character not finished yet) it stays where that text starts,
+    // as a stream sends it (http_stream.cc).
+    if (tokenizer != nullptr) {
+      const std::string so_far = DecodeText(tokenizer, seen);
+      if (!EndsSplit(so_far)) text_offset = base_offset + CodePoints(so_far);
+    }
     nlohmann::ordered_json top = nlohmann::ordered_json::object();
     for (const auto& [id, lp] : t.top) {
       const std::string key = TokenName(tokenizer, id);

@@ -48,7 +48,7 @@ struct RingSpan {
 
 struct RingTimings {
   RingAlgorithm algorithm = RingAlgorithm::kPassKV;
-  double start_unix_s = 0;  // wall clock (system) when the run began, to line ranks up
+  double start_unix_s = 0;  // wall clock (system) at the spans' origin, to line ranks up
   std::vector<RingSpan> spans;
   std::vector<RingStepTiming> steps;
   double pack_s = 0;        // copies into message layout and back

@@ -411,6 +411,9 @@ FittedCoefficients RescaleFit(const CalibrationFile& file, int run_cp_size,
   double ratio = static_cast<double>(run_cp_size) / std::max(fit_cp, 1);
   if (file.tflops > 0 && run_system.tflops > 0) ratio *= run_system.tflops / file.tflops;
   if (file.gbps > 0 && run_system.gbps > 0) ratio *= file.gbps / run_system.gbps;
+  if (file.elem_bytes > 0 && run_system.elem_bytes > 0) {
+    ratio *= run_system.elem_bytes / file.elem_bytes;
+  }
   out.c = file.fitted.c - file.fitted.a * std::log(ratio);
   out.source = absl::StrFormat("%s, rescaled to CP%d (eq. 2 threshold x %.4g)", file.fitted.source,
                                run_cp_size, ratio);
@@ -442,8 +445,9 @@ absl::StatusOr<CalibrationFile> ReadCalibrationFile(const std::string& path) {
     if (!s.ok()) return wrap(s.status());
     file.fitted.source = *s;
   }
-  for (auto [key, field] :
-       {std::pair<const char*, double*>{"tflops", &file.tflops}, {"gbps", &file.gbps}}) {
+  for (auto [key, field] : {std::pair<const char*, double*>{"tflops", &file.tflops},
+                            {"gbps", &file.gbps},
+                            {"elem_bytes", &file.elem_bytes}}) {
     if (json::Find(v, key) == nullptr) continue;
     absl::StatusOr<double> x = json::GetNumber(v, key);
     if (!x.ok()) return wrap(x.status());
@@ -492,7 +496,7 @@ absl::Status WriteCalibrationFile(const std::string& path, const CalibrationFile
   nlohmann::ordered_json v = {
       {"rule", "fitted"},   {"a", file.fitted.a},           {"b", file.fitted.b},
       {"c", file.fitted.c}, {"source", file.fitted.source}, {"tflops", file.tflops},
-      {"gbps", file.gbps}};
+      {"gbps", file.gbps},  {"elem_bytes", file.elem_bytes}};
   if (file.made_on) v["made_on"] = file.made_on->ToJson();
   v["points"] = std::move(points);
   if (absl::Status s = json::WriteFile(path, v); !s.ok()) {

@@ -140,13 +140,14 @@ struct CalibrationFile {
   FittedCoefficients fitted;
   double tflops = 0;  // 0 when absent
   double gbps = 0;
+  double elem_bytes = 0;  // e the fit's C and BW go with; 0 when absent
   std::optional<RingContext> made_on;
   std::vector<CalibrationPoint> points;
 };
 
 // The fit moved to another ring: the boundary h = 0 shifts along ln T as the eq. 2 threshold
-// T* = N*C*N_KV*e / (2*N_H*BW) shifts from the fit's (N, C, BW) to the run's, that is
-// c' = c - a ln(T*_run / T*_fit). A C or BW unknown on either side (0) counts as unchanged.
+// T* = N*C*N_KV*e / (2*N_H*BW) shifts from the fit's (N, C, e, BW) to the run's, that is
+// c' = c - a ln(T*_run / T*_fit). A C, e or BW unknown on either side (0) counts as unchanged.
 // The source names the rescaling.
 FittedCoefficients RescaleFit(const CalibrationFile& file, int run_cp_size,
                               const SystemSpec& run_system);

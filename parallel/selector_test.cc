@@ -339,6 +339,7 @@ TEST(SelectorCalibrationFile, RoundTrips) {
   file.fitted = {.a = -0.9, .b = 1.3, .c = 10.25, .source = "calibrate on 4 nodes"};
   file.tflops = 512.5;
   file.gbps = 24;
+  file.elem_bytes = 2;
   file.points = {{1280, 126720, 0.9, 0.8}, {128000, 0, 11.4, 12.3}};
   file.made_on = RingContext{
       .backend = "cuda", .cp_size = 4, .tp_size = 8, .num_nodes = 4, .link = "nccl across nodes"};
@@ -352,6 +353,7 @@ TEST(SelectorCalibrationFile, RoundTrips) {
   EXPECT_EQ(back->fitted.source, "calibrate on 4 nodes");
   EXPECT_EQ(back->tflops, 512.5);
   EXPECT_EQ(back->gbps, 24);
+  EXPECT_EQ(back->elem_bytes, 2);
   ASSERT_EQ(back->points.size(), 2u);
   EXPECT_EQ(back->points[0].new_tokens, 1280);
   EXPECT_EQ(back->points[0].cached_tokens, 126720);
@@ -400,6 +402,11 @@ TEST(SelectorFit, RescaleMovesTheBoundaryWithTheEq2Threshold) {
     const double t_run = std::exp(-(moved.b * std::log(m) + moved.c) / moved.a);
     EXPECT_NEAR(t_run / t_fit, 8.0, 1e-9) << "miss rate " << m;
   }
+  // A fit made on fp32 (e = 4) used on bf16 (e = 2): the threshold halves.
+  file.elem_bytes = 4;
+  const FittedCoefficients bf16 = RescaleFit(file, 2, {.tflops = 300, .gbps = 40, .elem_bytes = 2});
+  EXPECT_NEAR(bf16.c, file.fitted.c - file.fitted.a * std::log(0.5), 1e-12);
+  file.elem_bytes = 0;
   // Unknown C or BW on either side: only the CP size moves it.
   const FittedCoefficients cp_only = RescaleFit(file, 4, {.tflops = 0, .gbps = 0});
   EXPECT_NEAR(cp_only.c, file.fitted.c - file.fitted.a * std::log(2.0), 1e-12);

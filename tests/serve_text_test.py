@@ -25,6 +25,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from serve_test import MPI_ENV, fail, http, rank_pid, wait_port  # noqa: E402
+from serve_generate_test import stream  # noqa: E402
 import tokenizer_check as tc  # noqa: E402
 
 TINY_VOCAB = 1024
@@ -81,17 +82,26 @@ def check_text_equals_ids(port, tok, text):
 
 
 def check_logprobs_name_tokens(port, tok):
-    """With a tokenizer, logprobs name tokens by their text, as OpenAI clients read them."""
-    choice = complete(port, "Once upon a time", max_tokens=3, logprobs=4)["choices"][0]
+    """With a tokenizer, logprobs name tokens by their text, as OpenAI clients read them, and
+    text_offset points into the choice's text alike whether streamed or not (a character split
+    over byte tokens counts once)."""
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "logprobs": 4}
+    choice = complete(port, **body)["choices"][0]
     lp = choice["logprobs"]
     names = [tok.decode([i], skip_special_tokens=False) for i in choice["token_ids"]]
     if lp["tokens"] != names or lp["token_ids"] != choice["token_ids"]:
         fail(f"logprobs tokens {lp['tokens']} / {lp['token_ids']}, generated {names}")
-    if lp["text_offset"] != [sum(map(len, names[:i])) for i in range(len(names))]:
-        fail(f"logprobs text_offset {lp['text_offset']} for tokens {names}")
     for name, top in zip(names, lp["top_logprobs"]):
         if not 1 <= len(top) <= 4 or name not in top:  # greedy: the chosen token is the top one
             fail(f"top_logprobs {top} lack the chosen token {name!r}")
+    offsets = lp["text_offset"]
+    if offsets[0] != 0 or offsets != sorted(offsets) or offsets[-1] > len(choice["text"]):
+        fail(f"text_offset {offsets} for the text {choice['text']!r}")
+    streamed = [e["choices"][0]["logprobs"]["text_offset"][0]
+                for e in stream(port, {"model": MODEL, "temperature": 0, "stream": True, **body})
+                if e != "[DONE]" and e.get("choices")]
+    if streamed != offsets:
+        fail(f"text_offset streamed {streamed}, in one answer {offsets}")
 
 
 def run(port, tok):

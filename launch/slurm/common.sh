@@ -67,7 +67,8 @@ cpfill_slurm_gpus_per_node() {
   if [[ $n =~ ^[0-9]+$ ]] && ((n > 0)); then echo "$n"; return; fi
   n=${SLURM_GPUS_ON_NODE:-}
   if [[ $n =~ ^[0-9]+$ ]] && ((n > 0)); then echo "$n"; return; fi
-  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+  # Only a list of device numbers counts (some Slurm versions set "NoDevFiles").
+  if [[ ${CUDA_VISIBLE_DEVICES:-} =~ ^[0-9]+(,[0-9]+)*$ ]]; then
     tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .
     return
   fi
@@ -162,14 +163,17 @@ cpfill_slurm_run() {
   # (--overcommit; any binding would warn and stack ranks) or when Slurm cannot bind (TaskPlugin
   # task/none: srun would warn that it lacks support).
   local cpus=${SLURM_CPUS_ON_NODE:-0} per_task threads_per_core task_plugin binding
-  local srun_flags=(--mpi=pmix --nodes="$nodes" --ntasks-per-node="$tasks" --kill-on-bad-exit=1)
+  # --ntasks too: an sbatch -n in the environment would otherwise override --ntasks-per-node.
+  local srun_flags=(--mpi=pmix --nodes="$nodes" --ntasks="$world" --ntasks-per-node="$tasks"
+                    --kill-on-bad-exit=1)
   task_plugin=$(scontrol show config 2>/dev/null | sed -n 's/^TaskPlugin *= *//p') || true
   threads_per_core=$(scontrol show node "${SLURMD_NODENAME:-$(hostname -s)}" 2>/dev/null |
     grep -Eo 'ThreadsPerCore=[0-9]+' | cut -d= -f2) || true
   threads_per_core=${threads_per_core:-1}
   per_task=$((cpus / tasks))
   local can_bind=0
-  [[ $task_plugin == *affinity* || $task_plugin == *cgroup* ]] && can_bind=1
+  # --cpu-bind is task/affinity's (task/cgroup alone confines, it does not bind).
+  [[ $task_plugin == *affinity* ]] && can_bind=1
   if ((per_task < 1)); then
     binding="none: $tasks ranks on $cpus CPU(s) of a node"
     srun_flags+=(--overcommit)
@@ -195,6 +199,7 @@ cpfill_slurm_run() {
   echo "cpfill-slurm: TP$tp: $why"
   echo "cpfill-slurm: nodes: $(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd' ')"
   echo "cpfill-slurm: $gpus GPU(s) per node; CPU binding: $binding"
-  echo "cpfill-slurm: srun ${srun_flags[*]} $CPFILL $command ${extra[*]} $*"
-  exec srun "${srun_flags[@]}" "$CPFILL" "$command" "${extra[@]}" "$@"
+  # ${a[@]+...}: an empty array under set -u fails on bash before 4.4.
+  echo "cpfill-slurm: srun ${srun_flags[*]} $CPFILL $command ${extra[*]+${extra[*]}} $*"
+  exec srun "${srun_flags[@]}" "$CPFILL" "$command" ${extra[@]+"${extra[@]}"} "$@"
 }

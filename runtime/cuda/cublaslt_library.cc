@@ -27,7 +27,7 @@ absl::StatusOr<CublasLt> Open() {
     absl::StrAppend(&errors, errors.empty() ? "" : "; ", why != nullptr ? why : path);
   }
   if (library == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
+    return absl::UnavailableError(absl::StrCat(
         "cannot open cuBLASLt (", soname, ", needed by the CUDA backend's GEMMs): ", errors,
         ". Install the CUDA toolkit's cuBLAS or add its lib/ to the "
         "loader's path"));
@@ -48,8 +48,8 @@ absl::StatusOr<CublasLt> Open() {
       Resolve(library, "cublasLtMatrixLayoutCreate", &lt.MatrixLayoutCreate) &&
       Resolve(library, "cublasLtMatrixLayoutDestroy", &lt.MatrixLayoutDestroy);
   if (!all) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the cuBLASLt opened (", soname, ") lacks an entry point cpfill calls: ", dlerror()));
+    return absl::UnavailableError(absl::StrCat("the cuBLASLt opened (", soname,
+                                               ") lacks an entry point cpfill calls: ", dlerror()));
   }
   return lt;  // the library stays open for the life of the process
 }

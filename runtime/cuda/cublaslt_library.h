@@ -34,7 +34,8 @@ struct CublasLt {
 
 // Opens libcublasLt.so.<the major version compiled against> (the loader's search path, then the
 // toolkit's library the build found) once per process and resolves every entry point; thread
-// safe. FailedPrecondition naming the library and the loader's error when it cannot.
+// safe. Unavailable naming the library and the loader's error when it cannot: a fault of this
+// host (its loader path), which the rank reports itself and which ends the job, not bad input.
 absl::StatusOr<const CublasLt*> OpenCublasLt();
 
 }  // namespace cpfill::runtime::cuda
