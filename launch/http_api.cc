@@ -106,13 +106,6 @@ std::string TokenName(const runtime::Tokenizer* tokenizer, int32_t id) {
   return absl::StrCat("token_id:", id);
 }
 
-// True when decoded text ends in U+FFFD: the last token(s) hold part of a character.
-bool EndsSplit(std::string_view text) {
-  constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
-  return text.size() >= kReplacement.size() &&
-         text.substr(text.size() - kReplacement.size()) == kReplacement;
-}
-
 // OpenAI's completion logprobs: each generated token's name, id (an extension), log-probability,
 // top k by name (two ids with one text keep the likelier) and offset (in characters) into the
 // choice's text, from `text_offset` on.
@@ -266,6 +259,12 @@ absl::Status ParseGeneration(const nlohmann::json& v, CompletionRequest* r) {
 }
 
 }  // namespace
+
+bool EndsSplit(std::string_view text) {
+  constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
+  return text.size() >= kReplacement.size() &&
+         text.substr(text.size() - kReplacement.size()) == kReplacement;
+}
 
 size_t CodePoints(std::string_view utf8) {
   return std::count_if(utf8.begin(), utf8.end(),

@@ -83,6 +83,9 @@ std::string DecodeText(const runtime::Tokenizer* tokenizer, const std::vector<in
 // Characters (Unicode code points) of UTF-8 text: logprobs' text_offset counts what clients'
 // strings count, not bytes.
 size_t CodePoints(std::string_view utf8);
+// True when decoded text ends in U+FFFD, what a decoder makes of a character whose last bytes
+// (the next tokens) have not come yet.
+bool EndsSplit(std::string_view text);
 
 // A JSON body as text. Strings that are not valid UTF-8 (a URL's bytes, a parser's message
 // quoting the bad input) are written with U+FFFD in place of the bad bytes instead of throwing.

@@ -3,12 +3,6 @@
 #include "absl/strings/str_cat.h"
 
 namespace cpfill::launch {
-namespace {
-
-// U+FFFD, what a decoder makes of a character whose last bytes have not come yet.
-constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
-
-}  // namespace
 
 std::string ServerSentEvent(const std::string& json) {
   return absl::StrCat("data: ", json, "\n\n");
@@ -61,10 +55,7 @@ std::string CompletionStream::Event(int index, const runtime::GeneratedToken& to
   std::string text;
   const size_t offset = CodePoints(c.sent);
   const std::string whole = DecodeText(tokenizer_, c.ids);
-  const bool split_character =
-      whole.size() >= kReplacement.size() &&
-      whole.compare(whole.size() - kReplacement.size(), kReplacement.size(), kReplacement) == 0;
-  if ((last || !split_character) && whole.compare(0, c.sent.size(), c.sent) == 0) {
+  if ((last || !EndsSplit(whole)) && whole.compare(0, c.sent.size(), c.sent) == 0) {
     text = whole.substr(c.sent.size());
     c.sent = whole;
   }

@@ -1,5 +1,6 @@
 #include "launch/selector_flags.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -94,18 +95,17 @@ parallel::SystemSpec WithFlags(parallel::SystemSpec system, const SelectorFlags&
   return system;
 }
 
-// The fit's coefficients if it was made on this ring (or says nothing of where) or the user asked
-// to rescale it; else InvalidArgument naming every difference.
-absl::StatusOr<parallel::FittedCoefficients> FitForRun(const parallel::CalibrationFile& cal,
-                                                       const SelectorFlags& sf,
-                                                       const parallel::RingContext& run) {
-  if (!cal.made_on || sf.fit_rescale) return cal.fitted;
+// OK if the fit was made on this ring (or says nothing of where) or the user asked to rescale
+// it; else InvalidArgument naming every difference.
+absl::Status CheckFitRing(const parallel::CalibrationFile& cal, const SelectorFlags& sf,
+                          const parallel::RingContext& run) {
+  if (!cal.made_on || sf.fit_rescale) return absl::OkStatus();
   const std::vector<std::string> differences = parallel::Differences(*cal.made_on, run);
   CPFILL_CHECK_ARG(differences.empty(), "--fit: ", sf.fit_file,
                    " was calibrated on another ring: ", absl::StrJoin(differences, "; "),
                    ". Run `cpfill calibrate` on this one, or pass --fit-rescale to move its "
                    "boundary by the ratio of the eq. 2 thresholds");
-  return cal.fitted;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -120,18 +120,21 @@ absl::StatusOr<SelectorChoice> ResolveSelector(const SelectorFlags& sf, const Fl
     c.algorithm = *algorithm;
   }
   c.system = SystemDefaults(run.backend);
+  std::optional<parallel::CalibrationFile> cal;
   if (!sf.fit_file.empty()) {
-    auto cal = parallel::ReadCalibrationFile(sf.fit_file);
-    if (!cal.ok()) return ForFlag("fit", cal.status());
-    CPFILL_ASSIGN_OR_RETURN(c.fitted, FitForRun(*cal, sf, run));
+    auto read = parallel::ReadCalibrationFile(sf.fit_file);
+    if (!read.ok()) return ForFlag("fit", read.status());
+    cal = *std::move(read);
+    CPFILL_RETURN_IF_ERROR(CheckFitRing(*cal, sf, run));
     // The fit's measurements stand for this run's where they were made alike.
     const bool same_backend = !cal->made_on || cal->made_on->backend == run.backend;
     const bool same_link = !cal->made_on || (same_backend && cal->made_on->link == run.link);
     if (same_backend && cal->tflops > 0) c.system.tflops = cal->tflops;
     if (same_link && cal->gbps > 0) c.system.gbps = cal->gbps;
-    if (sf.fit_rescale) c.fitted = parallel::RescaleFit(*cal, run.cp_size, WithFlags(c.system, sf));
   }
   c.system = WithFlags(c.system, sf);
+  if (cal)
+    c.fitted = sf.fit_rescale ? parallel::RescaleFit(*cal, run.cp_size, c.system) : cal->fitted;
   const std::string rule = sf.rule.empty() ? (sf.fit_file.empty() ? "alg5" : "fitted") : sf.rule;
   auto parsed_rule = parallel::ParseSelectorRule(rule);
   if (!parsed_rule.ok()) return ForFlag("rule", parsed_rule.status());
