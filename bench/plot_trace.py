@@ -65,9 +65,12 @@ def plot_timeline(ax, ranks):
 def plot_steps(ax, report):
     ranks = report["ranks"]
     width = 0.8 / max(1, len(ranks))
+    # A mixed batch runs one ring per algorithm: its steps are told apart by their ring.
+    names = [f"{s.get('algorithm', '')} {s['step']}" for s in ranks[0]["steps"]]
+    mixed = len({s.get("algorithm") for s in ranks[0]["steps"]}) > 1
     for i, r in enumerate(ranks):
         steps = r["steps"]
-        x = [s["step"] + i * width for s in steps]
+        x = [j + i * width for j in range(len(steps))]
         compute = [s["compute_ms"] for s in steps]
         wait = [s["exposed_wait_ms"] for s in steps]
         ax.bar(x, compute, width, color="#4c72b0", edgecolor="white", linewidth=0.3,
@@ -76,9 +79,8 @@ def plot_steps(ax, report):
                linewidth=0.3, label="exposed wait" if i == 0 else None)
         ax.plot(x, [s["transfer_ms"] for s in steps], "x", color="#55a868",
                 label="transfer" if i == 0 else None)
-    steps = sorted({s["step"] for r in ranks for s in r["steps"]})
-    ax.set_xticks([j + (len(ranks) - 1) * width / 2 for j in steps])
-    ax.set_xticklabels([str(j) for j in steps])
+    ax.set_xticks([j + (len(ranks) - 1) * width / 2 for j in range(len(names))])
+    ax.set_xticklabels(names if mixed else [n.split()[-1] for n in names], fontsize=7)
     ax.set_xlabel(f"ring step (bars left to right: world ranks 0-{len(ranks) - 1})")
     ax.set_ylabel("ms")
     ax.set_title(f"step table, {report.get('algorithm', '')}")

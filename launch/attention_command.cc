@@ -88,7 +88,8 @@ void InjectFaultForTests(int world_rank, std::string_view at) {
 
 void PrintSetup(Session& session, const AttentionFlags& f, const AttentionBatch& b,
                 const parallel::ProcessGrid& grid, const std::string& backend, int threads,
-                const SelectorChoice& choice, const BatchSelection& sel, RingAlgorithm algo) {
+                const SelectorChoice& choice, const BatchSelection& sel,
+                const std::vector<RingAlgorithm>& algos) {
   const AttentionSpec& s = f.spec;
   session.Print(
       "cpfill attention: %d sequence(s), new tokens %s, cached %s; %d query / %d KV heads x %d "
@@ -101,7 +102,7 @@ void PrintSetup(Session& session, const AttentionFlags& f, const AttentionBatch&
   session.Print("plan: 2N = %d chunks per sequence; padding %d new-token and %d KV slots\n",
                 2 * grid.cp_size, b.plan.NewTokenPadding(), b.plan.KvPadding());
   const parallel::Selection& batch = sel.batch;
-  session.Print("selector (%s%s): %s\n", parallel::SelectorRuleName(choice.rule),
+  session.Print("selector (%s%s), the batch as one: %s\n", parallel::SelectorRuleName(choice.rule),
                 choice.rule == parallel::SelectorRule::kFitted ? ", " + batch.fitted.source : "",
                 batch.reason);
   session.Print(
@@ -110,17 +111,36 @@ void PrintSetup(Session& session, const AttentionFlags& f, const AttentionBatch&
       Ms(batch.predicted.pass_kv_total_s), Ms(batch.predicted.pass_q_total_s), choice.system.tflops,
       choice.system.gbps, choice.system.elem_bytes);
   for (size_t i = 0; b.requests.size() > 1 && i < b.requests.size(); ++i) {
-    session.Print("  sequence %d alone (T=%d, P=%d): %s\n", i, b.requests[i].new_tokens,
-                  b.requests[i].cached_tokens, parallel::RingAlgorithmName(sel.per_sequence[i]));
+    session.Print("  sequence %d (T=%d, P=%d): %s\n", i, b.requests[i].new_tokens,
+                  b.requests[i].cached_tokens, sel.per_sequence[i].reason);
   }
-  session.Print("algorithm: %s (%s)\n", parallel::RingAlgorithmName(algo),
-                choice.auto_algorithm ? "chosen by the selector" : "forced by --algo");
+  const size_t rings = parallel::AlgorithmRuns(algos).size();
+  session.Print(
+      "algorithm: %s (%s)%s\n", parallel::AlgorithmsName(algos),
+      choice.auto_algorithm ? "each sequence's own, chosen by the selector" : "forced by --algo",
+      rings > 1 ? absl::StrCat("; ", rings,
+                               " rings, one per run of adjacent sequences "
+                               "with one algorithm")
+                : "");
+}
+
+// Each sequence's lengths, the selector's decision for it alone, and what ran.
+nlohmann::ordered_json SequencesJson(const AttentionBatch& b, const BatchSelection& sel,
+                                     const std::vector<RingAlgorithm>& algos) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (size_t i = 0; i < b.requests.size(); ++i) {
+    out.push_back({{"new_tokens", b.requests[i].new_tokens},
+                   {"cached_tokens", b.requests[i].cached_tokens},
+                   {"algorithm", parallel::RingAlgorithmName(algos[i])},
+                   {"selection", sel.per_sequence[i].ToJson()}});
+  }
+  return out;
 }
 
 nlohmann::ordered_json Report(const AttentionFlags& f, const AttentionBatch& b,
                               const parallel::ProcessGrid& grid, const Backend& backend,
                               int threads, const SelectorChoice& choice, const BatchSelection& sel,
-                              RingAlgorithm algo, const TimedRuns& runs) {
+                              const std::vector<RingAlgorithm>& algos, const TimedRuns& runs) {
   std::vector<int64_t> cached_lens;
   for (const auto& r : b.requests) cached_lens.push_back(r.cached_tokens);
   nlohmann::ordered_json report = {
@@ -137,9 +157,11 @@ nlohmann::ordered_json Report(const AttentionFlags& f, const AttentionBatch& b,
       {"nodes", grid.num_nodes},
       {"threads_per_rank", threads},
       {"backend", backend.name()},
-      {"algorithm", parallel::RingAlgorithmName(algo)},
+      {"algorithm", parallel::AlgorithmsName(algos)},
       {"algorithm_source", choice.auto_algorithm ? "selector" : "--algo"},
+      {"rings", parallel::AlgorithmRuns(algos).size()},
       {"selection", sel.batch.ToJson()},
+      {"sequences", SequencesJson(b, sel, algos)},
       {"padding_new_slots", b.plan.NewTokenPadding()},
       {"padding_kv_slots", b.plan.KvPadding()}};
   nlohmann::ordered_json& rj = report["runs"] = nlohmann::ordered_json::array();
@@ -230,8 +252,10 @@ int Run(int argc, char** argv) {
   }
   auto sel = SelectForBatch(*batch, grid.cp_size, choice->system, choice->rule, choice->fitted);
   if (!sel.ok()) return session.ConfigError(sel.status());
-  const RingAlgorithm algo = choice->auto_algorithm ? sel->batch.choice : choice->algorithm;
-  PrintSetup(session, f, *batch, grid, (*backend)->Description(), threads, *choice, *sel, algo);
+  const std::vector<RingAlgorithm> algos =
+      choice->auto_algorithm ? sel->Choices()
+                             : Everywhere(choice->algorithm, batch->plan.num_sequences());
+  PrintSetup(session, f, *batch, grid, (*backend)->Description(), threads, *choice, *sel, algos);
 
   // Run.
   auto runner = (*backend)->MakeRunner(batch->plan, batch->shape, batch->inputs, batch->slice);
@@ -248,7 +272,7 @@ int Run(int argc, char** argv) {
   progress.on_run = [&](int run, double slowest_s) {
     session.Print("run %d/%d: %s ms on the slowest rank\n", run + 1, f.repeat, Ms(slowest_s));
   };
-  auto runs = RunTimed(**runner, *grid.world, algo, f.repeat, 0, progress);
+  auto runs = RunTimed(**runner, *grid.world, algos, f.repeat, 0, progress);
   if (!runs.ok()) session.Fail(runs.status());
 
   // Report: Table 5 for world rank 0's ring position, then the check, the file, the JSON.
@@ -268,7 +292,7 @@ int Run(int argc, char** argv) {
   AttentionCheck check;
   if (f.check) check = CheckOnRoot(session, *batch, global, f.tolerance, *grid.world);
   if (session.is_root() && !f.save_file.empty()) {
-    if (absl::Status s = SaveAttention(f.save_file, *batch, f.spec, global, algo); !s.ok()) {
+    if (absl::Status s = SaveAttention(f.save_file, *batch, f.spec, global, algos); !s.ok()) {
       session.Fail(s);
     }
     session.Print("saved q, k, v, o, lse to %s\n", f.save_file);
@@ -289,7 +313,7 @@ int Run(int argc, char** argv) {
   }
   if (session.is_root() && !f.json_file.empty()) {
     nlohmann::ordered_json report =
-        Report(f, *batch, grid, **backend, threads, *choice, *sel, algo, *runs);
+        Report(f, *batch, grid, **backend, threads, *choice, *sel, algos, *runs);
     report["ranks"] = std::move(ranks);
     if (f.check) report["check"] = CheckJson(check, f.tolerance);
     session.WriteReport(f.json_file, std::move(report));

@@ -72,8 +72,8 @@ absl::StatusOr<AttentionBatch> MakeAttentionBatch(const AttentionSpec& spec,
   return b;
 }
 
-BatchMemory AttentionMemory(const AttentionBatch& b, const parallel::ProcessGrid& grid,
-                            bool device, bool gather, bool check) {
+BatchMemory AttentionMemory(const AttentionBatch& b, const parallel::ProcessGrid& grid, bool device,
+                            bool gather, bool check) {
   // Element counts in double: lengths up to 2^31 times heads times head_dim overflow int64
   // for a batch of many sequences; the count is only compared with what is free.
   double q_rows = 0, kv_rows = 0, padded_new = 0, padded_kv = 0;
@@ -114,8 +114,9 @@ absl::Status CheckAttentionFits(const BatchMemory& need, Backend& backend,
   CPFILL_RETURN_IF_ERROR(runtime::CheckFitsOnEveryRank(
       world, "the batch's host buffers", need.host, [] { return runtime::HostBytesAvailable(); },
       remedy));
-  return runtime::CheckFitsOnEveryRank(world, "the batch's GPU buffers", need.device,
-                                       [&] { return backend.FreeDeviceBytes(); }, remedy);
+  return runtime::CheckFitsOnEveryRank(
+      world, "the batch's GPU buffers", need.device, [&] { return backend.FreeDeviceBytes(); },
+      remedy);
 }
 
 absl::StatusOr<BatchSelection> SelectForBatch(const AttentionBatch& b, int cp_size,
@@ -136,14 +137,24 @@ absl::StatusOr<BatchSelection> SelectForBatch(const AttentionBatch& b, int cp_si
   CPFILL_ASSIGN_OR_RETURN(out.batch, select(total_new, total_cached));
   for (const auto& r : b.requests) {
     CPFILL_ASSIGN_OR_RETURN(parallel::Selection one, select(r.new_tokens, r.cached_tokens));
-    out.per_sequence.push_back(one.choice);
+    out.per_sequence.push_back(std::move(one));
   }
   return out;
 }
 
+std::vector<parallel::RingAlgorithm> BatchSelection::Choices() const {
+  std::vector<parallel::RingAlgorithm> out;
+  for (const parallel::Selection& s : per_sequence) out.push_back(s.choice);
+  return out;
+}
+
+std::vector<parallel::RingAlgorithm> Everywhere(parallel::RingAlgorithm algo, int num_sequences) {
+  return std::vector<parallel::RingAlgorithm>(num_sequences, algo);
+}
+
 absl::StatusOr<TimedRuns> RunTimed(Runner& runner, parallel::Communicator& world,
-                                   parallel::RingAlgorithm algo, int repeat, int warmup,
-                                   const RunProgress& progress) {
+                                   const std::vector<parallel::RingAlgorithm>& per_sequence,
+                                   int repeat, int warmup, const RunProgress& progress) {
   TimedRuns out;
   for (int r = -warmup; r < repeat; ++r) {
     CPFILL_RETURN_IF_ERROR(world.Barrier());
@@ -151,7 +162,7 @@ absl::StatusOr<TimedRuns> RunTimed(Runner& runner, parallel::Communicator& world
     auto on_step = [&](const parallel::RingStepTiming& step, int steps) {
       if (progress.on_step && r >= 0) progress.on_step(r, step, steps);
     };
-    CPFILL_RETURN_IF_ERROR(runner.Run(algo, &t, on_step));
+    CPFILL_RETURN_IF_ERROR(runner.Run(per_sequence, &t, on_step));
     double slowest = t.total_s;
     CPFILL_RETURN_IF_ERROR(
         world.AllReduce(&slowest, 1, parallel::DataType::kFloat64, parallel::ReduceOp::kMax));
@@ -225,7 +236,7 @@ absl::StatusOr<AttentionCheck> CheckAgainstOneRank(const AttentionBatch& b,
 
 absl::Status SaveAttention(const std::string& path, const AttentionBatch& b,
                            const AttentionSpec& spec, const GlobalAttention& g,
-                           parallel::RingAlgorithm algo) {
+                           const std::vector<parallel::RingAlgorithm>& per_sequence) {
   const runtime::SyntheticAttention& in = b.inputs;
   const int64_t tn = in.total_new_tokens(), tk = in.total_kv_tokens();
   runtime::SafetensorsWriter w;
@@ -237,7 +248,7 @@ absl::Status SaveAttention(const std::string& path, const AttentionBatch& b,
   CPFILL_RETURN_IF_ERROR(w.Add("lse", DType::kF32, {tn, in.num_heads}, g.lse.data()));
   w.SetMetadata("seq_lens", absl::StrJoin(spec.new_lens, ","));
   w.SetMetadata("cached_lens", absl::StrJoin(spec.cached_lens, ","));
-  w.SetMetadata("algorithm", std::string(parallel::RingAlgorithmName(algo)));
+  w.SetMetadata("algorithm", parallel::AlgorithmsName(per_sequence));
   w.SetMetadata("causal", spec.causal ? "true" : "false");
   w.SetMetadata("softmax_scale", absl::StrCat(b.shape.softmax_scale));
   w.SetMetadata("layout",

@@ -52,17 +52,18 @@ absl::StatusOr<AttentionBatch> MakeAttentionBatch(const AttentionSpec& spec,
 struct BatchMemory {
   int64_t host = 0, device = 0;
 };
-BatchMemory AttentionMemory(const AttentionBatch& b, const parallel::ProcessGrid& grid,
-                            bool device, bool gather, bool check);
+BatchMemory AttentionMemory(const AttentionBatch& b, const parallel::ProcessGrid& grid, bool device,
+                            bool gather, bool check);
 // AttentionMemory against what every rank has free (collective): ResourceExhausted, the same on
 // every rank, naming the tightest rank's need, its free bytes and `remedy`.
 absl::Status CheckAttentionFits(const BatchMemory& need, Backend& backend,
                                 parallel::Communicator& world, const std::string& remedy);
 
-// The selector's decision for the whole batch, and for each sequence alone.
+// The selector's decision for the whole batch, and for each sequence alone (its reason too).
 struct BatchSelection {
   parallel::Selection batch;
-  std::vector<parallel::RingAlgorithm> per_sequence;
+  std::vector<parallel::Selection> per_sequence;
+  std::vector<parallel::RingAlgorithm> Choices() const;
 };
 absl::StatusOr<BatchSelection> SelectForBatch(const AttentionBatch& b, int cp_size,
                                               const parallel::SystemSpec& system,
@@ -82,9 +83,11 @@ struct RunProgress {
   std::function<void(int run, const parallel::RingStepTiming&, int steps)> on_step;
   std::function<void(int run, double slowest_s)> on_run;
 };
+// `per_sequence`: the algorithm of every sequence (Everywhere: one for all).
 absl::StatusOr<TimedRuns> RunTimed(Runner& runner, parallel::Communicator& world,
-                                   parallel::RingAlgorithm algo, int repeat, int warmup,
-                                   const RunProgress& progress);
+                                   const std::vector<parallel::RingAlgorithm>& per_sequence,
+                                   int repeat, int warmup, const RunProgress& progress);
+std::vector<parallel::RingAlgorithm> Everywhere(parallel::RingAlgorithm algo, int num_sequences);
 
 // The gathered result against a single-rank computation of the same batch on world rank 0.
 struct AttentionCheck {
@@ -105,6 +108,6 @@ absl::StatusOr<AttentionCheck> CheckAgainstOneRank(const AttentionBatch& b,
 // q, k, v, o, lse as safetensors with the batch's description as metadata.
 absl::Status SaveAttention(const std::string& path, const AttentionBatch& b,
                            const AttentionSpec& spec, const GlobalAttention& g,
-                           parallel::RingAlgorithm algo);
+                           const std::vector<parallel::RingAlgorithm>& per_sequence);
 
 }  // namespace cpfill::launch

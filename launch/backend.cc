@@ -38,15 +38,15 @@ double CausalFlops(const attention::AttentionShape& shape, int64_t tokens) {
 
 class HostRunner : public Runner {
  public:
-  HostRunner(std::unique_ptr<parallel::RingAttention> ring, std::vector<float> q,
-             std::vector<float> k, std::vector<float> v, int64_t lse_elems)
+  HostRunner(std::unique_ptr<parallel::MixedRing> ring, std::vector<float> q, std::vector<float> k,
+             std::vector<float> v, int64_t lse_elems)
       : ring_(std::move(ring)), q_(std::move(q)), k_(std::move(k)), v_(std::move(v)) {
     o_.assign(q_.size(), std::nanf(""));  // poisoned: a row the ring misses stays NaN
     lse_.assign(lse_elems, std::nanf(""));
   }
-  absl::Status Run(RingAlgorithm algo, parallel::RingTimings* t,
+  absl::Status Run(std::span<const RingAlgorithm> per_sequence, parallel::RingTimings* t,
                    parallel::RingAttention::StepCallback progress) override {
-    return ring_->Run(algo, q_.data(), k_.data(), v_.data(), o_.data(), lse_.data(), t,
+    return ring_->Run(per_sequence, q_.data(), k_.data(), v_.data(), o_.data(), lse_.data(), t,
                       std::move(progress));
   }
   absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) override {
@@ -56,7 +56,7 @@ class HostRunner : public Runner {
   }
 
  private:
-  std::unique_ptr<parallel::RingAttention> ring_;
+  std::unique_ptr<parallel::MixedRing> ring_;
   std::vector<float> q_, k_, v_, o_, lse_;
 };
 
@@ -83,7 +83,7 @@ class HostBackend : public Backend {
                                                      const runtime::SyntheticAttention& batch,
                                                      const runtime::HeadSlice& slice) override {
     CPFILL_ASSIGN_OR_RETURN(auto ring,
-                            parallel::RingAttention::Create(*grid_.cp, plan, shape, ops_.get()));
+                            parallel::MixedRing::Create(*grid_.cp, plan, shape, ops_.get()));
     const sharding::LocalLayout& layout = ring->layout();
     std::vector<float> q(layout.q_rows() * shape.num_heads * shape.head_dim);
     std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * shape.head_dim), v(k.size());
@@ -152,7 +152,7 @@ class DeviceRunner : public Runner {
                                                       const runtime::SyntheticAttention& batch,
                                                       const runtime::HeadSlice& slice) {
     std::unique_ptr<DeviceRunner> r(new DeviceRunner(nccl.compute.get()));
-    CPFILL_ASSIGN_OR_RETURN(r->ring_, parallel::RingAttention::Create(*nccl.cp, plan, shape, ops));
+    CPFILL_ASSIGN_OR_RETURN(r->ring_, parallel::MixedRing::Create(*nccl.cp, plan, shape, ops));
     const sharding::LocalLayout& layout = r->ring_->layout();
     std::vector<float> q(layout.q_rows() * shape.num_heads * shape.head_dim);
     std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * shape.head_dim), v(k.size());
@@ -171,10 +171,10 @@ class DeviceRunner : public Runner {
     CPFILL_CUDA_CHECK(cudaStreamSynchronize(r->stream_));
     return std::unique_ptr<Runner>(std::move(r));
   }
-  absl::Status Run(RingAlgorithm algo, parallel::RingTimings* t,
+  absl::Status Run(std::span<const RingAlgorithm> per_sequence, parallel::RingTimings* t,
                    parallel::RingAttention::StepCallback progress) override {
     // The device ring reports its steps once the run is done.
-    return ring_->Run(algo, q_.As<void>(), k_.As<void>(), v_.As<void>(), o_.As<float>(),
+    return ring_->Run(per_sequence, q_.As<void>(), k_.As<void>(), v_.As<void>(), o_.As<float>(),
                       lse_.As<float>(), t, std::move(progress));
   }
   absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) override {
@@ -198,7 +198,7 @@ class DeviceRunner : public Runner {
     return absl::OkStatus();
   }
   cudaStream_t stream_;
-  std::unique_ptr<parallel::RingAttention> ring_;
+  std::unique_ptr<parallel::MixedRing> ring_;
   parallel::DeviceBuffer q_, k_, v_, o_, lse_;
   size_t o_elems_ = 0, lse_elems_ = 0;
 };

@@ -11,12 +11,14 @@
 
 #include <limits>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "attention/attention.h"
 #include "parallel/grid.h"
+#include "parallel/mixed_ring.h"
 #include "parallel/ring_attention.h"
 #include "runtime/synthetic_attention.h"
 #include "sharding/plan.h"
@@ -27,7 +29,9 @@ namespace cpfill::launch {
 class Runner {
  public:
   virtual ~Runner() = default;
-  virtual absl::Status Run(parallel::RingAlgorithm algo, parallel::RingTimings* t,
+  // One algorithm per sequence of the plan (parallel::MixedRing: a ring per run of equal ones).
+  virtual absl::Status Run(std::span<const parallel::RingAlgorithm> per_sequence,
+                           parallel::RingTimings* t,
                            parallel::RingAttention::StepCallback progress) = 0;
   // This rank's O [q_rows, heads, head_dim] and LSE [q_rows, heads] in fp32, on the host.
   virtual absl::Status Fetch(std::vector<float>* o, std::vector<float>* lse) = 0;
@@ -65,9 +69,7 @@ class Backend {
   // BW: one ring exchange of `bytes` on the CP ring, GB/s per rank (median of `repeat`).
   virtual absl::StatusOr<double> MeasureRingGbps(int64_t bytes, int repeat) = 0;
   // Free memory on this rank's GPU (a host ring has none to run out of: unlimited).
-  virtual absl::StatusOr<int64_t> FreeDeviceBytes() {
-    return std::numeric_limits<int64_t>::max();
-  }
+  virtual absl::StatusOr<int64_t> FreeDeviceBytes() { return std::numeric_limits<int64_t>::max(); }
   // Whether the ring's buffers live on the GPU (memory checks count them there).
   virtual bool on_device() const { return false; }
 

@@ -72,10 +72,13 @@ absl::StatusOr<std::vector<parallel::CalibrationPoint>> TimeGrid(
       CPFILL_ASSIGN_OR_RETURN(auto runner, backend.MakeRunner(b.plan, b.shape, b.inputs, b.slice));
       parallel::CalibrationPoint pt{.new_tokens = b.requests[0].new_tokens,
                                     .cached_tokens = b.requests[0].cached_tokens};
+      const auto all_on = [&](RingAlgorithm a) { return Everywhere(a, b.plan.num_sequences()); };
       CPFILL_ASSIGN_OR_RETURN(
-          TimedRuns kv, RunTimed(*runner, *grid.world, RingAlgorithm::kPassKV, f.repeat, 1, {}));
+          TimedRuns kv,
+          RunTimed(*runner, *grid.world, all_on(RingAlgorithm::kPassKV), f.repeat, 1, {}));
       CPFILL_ASSIGN_OR_RETURN(
-          TimedRuns pq, RunTimed(*runner, *grid.world, RingAlgorithm::kPassQ, f.repeat, 1, {}));
+          TimedRuns pq,
+          RunTimed(*runner, *grid.world, all_on(RingAlgorithm::kPassQ), f.repeat, 1, {}));
       pt.pass_kv_s = kv.median_s;
       pt.pass_q_s = pq.median_s;
       points.push_back(pt);

@@ -146,7 +146,6 @@ nlohmann::ordered_json Logprobs(const std::vector<runtime::SampledToken>& tokens
 
 nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
   const runtime::PrefillTimings& t = r.timings;
-  const parallel::Selection& sel = t.selection;
   return {{"queue_ms", r.queue_s * 1e3},
           {"ttft_ms", (r.queue_s + r.prefill_s) * 1e3},
           {"prefill_ms", r.prefill_s * 1e3},
@@ -159,8 +158,9 @@ nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
             {"kv_cache", t.kv_s * 1e3},
             {"lm_head", t.lm_head_s * 1e3},
             {"other", t.other_s * 1e3}}},
-          {"algorithm", std::string(parallel::RingAlgorithmName(t.algorithm))},
-          {"selector", sel.reason},
+          {"algorithm", std::string(parallel::RingAlgorithmName(r.algorithm))},
+          {"selector", r.selector},
+          {"batch_rings", t.rings},
           {"recomputed_session", r.recomputed},
           {"decode_ms", r.decode_s * 1e3},
           {"tpot_ms", r.tpot_s() * 1e3},

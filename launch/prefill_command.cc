@@ -17,6 +17,7 @@
 #include "launch/prefill_check.h"
 #include "launch/selector_flags.h"
 #include "launch/session.h"
+#include "parallel/mixed_ring.h"
 #include "runtime/llama_model.h"
 #include "runtime/memory.h"
 #include "runtime/model_config.h"
@@ -233,7 +234,9 @@ nlohmann::ordered_json Report(const PrefillFlags& f, const runtime::ModelConfig&
   nlohmann::ordered_json seqs = nlohmann::ordered_json::array();
   for (size_t s = 0; s < out.size(); ++s) {
     seqs.push_back({{"tokens", static_cast<int64_t>(batch[s].tokens.size())},
-                    {"first_token", out[s].first_token}});
+                    {"first_token", out[s].first_token},
+                    {"algorithm", parallel::RingAlgorithmName(t.algorithms[s])},
+                    {"selector", t.selections[s].reason}});
   }
   return {{"command", "prefill"},
           {"model", config.name},
@@ -242,7 +245,8 @@ nlohmann::ordered_json Report(const PrefillFlags& f, const runtime::ModelConfig&
           {"tp", grid.tp_size},
           {"cp", grid.cp_size},
           {"backend", f.backend},
-          {"algorithm", parallel::RingAlgorithmName(t.algorithm)},
+          {"algorithm", parallel::AlgorithmsName(t.algorithms)},
+          {"rings", t.rings},
           {"sequences", std::move(seqs)},
           {"ttft_ms", ttft * 1e3},
           {"gemm_ms", t.gemm_s * 1e3},
@@ -316,12 +320,13 @@ int Run(int argc, char** argv) {
   const double ttft = *timed;
 
   // Report.
-  session.Print("selector (%s): %s\n", parallel::SelectorRuleName(options.rule),
+  session.Print("selector (%s), the batch as one: %s\n", parallel::SelectorRuleName(options.rule),
                 t.selection.reason);
-  session.Print("algorithm: %s\n", parallel::RingAlgorithmName(t.algorithm));
+  session.Print("algorithm: %s (%d ring(s) per layer)\n", parallel::AlgorithmsName(t.algorithms),
+                t.rings);
   for (size_t s = 0; s < out.size(); ++s) {
-    session.Print("sequence %d: %d tokens, first token %d\n", s, batch[s].tokens.size(),
-                  out[s].first_token);
+    session.Print("sequence %d: %d tokens, first token %d; %s\n", s, batch[s].tokens.size(),
+                  out[s].first_token, t.selections[s].reason);
   }
   PrintTimes(session, t, ttft, f.repeat, tokens, grid.world_size, f.peak_tflops);
   PrefillCheck check;

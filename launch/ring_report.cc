@@ -15,21 +15,39 @@ std::string Bytes(int64_t b) {
   return absl::StrCat(b, " B");
 }
 
-std::string RingStepTable(const parallel::RingTimings& t, int cp_rank) {
-  std::string out = absl::StrFormat("ring steps (cp_rank %d):\n", cp_rank);
-  absl::StrAppendFormat(&out, "  %4s %6s %12s %12s %12s %14s %14s\n", "step", "source", "exchange",
-                        "transfer ms", "compute ms", "exposed wait", "hidden pairs");
+namespace {
+
+bool Ran(const parallel::RingTimings& t, parallel::RingAlgorithm a) {
+  if (t.algorithm == a) return true;
   for (const auto& s : t.steps) {
-    absl::StrAppendFormat(&out, "  %4d %6d %12s %12s %12s %14s %14s\n", s.step, s.source_cp_rank,
-                          s.exchange_bytes ? Bytes(s.exchange_bytes) : "-", Ms(s.transfer_s),
-                          Ms(s.compute_s), Ms(s.wait_s),
-                          absl::StrCat(s.chunk_pairs_hidden, "/", s.chunk_pairs, " skipped"));
+    if (s.algorithm == a) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::string RingStepTable(const parallel::RingTimings& t, int cp_rank) {
+  // A mixed batch (one ring per algorithm) says which ring each step belongs to.
+  bool mixed = false;
+  for (const auto& s : t.steps) mixed |= s.algorithm != t.steps.front().algorithm;
+  std::string out = absl::StrFormat("ring steps (cp_rank %d):\n", cp_rank);
+  absl::StrAppendFormat(&out, "  %s%4s %6s %12s %12s %12s %14s %14s\n", mixed ? "ring     " : "",
+                        "step", "source", "exchange", "transfer ms", "compute ms", "exposed wait",
+                        "hidden pairs");
+  for (const auto& s : t.steps) {
+    absl::StrAppendFormat(
+        &out, "  %s%4d %6d %12s %12s %12s %14s %14s\n",
+        mixed ? absl::StrFormat("%-9s", parallel::RingAlgorithmName(s.algorithm)) : "", s.step,
+        s.source_cp_rank, s.exchange_bytes ? Bytes(s.exchange_bytes) : "-", Ms(s.transfer_s),
+        Ms(s.compute_s), Ms(s.wait_s),
+        absl::StrCat(s.chunk_pairs_hidden, "/", s.chunk_pairs, " skipped"));
   }
   absl::StrAppendFormat(&out, "  pack/unpack %s ms", Ms(t.pack_s));
-  if (t.algorithm == parallel::RingAlgorithm::kAllGather) {
+  if (Ran(t, parallel::RingAlgorithm::kAllGather)) {
     absl::StrAppendFormat(&out, ", all-gather %s ms", Ms(t.all_gather_s));
   }
-  if (t.algorithm == parallel::RingAlgorithm::kPassQ) {
+  if (Ran(t, parallel::RingAlgorithm::kPassQ)) {
     absl::StrAppendFormat(&out, ", all-to-all %s ms (%s), merge %s ms", Ms(t.all_to_all_s),
                           Bytes(t.all_to_all_bytes), Ms(t.merge_s));
   }
@@ -40,7 +58,8 @@ std::string RingStepTable(const parallel::RingTimings& t, int cp_rank) {
 nlohmann::ordered_json RingTimingsJson(const parallel::RingTimings& t, double flops_per_pair) {
   nlohmann::ordered_json steps = nlohmann::ordered_json::array();
   for (const auto& s : t.steps) {
-    steps.push_back({{"step", s.step},
+    steps.push_back({{"algorithm", parallel::RingAlgorithmName(s.algorithm)},
+                     {"step", s.step},
                      {"source_cp_rank", s.source_cp_rank},
                      {"exchange_bytes", s.exchange_bytes},
                      {"transfer_ms", s.transfer_s * 1e3},

@@ -67,8 +67,8 @@ class ServeLog {
     session_.Print("%s\n", JsonText(line));
   }
 
-  void Batch(int requests, int64_t tokens, int64_t cached, parallel::RingAlgorithm algo, double s) {
-    const std::string name(parallel::RingAlgorithmName(algo));
+  // `name`: the ring algorithm, or each request's when they differ (parallel::AlgorithmsName).
+  void Batch(int requests, int64_t tokens, int64_t cached, const std::string& name, double s) {
     Event("batch",
           {{"requests", requests},
            {"new_tokens", tokens},
@@ -194,7 +194,7 @@ int Run(int argc, char** argv) {
 
   runtime::EngineOptions engine_options;
   engine_options.on_batch = [&log](int requests, int64_t tokens, int64_t cached,
-                                   parallel::RingAlgorithm algo,
+                                   const std::string& algo,
                                    double s) { log.Batch(requests, tokens, cached, algo, s); };
   auto host = BuildEngineHost(f.engine, flags, session, grid, engine_options);
   if (!host.ok()) return session.Refuse(host.status());

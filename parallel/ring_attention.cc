@@ -370,6 +370,7 @@ absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* 
   int cur = 0;
   for (int j = 0; j < n; ++j) {
     RingStepTiming step;
+    step.algorithm = RingAlgorithm::kPassKV;
     step.step = j;
     step.source_cp_rank = (me - j + n) % n;  // s: whose KV this rank holds at step j
     // Step j.1: pass the KV we hold to the next rank, receive the previous rank's (after this
@@ -436,6 +437,7 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   int cur = 0;
   for (int j = 0; j < n; ++j) {
     RingStepTiming step;
+    step.algorithm = RingAlgorithm::kPassQ;
     step.step = j;
     step.source_cp_rank = (me - j + n) % n;  // s: whose queries this rank holds at step j
     const int src = step.source_cp_rank;
@@ -550,6 +552,7 @@ absl::Status RingAttention::RunAllGather(const void* q, const void* k, const voi
   CPFILL_RETURN_IF_ERROR(ops_->Finish());
 
   RingStepTiming step;
+  step.algorithm = RingAlgorithm::kAllGather;
   step.visible_pairs = ring_plan_.AllGatherVisiblePairs();
   step.compute_s = ops_->Seconds(r1, c1);
   t->visible_pairs += step.visible_pairs;

@@ -21,6 +21,7 @@ namespace cpfill::parallel {
 
 // One iteration of the ring loop (the paper's Table 5 rows).
 struct RingStepTiming {
+  RingAlgorithm algorithm = RingAlgorithm::kPassKV;  // the ring this step belongs to
   int step = 0;
   int source_cp_rank = 0;      // whose KV (pass-KV) or queries (pass-Q) were computed on
   double compute_s = 0;        // partial attention (+ running merge for pass-KV)

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "parallel/mixed_ring.h"
 
 namespace cpfill::parallel {
 namespace {
@@ -102,6 +103,27 @@ TEST(RingPlan, HundredThousandOneTokenPromptsPlanQuickly) {
   EXPECT_EQ(gathered, kSeqs);
   EXPECT_EQ(kv_slices, kSeqs);
   EXPECT_EQ(q_slices, kSeqs);
+}
+
+// A mixed batch's rings: one per run of adjacent sequences with one algorithm; GroupOrder puts
+// each algorithm's sequences side by side (stable), so two algorithms make two rings.
+TEST(MixedRing, RunsAndGroupOrder) {
+  constexpr RingAlgorithm KV = RingAlgorithm::kPassKV, Q = RingAlgorithm::kPassQ;
+  const std::vector<RingAlgorithm> mixed = {Q, KV, KV, Q, KV};
+  const std::vector<AlgorithmRun> runs = AlgorithmRuns(mixed);
+  ASSERT_EQ(runs.size(), 4u);
+  EXPECT_EQ(runs[1].algorithm, KV);
+  EXPECT_EQ(runs[1].first, 1);
+  EXPECT_EQ(runs[1].count, 2);
+  EXPECT_EQ(AlgorithmsName(mixed), "pass-q,pass-kv,pass-kv,pass-q,pass-kv");
+  EXPECT_EQ(AlgorithmsName(std::vector<RingAlgorithm>(3, Q)), "pass-q");
+
+  const std::vector<int> order = GroupOrder(mixed);
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 4, 0, 3}));
+  std::vector<RingAlgorithm> grouped;
+  for (int i : order) grouped.push_back(mixed[i]);
+  EXPECT_EQ(AlgorithmRuns(grouped).size(), 2u);
+  EXPECT_TRUE(AlgorithmRuns({}).empty());
 }
 
 }  // namespace

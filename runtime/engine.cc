@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "parallel/mixed_ring.h"
 
 namespace cpfill::runtime {
 namespace {
@@ -479,7 +480,7 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
   ++stats_.batches;
   if (options_.on_batch) {
     options_.on_batch(static_cast<int>(command.items.size()), timings.new_tokens,
-                      timings.cached_tokens, timings.algorithm, seconds);
+                      timings.cached_tokens, parallel::AlgorithmsName(timings.algorithms), seconds);
   }
   for (size_t i = 0; i < command.items.size(); ++i) {
     std::unique_ptr<Pending> p = std::move(command.items[i]);
@@ -494,6 +495,8 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
       r.queue_s = std::max(0.0, Since(p->submitted) - seconds);
       r.prefill_s = seconds;
       r.batch_requests = static_cast<int>(command.items.size());
+      r.algorithm = timings.algorithms[i];
+      r.selector = timings.selections[i].reason;
       r.timings = timings;
       p->first_token_at = Clock::now();
       stats_.prompt_tokens += r.prompt_tokens;

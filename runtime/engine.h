@@ -66,7 +66,7 @@ struct EngineOptions {
   std::chrono::milliseconds heartbeat{1000};  // rank 0's idle broadcast; below the deadline
   // Rank 0, after each batch (the server's log line): requests, new and cached tokens, the ring
   // algorithm, seconds.
-  std::function<void(int, int64_t, int64_t, parallel::RingAlgorithm, double)> on_batch;
+  std::function<void(int, int64_t, int64_t, const std::string&, double)> on_batch;
 };
 
 // One generated token, as a stream sees it.
@@ -102,7 +102,10 @@ struct EngineResult {
   double prefill_s = 0;       // that batch's prefill, every rank together
   double decode_s = 0;        // from the first token to the last
   int batch_requests = 0;     // requests in that batch
-  PrefillTimings timings;     // that batch's
+  // This request's ring algorithm in its first prefill, and the selector's reason for it.
+  parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
+  std::string selector;
+  PrefillTimings timings;  // that batch's
   // The decode steps this request took part in, their phases summed (each step's whole batch).
   PrefillTimings decode_timings;
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "parallel/mixed_ring.h"
 #include "runtime/memory.h"
 
 namespace cpfill::runtime {
@@ -48,7 +49,8 @@ struct LlamaModel::Running {
   std::vector<KvCache::SeqId> seq;
   std::vector<int64_t> rows_before;
   std::vector<bool> made_here;
-  std::unique_ptr<parallel::RingAttention> ring;
+  std::vector<parallel::RingAlgorithm> algorithms;  // per sequence, in this plan's order
+  std::unique_ptr<parallel::MixedRing> ring;
   Tensor ids, positions, x, h, q, k, v, k_all, v_all, attn, lse, attn_compute, proj, gate, up;
   std::vector<KvCache::Rows> new_rows, all_rows;  // the KV copies of every layer
 };
@@ -207,29 +209,41 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
   const auto t_start = Clock::now();
   parallel::Communicator& cp = backend_->cp();
 
-  // Step 0: the requests, their sessions and the plan; the KV blocks, agreed by every rank; the
-  // selector's choice for the whole batch (every rank computes the same).
+  // Step 0: the requests, their sessions and the plan (checked in the caller's order); the
+  // selector's choice for each sequence (every rank computes the same); the KV blocks, agreed
+  // by every rank.
+  const auto plan = [&](const std::vector<PrefillRequest>& requests) {
+    return PlanBatch(
+        config_, requests, cp.size(), cp.rank(),
+        [&](const std::string& name) -> const SessionLayout* {
+          auto it = sessions_.find(name);
+          return it == sessions_.end() ? nullptr : &it->second.where;
+        },
+        decode_step);
+  };
   Running r;
-  CPFILL_ASSIGN_OR_RETURN(r.b, PlanBatch(
-                                   config_, batch, cp.size(), cp.rank(),
-                                   [&](const std::string& name) -> const SessionLayout* {
-                                     auto it = sessions_.find(name);
-                                     return it == sessions_.end() ? nullptr : &it->second.where;
-                                   },
-                                   decode_step));
-  for (const PrefillRequest& req : batch) {
+  CPFILL_ASSIGN_OR_RETURN(r.b, plan(batch));
+  CPFILL_RETURN_IF_ERROR(ChooseAlgorithms(options_, config_, backend_->tp().size(), cp.size(), r.b,
+                                          decode_step.has_value(), &t));
+  // Each algorithm's sequences side by side, so a mixed batch runs one fused ring per algorithm
+  // (parallel::MixedRing); the outputs go back to the caller's order at the end.
+  const std::vector<int> order = parallel::GroupOrder(t.algorithms);
+  std::vector<PrefillRequest> grouped;
+  for (int i : order) {
+    grouped.push_back(batch[i]);
+    r.algorithms.push_back(t.algorithms[i]);
+  }
+  if (!std::is_sorted(order.begin(), order.end())) {
+    CPFILL_ASSIGN_OR_RETURN(r.b, plan(grouped));
+  }
+  for (const PrefillRequest& req : grouped) {
     auto it = sessions_.find(req.session);
     r.seq.push_back(req.session.empty() || it == sessions_.end() ? next_seq_++ : it->second.seq);
   }
   CPFILL_RETURN_IF_ERROR(CheckActivationMemory(r));
   CPFILL_RETURN_IF_ERROR(ReserveKv(r));
 
-  absl::Status status =
-      ChooseAlgorithm(options_, config_, backend_->tp().size(), cp.size(), r.b, &t);
-  // A decode step's queries are one row per sequence, held whole by one rank: passing them
-  // (Alg. 4) moves B rows where passing KV would move every cached token.
-  if (decode_step && cp.size() > 1) t.algorithm = parallel::RingAlgorithm::kPassQ;
-  if (status.ok()) status = Forward(r, t, progress);
+  absl::Status status = Forward(r, t, progress);
   absl::StatusOr<std::vector<SequenceOutput>> out =
       status.ok() ? LastLogits(r, t) : absl::StatusOr<std::vector<SequenceOutput>>(status);
   if (!out.ok()) {
@@ -237,9 +251,11 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
     backend_->ResetPhases();
     return out.status();
   }
-  Commit(batch, r);
+  Commit(grouped, r);
+  std::vector<SequenceOutput> in_order(out->size());
+  for (size_t i = 0; i < order.size(); ++i) in_order[order[i]] = std::move((*out)[i]);
   t.total_s = Since(t_start);
-  return out;
+  return in_order;
 }
 
 // Every activation of a batch: its tensor, scratch slot, element type and shape.
@@ -291,8 +307,8 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
                                         .head_dim = hd,
                                         .softmax_scale = 1.0f / std::sqrt(float(hd)),
                                         .causal = true};
-  CPFILL_ASSIGN_OR_RETURN(
-      r.ring, parallel::RingAttention::Create(be.cp(), r.b.plan, shape, &be.ring_ops()));
+  CPFILL_ASSIGN_OR_RETURN(r.ring,
+                          parallel::MixedRing::Create(be.cp(), r.b.plan, shape, &be.ring_ops()));
 
   // Buffers for this batch, kept by the backend and grown if this batch is the largest so far.
   for (const Activation& a : Activations(r)) {
@@ -365,7 +381,7 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
   const bool convert = be.compute_type() != ElemType::kF32;
   CPFILL_RETURN_IF_ERROR(phase(t.attention_s, [&]() -> absl::Status {
     parallel::RingTimings rt;
-    CPFILL_RETURN_IF_ERROR(r.ring->Run(t.algorithm, r.q.data, r.k_all.data, r.v_all.data,
+    CPFILL_RETURN_IF_ERROR(r.ring->Run(r.algorithms, r.q.data, r.k_all.data, r.v_all.data,
                                        r.attn.As<float>(), r.lse.As<float>(), &rt));
     return convert ? be.Convert(r.attn, &r.attn_compute) : absl::OkStatus();
   }));

@@ -142,22 +142,37 @@ absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
   return out;
 }
 
-absl::Status ChooseAlgorithm(const PrefillOptions& options, const ModelConfig& config, int tp_size,
-                             int cp_size, const BatchPlan& b, PrefillTimings* t) {
+absl::Status ChooseAlgorithms(const PrefillOptions& options, const ModelConfig& config, int tp_size,
+                              int cp_size, const BatchPlan& b, bool decode, PrefillTimings* t) {
+  const auto select = [&](int64_t new_tokens, int64_t cached_tokens) {
+    return parallel::Select({.system = options.system,
+                             .model = {.num_heads = config.num_heads / tp_size,
+                                       .num_kv_heads = config.num_kv_heads / tp_size,
+                                       .head_dim = config.head_dim},
+                             .cp_size = cp_size,
+                             .new_tokens = std::max<int64_t>(new_tokens, 1),
+                             .cached_tokens = cached_tokens},
+                            options.rule, options.fitted);
+  };
   for (const auto& s : b.sequences) {
     t->new_tokens += s.new_tokens;
     t->cached_tokens += s.cached_tokens;
   }
-  CPFILL_ASSIGN_OR_RETURN(t->selection,
-                          parallel::Select({.system = options.system,
-                                            .model = {.num_heads = config.num_heads / tp_size,
-                                                      .num_kv_heads = config.num_kv_heads / tp_size,
-                                                      .head_dim = config.head_dim},
-                                            .cp_size = cp_size,
-                                            .new_tokens = t->new_tokens,
-                                            .cached_tokens = t->cached_tokens},
-                                           options.rule, options.fitted));
-  t->algorithm = options.auto_algorithm ? t->selection.choice : options.algorithm;
+  CPFILL_ASSIGN_OR_RETURN(t->selection, select(t->new_tokens, t->cached_tokens));
+  for (const auto& s : b.sequences) {
+    CPFILL_ASSIGN_OR_RETURN(parallel::Selection one, select(s.new_tokens, s.cached_tokens));
+    // A decode step's queries are one row per sequence, held whole by one rank: passing them
+    // (Alg. 4) moves B rows where passing KV would move every cached token. On one rank nothing
+    // travels, so the batch stays one ring.
+    parallel::RingAlgorithm a = options.auto_algorithm ? one.choice : options.algorithm;
+    if (options.auto_algorithm && cp_size == 1) a = t->selection.choice;
+    if (decode && cp_size > 1) a = parallel::RingAlgorithm::kPassQ;
+    t->selections.push_back(std::move(one));
+    t->algorithms.push_back(a);
+  }
+  std::vector<parallel::RingAlgorithm> kinds = t->algorithms;
+  std::sort(kinds.begin(), kinds.end());
+  t->rings = std::max<int>(1, std::unique(kinds.begin(), kinds.end()) - kinds.begin());
   t->model_flops = ModelFlops(config, b.sequences);
   return absl::OkStatus();
 }

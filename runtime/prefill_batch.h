@@ -28,7 +28,7 @@ struct SequenceOutput {
 };
 
 struct PrefillOptions {
-  bool auto_algorithm = true;  // the selector picks per batch; else `algorithm`
+  bool auto_algorithm = true;  // the selector picks per sequence; else `algorithm` for all
   parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
   parallel::SelectorRule rule = parallel::SelectorRule::kAlg5;
   parallel::SystemSpec system{.tflops = 800, .gbps = 50, .elem_bytes = 2};
@@ -45,8 +45,12 @@ struct PrefillTimings {
   double total_s = 0, embed_s = 0, gemm_s = 0, attention_s = 0, allreduce_s = 0, lm_head_s = 0;
   double other_s = 0;             // norms, RoPE, SwiGLU, residual adds
   double kv_s = 0;                // new K/V into the KV cache, each sequence's K/V out for the ring
-  parallel::Selection selection;  // the selector's decision for the batch
-  parallel::RingAlgorithm algorithm = parallel::RingAlgorithm::kPassKV;
+  parallel::Selection selection;  // the selector's decision for the batch taken as one
+  // In request order: the selector's decision for each sequence alone (on its own new and
+  // cached lengths), and the algorithm it ran (that choice, or the one forced for all).
+  std::vector<parallel::Selection> selections;
+  std::vector<parallel::RingAlgorithm> algorithms;
+  int rings = 1;  // fused rings per layer: one per algorithm that ran
   int64_t new_tokens = 0, cached_tokens = 0;
   double model_flops = 0;  // 2 * params * tokens + causal attention FLOPs (whole batch)
 };
@@ -90,10 +94,12 @@ absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
     const ModelConfig& config, int num_sequences, const std::vector<std::pair<int, int64_t>>& rows,
     const std::vector<float>& logits, int tp_rank, int tp_size, parallel::Communicator& world);
 
-// Fills `t`'s token totals, the selector's decision for the batch (on this rank's heads) and the
-// algorithm to run (the selector's, or the one `options` forces), and the model FLOPs.
-absl::Status ChooseAlgorithm(const PrefillOptions& options, const ModelConfig& config, int tp_size,
-                             int cp_size, const BatchPlan& b, PrefillTimings* t);
+// Fills `t`'s token totals, the selector's decisions (on this rank's heads) for the batch as one
+// and for each sequence alone, the algorithm each sequence runs, and the model FLOPs. Each
+// sequence runs its own choice, unless `options` forces one for all, the ring has one rank
+// (nothing travels: one ring), or this is a decode step (`decode`: pass-Q, Alg. 4).
+absl::Status ChooseAlgorithms(const PrefillOptions& options, const ModelConfig& config, int tp_size,
+                              int cp_size, const BatchPlan& b, bool decode, PrefillTimings* t);
 
 // The layout a session has after this batch: its runs in the plan's KvLayoutAfter (built for
 // this sequence alone, O(cp_size) per call).

@@ -174,6 +174,17 @@ KvLayout ShardPlan::KvLayoutAfter() const {
   return layout;
 }
 
+ShardPlan ShardPlan::Slice(int first, int count) const {
+  ShardPlan out;
+  out.kind = kind;
+  out.cp_size = cp_size;
+  out.sequences.assign(sequences.begin() + first, sequences.begin() + first + count);
+  for (const auto& rank : shards) {
+    out.shards.emplace_back(rank.begin() + first, rank.begin() + first + count);
+  }
+  return out;
+}
+
 std::string ShardPlan::DebugString() const {
   std::string out = absl::StrCat(kind == PlanKind::kDecode ? "decode" : "prefill", " plan, CP",
                                  cp_size, ", ", sequences.size(), " sequences\n");

@@ -87,6 +87,11 @@ struct ShardPlan {
   // need one sequence (a session's layout) stay linear in the batch.
   std::vector<PositionRun> KvRunsAfter(int cp_rank, int seq) const;
 
+  // Sequences [first, first + count) alone, as their own plan: every rank's share of them is
+  // unchanged, and on every rank their local rows are the same contiguous slice of this plan's
+  // (MakeLocalLayout lays sequences out one after another).
+  ShardPlan Slice(int first, int count) const;
+
   std::string DebugString() const;  // one line per rank and sequence
 };
 

@@ -208,6 +208,32 @@ TEST(ShardPlan, KvRunsAfterIsOneEntryOfKvLayoutAfter) {
   }
 }
 
+// A slice's local rows are the matching contiguous slice of the whole plan's, on every rank:
+// what lets a mixed batch run each algorithm's sequences as their own ring without copies.
+TEST(ShardPlan, SliceIsAContiguousSliceOfEveryRanksRows) {
+  auto plan = PlanPrefill({{.new_tokens = 301, .cached_tokens = 900},
+                           {.new_tokens = 17, .cached_tokens = 33},
+                           {.new_tokens = 5},
+                           {.new_tokens = 64, .cached_tokens = 7}},
+                          3);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const ShardPlan mid = plan->Slice(1, 2);
+  ASSERT_EQ(mid.num_sequences(), 2);
+  EXPECT_EQ(mid.sequences[0].cached_tokens, 33);
+  for (int r = 0; r < 3; ++r) {
+    const LocalLayout all = MakeLocalLayout(*plan, r), part = MakeLocalLayout(mid, r);
+    const int64_t q0 = all.q_offset[1], kv0 = all.kv_offset[1];
+    ASSERT_EQ(part.q_rows(), all.q_offset[3] - q0) << r;
+    ASSERT_EQ(part.kv_rows(), all.kv_offset[3] - kv0) << r;
+    EXPECT_TRUE(
+        std::equal(part.q_positions.begin(), part.q_positions.end(), all.q_positions.begin() + q0))
+        << r;
+    EXPECT_TRUE(std::equal(part.kv_positions.begin(), part.kv_positions.end(),
+                           all.kv_positions.begin() + kv0))
+        << r;
+  }
+}
+
 // Planning must stay near-linear in the number of sequences: a batch of 100,000 one-token
 // prompts on CP4 (a per-sequence scan inside a per-sequence loop would take minutes). The
 // bound is generous on purpose; bench/plan_bench.cc measures the real cost.

@@ -194,6 +194,26 @@ for path, want in zip(sys.argv[1:], ("pass-q", "pass-kv")):
     assert got == (want, "selector", want, True), (path, got)
     print("selector ok:", path, want)
 PY
+  # Per-request selection: the full prefill runs pass-KV and each short follow-up pass-Q, in the
+  # same batch (two rings; the interleaved order makes three), checked against one rank.
+  expect_exit 0 'check: .*PASS' -- mpi 3 "$cpfill" attention --seq-lens 4000,8,8 \
+    --cached-lens 0,8000,8000 --heads 8 --kv-heads 1 --head-dim 64 --check --json "$tmp/mixed.json"
+  expect_also 'algorithm: pass-kv,pass-q,pass-q \(each sequence.s own, chosen by the selector\); 2 rings'
+  expect_exit 0 'check: .*PASS' -- mpi 3 "$cpfill" attention --seq-lens 8,4000,8 \
+    --cached-lens 8000,0,8000 --heads 8 --kv-heads 1 --head-dim 64 --check
+  expect_also '; 3 rings, one per run'
+  "$py" - "$tmp/mixed.json" <<'PY' || fail "per-sequence selection"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["algorithm"] == "pass-kv,pass-q,pass-q" and r["rings"] == 2, (r["algorithm"], r["rings"])
+seqs = r["sequences"]
+assert [s["algorithm"] for s in seqs] == ["pass-kv", "pass-q", "pass-q"], seqs
+assert [s["selection"]["choice"] for s in seqs] == ["pass-kv", "pass-q", "pass-q"], seqs
+assert all(s["selection"]["reason"] for s in seqs), seqs
+rings = {s["algorithm"] for s in r["runs"][0]["steps"]}
+assert rings == {"pass-kv", "pass-q"}, rings
+print("per-sequence ok:", r["algorithm"])
+PY
   ;;
 save_is_readable_outside)
   expect_exit 0 'saved q, k, v, o, lse' -- mpi 4 "$cpfill" attention --seq-lens 37,9 \
@@ -376,6 +396,22 @@ multigpu_device_ring)
         --seq-lens 301,17,5 --cached-lens 9000,33,0 --heads 32 --kv-heads 8 --head-dim 128 --check
     done
   done
+  # Per-request selection on the device ring: the full prefill on pass-KV, the follow-ups after
+  # long cached contexts on pass-Q (CUDA's default C and BW), two rings; the trace's spans are
+  # timed by CUDA events and name both rings.
+  expect_exit 0 'check: .*PASS' -- mpi 2 "$cpfill" attention --backend cuda \
+    --seq-lens 4000,8,8 --cached-lens 0,8000,8000 --heads 16 --kv-heads 1 --head-dim 128 \
+    --check --trace "$tmp/mixed-trace.json"
+  expect_also 'algorithm: pass-kv,pass-q,pass-q .*; 2 rings'
+  "$py" - "$tmp/mixed-trace.json" <<'PY' || fail "device trace of a mixed batch"
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+names = {e["name"] for e in events if e.get("ph") == "X"}
+assert any(n.startswith("pass-kv step") for n in names), sorted(names)
+assert any(n.startswith("pass-q ") and "all-to-all" in n for n in names), sorted(names)
+assert all(e["dur"] >= 0 for e in events if e.get("ph") == "X"), "negative span"
+print("device trace ok:", len(names), "span names")
+PY
   # The whole model: CP2, and TP2 (NCCL all-reduce) on two GPUs.
   expect_exit 0 'check: .*PASS' -- mpi 2 "$cpfill" prefill --backend cuda --model tiny \
     --prompt-lens 1500,77 --check

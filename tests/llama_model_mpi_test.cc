@@ -4,9 +4,11 @@
 // every rank and changes nothing. Run by CTest under mpirun with 4 ranks (and 2, 3 where the grid
 // allows).
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "gtest/gtest.h"
 #include "parallel/grid.h"
 #include "parallel/self_communicator.h"
@@ -62,6 +64,21 @@ std::string Compare(const std::vector<runtime::SequenceOutput>& a,
   return "";
 }
 
+// The tiny model on a TP1 x CP-all grid of every rank (the grid outlives the model).
+struct CpModel {
+  parallel::ProcessGrid grid;
+  std::unique_ptr<runtime::LlamaModel> model;
+};
+absl::StatusOr<CpModel> MakeCpModel(const runtime::PrefillOptions& options) {
+  CpModel m;
+  CPFILL_ASSIGN_OR_RETURN(m.grid, parallel::CreateProcessGrid(testing::Mpi(), {.tp = 1}));
+  CPFILL_ASSIGN_OR_RETURN(auto w, runtime::SyntheticWeights(Tiny(), 7, 0, 1));
+  CPFILL_ASSIGN_OR_RETURN(m.model,
+                          runtime::cpu::CreateCpuModel(Tiny(), std::move(w), *m.grid.tp, *m.grid.cp,
+                                                       *m.grid.world, options));
+  return m;
+}
+
 void CheckGrid(int tp, int ranks_per_node, runtime::PrefillOptions options) {
   auto& mpi = testing::Mpi();
   const runtime::ModelConfig c = Tiny();
@@ -101,16 +118,11 @@ TEST(LlamaPrefill, PassQEqualsOneRank) {
 }
 
 TEST(LlamaPrefill, TwoTurnSessionEqualsOneFullPrefill) {
-  auto& mpi = testing::Mpi();
   const runtime::ModelConfig c = Tiny();
-  auto grid = parallel::CreateProcessGrid(mpi, {.tp = 1});
-  ASSERT_TRUE(grid.ok());
-  auto w = runtime::SyntheticWeights(c, 7, 0, 1);
-  ASSERT_TRUE(w.ok());
-  runtime::PrefillOptions options;
-  auto model =
-      runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
-  ASSERT_TRUE(model.ok());
+  auto made = MakeCpModel({});
+  ASSERT_TRUE(made.ok()) << made.status();
+  const parallel::ProcessGrid* grid = &made->grid;
+  std::unique_ptr<runtime::LlamaModel>* model = &made->model;
   const std::vector<int32_t> whole = Prompt(377, c.vocab_size, 9);
   const std::vector<int32_t> first(whole.begin(), whole.begin() + 300),
       second(whole.begin() + 300, whole.end());
@@ -125,6 +137,57 @@ TEST(LlamaPrefill, TwoTurnSessionEqualsOneFullPrefill) {
   if (grid->world_rank == 0) {
     error =
         Compare(*turn2, OneRank(c, {{{.tokens = whole}, {.tokens = Prompt(40, c.vocab_size, 4)}}}));
+  }
+  auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << error;
+}
+
+// Per-request selection: in one batch, short follow-ups after long cached contexts run pass-Q
+// and new prompts pass-KV, each its own fused ring, in an order that interleaves them (the
+// model groups them and gives the outputs back in request order); equal to one rank.
+TEST(LlamaPrefill, MixedBatchRunsEachSequencesOwnChoice) {
+  const runtime::ModelConfig c = Tiny();
+  auto made = MakeCpModel({});
+  ASSERT_TRUE(made.ok()) << made.status();
+  const parallel::ProcessGrid* grid = &made->grid;
+  std::unique_ptr<runtime::LlamaModel>* model = &made->model;
+  const std::vector<int32_t> a = Prompt(402, c.vocab_size, 11), b = Prompt(301, c.vocab_size, 12);
+  const auto head = [](const std::vector<int32_t>& v, size_t n) {
+    return std::vector<int32_t>(v.begin(), v.begin() + n);
+  };
+  const auto tail = [](const std::vector<int32_t>& v, size_t n) {
+    return std::vector<int32_t>(v.end() - n, v.end());
+  };
+  ASSERT_TRUE((*model)
+                  ->Prefill({{.tokens = head(a, 400), .session = "a"},
+                             {.tokens = head(b, 300), .session = "b"}},
+                            nullptr, nullptr)
+                  .ok());
+  const std::vector<PrefillRequest> batch = {{.tokens = Prompt(200, c.vocab_size, 13)},
+                                             {.tokens = tail(a, 2), .session = "a"},
+                                             {.tokens = Prompt(50, c.vocab_size, 14)},
+                                             {.tokens = tail(b, 1), .session = "b"}};
+  runtime::PrefillTimings t;
+  auto out = (*model)->Prefill(batch, &t, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  using parallel::RingAlgorithm;
+  ASSERT_EQ(t.selections.size(), 4u);
+  if (grid->cp_size > 1) {
+    // The default system (800 TFLOP/s, 50 GB/s) and Alg. 5: a full prefill's miss rate of 1 is
+    // at the tiny model's 2 N_KV / N_H; 2 new tokens after 400 are far below both thresholds.
+    const std::vector<RingAlgorithm> want = {RingAlgorithm::kPassKV, RingAlgorithm::kPassQ,
+                                             RingAlgorithm::kPassKV, RingAlgorithm::kPassQ};
+    EXPECT_EQ(t.algorithms, want);
+    for (int s = 0; s < 4; ++s) EXPECT_EQ(t.selections[s].choice, want[s]) << s;
+    EXPECT_EQ(t.rings, 2);
+  }
+  std::string error;
+  if (grid->world_rank == 0) {
+    error = Compare(*out, OneRank(c, {{{.tokens = Prompt(200, c.vocab_size, 13)},
+                                       {.tokens = a},
+                                       {.tokens = Prompt(50, c.vocab_size, 14)},
+                                       {.tokens = b}}}));
   }
   auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
   ASSERT_TRUE(agreed.ok());
@@ -231,7 +294,10 @@ TEST(LlamaModel, DecodeStepsEqualOneRankPrefillOfTheWholeSequence) {
     out = m.Decode({{.tokens = {next[0]}, .session = "a"}, {.tokens = {next[1]}, .session = "b"}},
                    step, &t);
     ASSERT_TRUE(out.ok()) << out.status();
-    if (grid->cp_size > 1) EXPECT_EQ(t.algorithm, parallel::RingAlgorithm::kPassQ);
+    if (grid->cp_size > 1) {
+      EXPECT_EQ(t.algorithms,
+                std::vector<parallel::RingAlgorithm>(2, parallel::RingAlgorithm::kPassQ));
+    }
     if (grid->world_rank == 0) {
       error = Compare(*out, OneRank(c, {{{.tokens = seqs[0]}, {.tokens = seqs[1]}}}));
       if (!error.empty()) error = "step " + std::to_string(step) + ": " + error;

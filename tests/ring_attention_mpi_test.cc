@@ -1,7 +1,8 @@
-// Multi-rank tests of ring attention: every algorithm, full and partial prefill, uneven fused
-// batches (lengths that do not divide by 2N, empty and one-token sequences), GQA, TP x CP grids.
-// Each distributed result is gathered on world rank 0 and compared with a single-rank
-// computation of the same batch. Run by CTest under mpirun with 2, 3 and 4 ranks.
+// Multi-rank tests of ring attention: every algorithm, and batches whose sequences each run their
+// own (MixedRing), full and partial prefill, uneven fused batches (lengths that do not divide by
+// 2N, empty and one-token sequences), GQA, TP x CP grids. Each distributed result is gathered on
+// world rank 0 and compared with a single-rank computation of the same batch. Run by CTest under
+// mpirun with 2, 3 and 4 ranks.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "parallel/gather_outputs.h"
 #include "parallel/grid.h"
+#include "parallel/mixed_ring.h"
 #include "parallel/ring_attention.h"
 #include "runtime/synthetic_attention.h"
 #include "sharding/plan.h"
@@ -33,10 +35,11 @@ struct Case {
   std::vector<std::vector<int64_t>> turns;
 };
 
-// Runs `algo` on the grid and compares with one rank. Returns "" when equal within tolerance,
-// else what differed (on world rank 0; other ranks return "").
-std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgorithm algo,
-                          parallel::CpuRingOps& ops) {
+// Runs each sequence on its algorithm (parallel::MixedRing: one ring per run of adjacent equal
+// ones) and compares with one rank. Returns "" when equal within tolerance, else what differed
+// (on world rank 0; other ranks return "").
+std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c,
+                          const std::vector<RingAlgorithm>& algos, parallel::CpuRingOps& ops) {
   auto fail = [](const absl::Status& s) { return std::string(s.ToString()); };
   // The KV cache layout: earlier turns stacked, or one full prefill.
   sharding::KvLayout cache;
@@ -64,7 +67,7 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgori
                                         .head_dim = c.head_dim,
                                         .softmax_scale = 1.0f / std::sqrt(float(c.head_dim)),
                                         .causal = c.causal};
-  auto ring = parallel::RingAttention::Create(*grid.cp, *plan, shape, &ops);
+  auto ring = parallel::MixedRing::Create(*grid.cp, *plan, shape, &ops);
   if (!ring.ok()) return fail(ring.status());
   // Another ring made on the same ops after this one (a model makes one per prefill) replaces
   // the positions the ops hold: the first ring's runs must put its own back.
@@ -90,7 +93,7 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgori
   for (int run = 0; run < 2; ++run) {
     parallel::RingTimings timings;
     if (absl::Status s =
-            (*ring)->Run(algo, q.data(), k.data(), v.data(), o.data(), lse.data(), &timings);
+            (*ring)->Run(algos, q.data(), k.data(), v.data(), o.data(), lse.data(), &timings);
         !s.ok()) {
       return fail(s);
     }
@@ -99,8 +102,8 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c, RingAlgori
     std::vector<float> oq(ol.q_rows() * shape.num_heads * c.head_dim, 1.0f);
     std::vector<float> okv(ol.kv_rows() * shape.num_kv_heads * c.head_dim, 1.0f);
     std::vector<float> oo(oq.size()), olse(ol.q_rows() * shape.num_heads);
-    if (absl::Status s =
-            (*other)->Run(algo, oq.data(), okv.data(), okv.data(), oo.data(), olse.data(), nullptr);
+    if (absl::Status s = (*other)->Run(algos[0], oq.data(), okv.data(), okv.data(), oo.data(),
+                                       olse.data(), nullptr);
         !s.ok()) {
       return fail(s);
     }
@@ -189,15 +192,30 @@ void RunAllCases(int tp) {
   // reused (or grown) by the next.
   ThreadPool pool(2);
   parallel::CpuRingOps ops(&pool);
+  const std::vector<RingAlgorithm> kinds = {RingAlgorithm::kPassKV, RingAlgorithm::kPassQ,
+                                            RingAlgorithm::kAllGather};
   for (const Case& c : Cases()) {
     if (c.kv_heads % tp != 0) continue;
-    for (RingAlgorithm algo :
-         {RingAlgorithm::kPassKV, RingAlgorithm::kPassQ, RingAlgorithm::kAllGather}) {
-      const std::string error = RunAndCompare(*grid, c, algo, ops);
+    const int n = static_cast<int>(c.sequences.size());
+    // Every sequence on one algorithm, then mixed batches: the algorithms in turn (a ring per
+    // sequence's run: pass-kv, pass-q, all-gather, pass-kv, ...), and grouped (two rings).
+    std::vector<std::vector<RingAlgorithm>> plans;
+    for (RingAlgorithm a : kinds) plans.emplace_back(n, a);
+    if (n > 1) {
+      std::vector<RingAlgorithm> turns, grouped;
+      for (int s = 0; s < n; ++s) {
+        turns.push_back(kinds[s % 3]);
+        grouped.push_back(s < n / 2 ? RingAlgorithm::kPassKV : RingAlgorithm::kPassQ);
+      }
+      plans.push_back(turns);
+      plans.push_back(grouped);
+    }
+    for (const std::vector<RingAlgorithm>& algos : plans) {
+      const std::string error = RunAndCompare(*grid, c, algos, ops);
       // Every rank agrees on the verdict of each case.
       auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
       ASSERT_TRUE(agreed.ok()) << agreed.status();
-      EXPECT_TRUE(*agreed) << c.name << ", " << parallel::RingAlgorithmName(algo) << ", "
+      EXPECT_TRUE(*agreed) << c.name << ", " << parallel::AlgorithmsName(algos) << ", "
                            << grid->Describe() << ": "
                            << (error.empty() ? "failed on another rank" : error);
     }

@@ -146,7 +146,7 @@ absl::Status Await(cpfill_request* r, std::optional<double> timeout_s) {
   }
   r->done = r->reply.get();
   if (r->done->ok()) {
-    r->algorithm = std::string(cpfill::parallel::RingAlgorithmName((*r->done)->timings.algorithm));
+    r->algorithm = std::string(cpfill::parallel::RingAlgorithmName((*r->done)->algorithm));
   }
   return absl::OkStatus();
 }

@@ -58,7 +58,7 @@ typedef struct cpfill_result {
   int batch_requests;      /* requests in the fused batch that answered this one */
   double queue_s;          /* from submit to the start of that batch */
   double prefill_s;        /* that batch's prefill, every rank together */
-  const char* algorithm;   /* the ring algorithm the selector chose: "pass-kv", "pass-q", ... */
+  const char* algorithm;   /* this request's ring algorithm: "pass-kv", "pass-q", ... */
 } cpfill_result;
 
 const char* cpfill_version(void);
