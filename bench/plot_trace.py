@@ -4,6 +4,8 @@
     mpirun -np 4 build/cpfill attention ... --trace trace.json --json report.json
     python3 bench/plot_trace.py --trace trace.json --report report.json --out ring.png
 
+Also draws `cpfill prefill --trace` (each layer's phases; no --report there).
+
 Top: one row per rank and lane (compute, exchange) from --trace, milliseconds from the earliest
 rank's start; a step's exposed wait is red, so skew and waits stand out. Bottom (with --report):
 each rank's step table from the report's "ranks", compute, exposed wait and transfer per step,
@@ -15,7 +17,11 @@ import sys
 
 COLOURS = {"attention": "#4c72b0", "wait": "#d62728", "exchange": "#55a868",
            "all-to-all": "#8172b2", "all-gather": "#8172b2", "merge": "#ccb974",
-           "pack": "#999999", "unpack": "#999999", "repack": "#999999"}
+           "pack": "#999999", "unpack": "#999999", "repack": "#999999",
+           # cpfill prefill --trace: a layer's phases (the GEMMs orange, the ring blue)
+           "attention ring": "#4c72b0", "qkv": "#dd8452", "o proj": "#dd8452",
+           "gate/up": "#dd8452", "down": "#dd8452", "all-reduce": "#8172b2",
+           "kv cache": "#937860"}
 
 
 def colour(name):
@@ -59,7 +65,8 @@ def plot_timeline(ax, ranks):
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("ms from the first rank's start")
-    ax.set_title("ring run, every rank (red: exposed wait)")
+    ax.set_title("every rank's timeline (red: exposed wait; prefill: GEMMs orange, "
+                 "attention ring blue, all-reduce purple)")
 
 
 def plot_steps(ax, report):

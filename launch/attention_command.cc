@@ -173,18 +173,6 @@ nlohmann::ordered_json Report(const AttentionFlags& f, const AttentionBatch& b,
   return report;
 }
 
-// The last run's steps and spans of every rank (the text table shows world rank 0's alone), in
-// world rank order, each with its place in the grid (trace.h's RankSteps); collective.
-absl::StatusOr<nlohmann::ordered_json> EveryRanksSteps(const parallel::RingTimings& last,
-                                                       const parallel::ProcessGrid& grid,
-                                                       double flops_per_pair) {
-  CPFILL_ASSIGN_OR_RETURN(std::string text, json::Dump(RankSteps(last, grid, flops_per_pair)));
-  CPFILL_ASSIGN_OR_RETURN(std::vector<std::string> all, parallel::AllGatherText(*grid.world, text));
-  nlohmann::ordered_json out = nlohmann::ordered_json::array();
-  for (const std::string& t : all) out.push_back(nlohmann::ordered_json::parse(t));
-  return out;
-}
-
 nlohmann::ordered_json CheckJson(const AttentionCheck& c, double tolerance) {
   return {{"max_abs_o", c.max_abs_o},     {"rel_fro_o", c.rel_fro_o},
           {"max_abs_lse", c.max_abs_lse}, {"lse_inf_mismatches", c.lse_inf_mismatch},
@@ -299,7 +287,7 @@ int Run(int argc, char** argv) {
   }
   nlohmann::ordered_json ranks;  // every rank's steps of the last run (collective)
   if (!f.json_file.empty() || !f.trace_file.empty()) {
-    auto gathered = EveryRanksSteps(last, grid, batch->flops_per_pair());
+    auto gathered = GatherRankSteps(last, grid, batch->flops_per_pair());
     if (!gathered.ok()) session.Fail(gathered.status());
     ranks = *std::move(gathered);
   }

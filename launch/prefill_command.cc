@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/json_io.h"
 #include "base/status.h"
 #include "launch/backend.h"
 #include "launch/commands.h"
@@ -17,6 +18,7 @@
 #include "launch/prefill_check.h"
 #include "launch/selector_flags.h"
 #include "launch/session.h"
+#include "launch/trace.h"
 #include "parallel/mixed_ring.h"
 #include "runtime/llama_model.h"
 #include "runtime/memory.h"
@@ -36,6 +38,7 @@ struct PrefillFlags {
   double tolerance = 1e-3;
   std::string json_file;
   std::string logits_file;
+  std::string trace_file;
   int64_t seed = 1;
   int64_t kv_capacity_tokens = 0;
   double kv_memory_fraction = 0;
@@ -65,6 +68,9 @@ void DefineFlags(FlagSet& flags, PrefillFlags* f) {
   flags.String("save-logits", &f->logits_file,
                "write the last-position logits [sequences, vocab] and first tokens as "
                "safetensors");
+  flags.String("trace", &f->trace_file,
+               "write the last run's timeline, every rank, as Chrome trace-event JSON (Perfetto): "
+               "each layer's norms, GEMMs, RoPE, KV cache, attention ring and all-reduces");
   flags.Int("seed", &f->seed, "seed of synthetic weights and prompts").Within(Range::AtLeast(0));
   flags
       .Int("kv-capacity-tokens", &f->kv_capacity_tokens,
@@ -225,6 +231,22 @@ absl::Status SaveLogits(const std::string& path, const std::vector<runtime::Sequ
   return w.Write(path);
 }
 
+// The last run's phases on every rank as one Chrome trace (collective; rank 0 writes it).
+void WriteTrace(Session& session, const std::string& path, const runtime::PrefillTimings& t,
+                const parallel::ProcessGrid& grid) {
+  parallel::RingTimings timeline;
+  timeline.start_unix_s = t.spans_origin_unix_s;
+  timeline.spans.assign(t.spans.begin(), t.spans.end());
+  auto ranks = GatherRankSteps(timeline, grid, 0);
+  if (!ranks.ok()) session.Fail(ranks.status());
+  if (!session.is_root()) return;
+  if (absl::Status s = json::WriteFile(path, ChromeTrace(*ranks)); !s.ok()) {
+    session.Fail(absl::Status(s.code(), absl::StrCat("--trace: ", s.message())));
+  }
+  session.Print("wrote the timeline of every rank's last run to %s (Perfetto, chrome://tracing)\n",
+                path);
+}
+
 nlohmann::ordered_json Report(const PrefillFlags& f, const runtime::ModelConfig& config,
                               const parallel::ProcessGrid& grid,
                               const std::vector<runtime::PrefillRequest>& batch,
@@ -275,7 +297,8 @@ int Run(int argc, char** argv) {
   if (started.exit_code) return *started.exit_code;
   Session& session = *started.session;
   parallel::ProcessGrid& grid = *started.grid;
-  if (auto bad = session.CheckOutputs({{"json", f.json_file}, {"save-logits", f.logits_file}})) {
+  if (auto bad = session.CheckOutputs(
+          {{"json", f.json_file}, {"save-logits", f.logits_file}, {"trace", f.trace_file}})) {
     return *bad;
   }
 
@@ -293,8 +316,9 @@ int Run(int argc, char** argv) {
   }
   auto choice = ResolveSelector(f.selector, flags, RingContextOf(f.backend, grid));
   if (!choice.ok()) return session.Refuse(choice.status());
-  const runtime::PrefillOptions options =
+  runtime::PrefillOptions options =
       OptionsFrom(f, *choice, batch, grid.cp_size, session.ThreadsPerRank(grid));
+  options.record_spans = !f.trace_file.empty();
   auto weights = LoadWeightsAgreed(config, f.model, static_cast<uint64_t>(f.seed), grid);
   if (!weights.ok()) return session.ConfigError(weights.status());
   auto loaded =
@@ -337,6 +361,7 @@ int Run(int argc, char** argv) {
     }
     session.Print("saved logits to %s\n", f.logits_file);
   }
+  if (!f.trace_file.empty()) WriteTrace(session, f.trace_file, t, grid);
   if (session.is_root() && !f.json_file.empty()) {
     nlohmann::ordered_json report =
         Report(f, config, grid, batch, out, t, ttft, tokens, model.kv_usage());

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
+#include "base/wall_clock.h"
 #include "launch/commands.h"
 #include "launch/engine_host.h"
 #include "launch/flags.h"
@@ -62,7 +63,7 @@ class ServeLog {
       session_.Print("cpfill serve: %s\n", text);
       return;
     }
-    nlohmann::ordered_json line = {{"event", event}, {"time", UnixTime()}};
+    nlohmann::ordered_json line = {{"event", event}, {"time", UnixSecondsNow()}};
     line.update(fields);
     session_.Print("%s\n", JsonText(line));
   }
@@ -80,10 +81,6 @@ class ServeLog {
   }
 
  private:
-  static double UnixTime() {
-    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-        .count();
-  }
   Session& session_;
   const bool json_;
 };

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_format.h"
+#include "base/json_io.h"
+#include "base/status.h"
 #include "launch/ring_report.h"
 
 namespace cpfill::launch {
@@ -35,6 +38,16 @@ nlohmann::ordered_json RankSteps(const parallel::RingTimings& run,
                      {"duration_ms", s.duration_s * 1e3}});
   }
   out["spans"] = std::move(spans);
+  return out;
+}
+
+absl::StatusOr<nlohmann::ordered_json> GatherRankSteps(const parallel::RingTimings& run,
+                                                       const parallel::ProcessGrid& grid,
+                                                       double flops_per_pair) {
+  CPFILL_ASSIGN_OR_RETURN(std::string text, json::Dump(RankSteps(run, grid, flops_per_pair)));
+  CPFILL_ASSIGN_OR_RETURN(std::vector<std::string> all, parallel::AllGatherText(*grid.world, text));
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (const std::string& t : all) out.push_back(nlohmann::ordered_json::parse(t));
   return out;
 }
 

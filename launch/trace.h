@@ -6,6 +6,7 @@
 //   json::WriteFile(path, ChromeTrace(ranks));
 #pragma once
 
+#include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
 #include "parallel/grid.h"
 #include "parallel/ring_plan.h"
@@ -16,6 +17,11 @@ namespace cpfill::launch {
 // (RingTimingsJson), its spans and the wall-clock start that lines ranks up.
 nlohmann::ordered_json RankSteps(const parallel::RingTimings& run,
                                  const parallel::ProcessGrid& grid, double flops_per_pair);
+
+// Every rank's RankSteps in world rank order (collective; parallel::AllGatherText).
+absl::StatusOr<nlohmann::ordered_json> GatherRankSteps(const parallel::RingTimings& run,
+                                                       const parallel::ProcessGrid& grid,
+                                                       double flops_per_pair);
 
 // The trace of every rank's RankSteps: times in microseconds from the earliest rank's start
 // (ranks on other hosts line up as well as their clocks agree).

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "base/wall_clock.h"
 
 namespace cpfill::parallel {
 namespace {
@@ -28,10 +29,6 @@ class ProfilerRange {
  private:
   RingOps& ops_;
 };
-
-double WallClockS() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
 
 double SecondsSince(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
@@ -361,7 +358,7 @@ absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* 
   CPFILL_ASSIGN_OR_RETURN(msg[1], Scratch(kMsg1, m.bytes));
   CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(n)));
   const int p0 = ops_->Mark();
-  t->start_unix_s = WallClockS();  // the spans' origin (on a GPU: when p0 was enqueued)
+  t->start_unix_s = UnixSecondsNow();  // the spans' origin (on a GPU: when p0 was enqueued)
   StepLog log(n, p0);
   CPFILL_RETURN_IF_ERROR(PackKv(k, v, msg[0]));  // KV_k^k: this rank's KV, padded to L^i
   const int p1 = ops_->Mark();
@@ -428,7 +425,7 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   float* received = reinterpret_cast<float*>(received_bytes);
   CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(n)));
   const int p0 = ops_->Mark();
-  t->start_unix_s = WallClockS();  // the spans' origin (on a GPU: when p0 was enqueued)
+  t->start_unix_s = UnixSecondsNow();  // the spans' origin (on a GPU: when p0 was enqueued)
   StepLog log(n, p0);
   CPFILL_RETURN_IF_ERROR(PackQ(q, msg[0]));  // Q_k^k
   const int p1 = ops_->Mark();
@@ -524,7 +521,7 @@ absl::Status RingAttention::RunAllGather(const void* q, const void* k, const voi
 
   // Step 1: every rank's KV message, to every rank.
   const int p0 = ops_->Mark();
-  t->start_unix_s = WallClockS();  // the spans' origin (on a GPU: when p0 was enqueued)
+  t->start_unix_s = UnixSecondsNow();  // the spans' origin (on a GPU: when p0 was enqueued)
   CPFILL_RETURN_IF_ERROR(PackKv(k, v, msg));
   const int g0 = ops_->Mark();
   CPFILL_RETURN_IF_ERROR(cp_.AllGather(msg, m.bytes, gathered));

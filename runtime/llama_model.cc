@@ -40,6 +40,11 @@ enum Slot {
   kLogits
 };
 
+// A new span on t's timeline, filled in by the backend once its phase is timed.
+parallel::RingSpan* AddSpan(PrefillTimings& t, std::string name, const char* lane) {
+  return &t.spans.emplace_back(parallel::RingSpan{.name = std::move(name), .lane = lane});
+}
+
 }  // namespace
 
 struct LlamaModel::Running {
@@ -334,12 +339,15 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
 
   CPFILL_RETURN_IF_ERROR(be.BeginPhase());
   CPFILL_RETURN_IF_ERROR(be.Embed(r.ids, be.weights().embedding, &r.x));
-  CPFILL_RETURN_IF_ERROR(be.EndPhase(&t.embed_s));
+  CPFILL_RETURN_IF_ERROR(be.EndPhase(
+      &t.embed_s, options_.record_spans ? AddSpan(t, "embedding", "compute") : nullptr));
   for (int l = 0; l < c.num_layers; ++l) {
     CPFILL_RETURN_IF_ERROR(Layer(l, r, t));
     if (progress) progress(l);
   }
-  return be.Finish();
+  CPFILL_RETURN_IF_ERROR(be.Finish());
+  t.spans_origin_unix_s = be.PhasesOriginUnixS();
+  return absl::OkStatus();
 }
 
 // One decoder layer on this rank's rows, each phase timed on its own.
@@ -348,15 +356,20 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
   const LayerTensors& w = be.weights().layers[l];
   const double eps = config_.rms_norm_eps;
   const int tp = be.tp().size();
-  const auto phase = [&](double& acc, const std::function<absl::Status()>& fn) -> absl::Status {
+  // A timed phase of this layer, on the timeline too when spans are recorded.
+  const auto phase = [&](double& acc, const char* what,
+                         const std::function<absl::Status()>& fn) -> absl::Status {
     CPFILL_RETURN_IF_ERROR(be.BeginPhase());
     CPFILL_RETURN_IF_ERROR(fn());
-    return be.EndPhase(&acc);
+    const bool exchange = &acc == &t.allreduce_s;
+    if (!options_.record_spans) return be.EndPhase(&acc);
+    return be.EndPhase(
+        &acc, AddSpan(t, absl::StrCat("layer ", l, " ", what), exchange ? "exchange" : "compute"));
   };
   // Row-parallel outputs are partial sums over the TP group: add them up in fp32.
   const auto all_reduce = [&]() -> absl::Status {
     if (tp == 1) return absl::OkStatus();
-    return phase(t.allreduce_s, [&] {
+    return phase(t.allreduce_s, "all-reduce", [&] {
       return be.tp().AllReduce(r.proj.data, r.proj.numel(), parallel::DataType::kFloat32,
                                parallel::ReduceOp::kSum);
     });
@@ -364,44 +377,46 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
 
   // Attention block.
   CPFILL_RETURN_IF_ERROR(
-      phase(t.other_s, [&] { return be.RmsNorm(r.x, w.input_norm, eps, &r.h); }));
-  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&]() -> absl::Status {
+      phase(t.other_s, "input norm", [&] { return be.RmsNorm(r.x, w.input_norm, eps, &r.h); }));
+  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, "qkv", [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(be.Linear(r.h, w.wq, &r.q));
     CPFILL_RETURN_IF_ERROR(be.Linear(r.h, w.wk, &r.k));
     return be.Linear(r.h, w.wv, &r.v);
   }));
-  CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
+  CPFILL_RETURN_IF_ERROR(phase(t.other_s, "rope", [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(be.Rope(r.positions, config_.num_heads / tp, &r.q));
     return be.Rope(r.positions, config_.num_kv_heads / tp, &r.k);
   }));
-  CPFILL_RETURN_IF_ERROR(phase(t.kv_s, [&]() -> absl::Status {
+  CPFILL_RETURN_IF_ERROR(phase(t.kv_s, "kv cache", [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(kv_->Write(l, r.new_rows));
     return kv_->Read(l, r.all_rows);
   }));
   const bool convert = be.compute_type() != ElemType::kF32;
-  CPFILL_RETURN_IF_ERROR(phase(t.attention_s, [&]() -> absl::Status {
+  CPFILL_RETURN_IF_ERROR(phase(t.attention_s, "attention ring", [&]() -> absl::Status {
     parallel::RingTimings rt;
     CPFILL_RETURN_IF_ERROR(r.ring->Run(r.algorithms, r.q.data, r.k_all.data, r.v_all.data,
                                        r.attn.As<float>(), r.lse.As<float>(), &rt));
     return convert ? be.Convert(r.attn, &r.attn_compute) : absl::OkStatus();
   }));
-  CPFILL_RETURN_IF_ERROR(
-      phase(t.gemm_s, [&] { return be.Linear(convert ? r.attn_compute : r.attn, w.wo, &r.proj); }));
+  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, "o proj", [&] {
+    return be.Linear(convert ? r.attn_compute : r.attn, w.wo, &r.proj);
+  }));
   CPFILL_RETURN_IF_ERROR(all_reduce());
 
   // MLP block.
-  CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&]() -> absl::Status {
+  CPFILL_RETURN_IF_ERROR(phase(t.other_s, "residual + post norm", [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(be.Add(r.proj, &r.x));
     return be.RmsNorm(r.x, w.post_norm, eps, &r.h);
   }));
-  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&]() -> absl::Status {
+  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, "gate/up", [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(be.Linear(r.h, w.w_gate, &r.gate));
     return be.Linear(r.h, w.w_up, &r.up);
   }));
-  CPFILL_RETURN_IF_ERROR(phase(t.other_s, [&] { return be.SwiGlu(r.up, &r.gate); }));
-  CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, [&] { return be.Linear(r.gate, w.w_down, &r.proj); }));
+  CPFILL_RETURN_IF_ERROR(phase(t.other_s, "swiglu", [&] { return be.SwiGlu(r.up, &r.gate); }));
+  CPFILL_RETURN_IF_ERROR(
+      phase(t.gemm_s, "down", [&] { return be.Linear(r.gate, w.w_down, &r.proj); }));
   CPFILL_RETURN_IF_ERROR(all_reduce());
-  return phase(t.other_s, [&] { return be.Add(r.proj, &r.x); });
+  return phase(t.other_s, "residual", [&] { return be.Add(r.proj, &r.x); });
 }
 
 // Step 3: logits at the last positions (this TP rank's vocabulary slice), on world rank 0.

@@ -105,9 +105,13 @@ class ModelBackend {
   // buffers kept between prefills, merge, timing marks. Its inputs are compute_type().
   virtual parallel::RingOps& ring_ops() = 0;
   // Phases: the time between BeginPhase() and EndPhase(acc) is added to *acc once Finish()
-  // returned (on a GPU, events on the stream: the host runs ahead).
+  // returned (on a GPU, events on the stream: the host runs ahead). `span`, when given, gets the
+  // phase's place on the timeline (start_s from the first phase since ResetPhases(), duration_s)
+  // by then too, for --trace; PhasesOriginUnixS() is the wall clock at that first phase (on a GPU,
+  // when the host issued it).
   virtual absl::Status BeginPhase() = 0;
-  virtual absl::Status EndPhase(double* acc) = 0;
+  virtual absl::Status EndPhase(double* acc, parallel::RingSpan* span = nullptr) = 0;
+  virtual double PhasesOriginUnixS() const = 0;
   // Waits for all issued work, with the communicators' deadline; collects the phase times.
   virtual absl::Status Finish() = 0;
   // Forgets phases issued by a prefill that failed half-way.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <optional>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "parallel/communicator.h"
+#include "parallel/ring_plan.h"
 #include "parallel/selector.h"
 #include "runtime/model_config.h"
 #include "sharding/plan.h"
@@ -37,8 +39,9 @@ struct PrefillOptions {
   // K and V), or, when that is 0, this fraction of the rank's free memory.
   int64_t kv_capacity_tokens = int64_t{1} << 16;
   double kv_memory_fraction = 0;
-  int kv_block_tokens = 64;  // tokens per KV block (16..256)
-  int threads = 1;           // kernel threads per rank (CPU backend)
+  int kv_block_tokens = 64;   // tokens per KV block (16..256)
+  int threads = 1;            // kernel threads per rank (CPU backend)
+  bool record_spans = false;  // PrefillTimings::spans: every phase of every layer (--trace)
 };
 
 struct PrefillTimings {
@@ -53,6 +56,11 @@ struct PrefillTimings {
   int rings = 1;  // fused rings per layer: one per algorithm that ran
   int64_t new_tokens = 0, cached_tokens = 0;
   double model_flops = 0;  // 2 * params * tokens + causal attention FLOPs (whole batch)
+  // With PrefillOptions::record_spans: this rank's timeline, "embedding", then per layer "layer
+  // L <phase>" (norms, GEMMs, RoPE, KV cache, attention ring on lane "compute"; the TP
+  // all-reduces on lane "exchange"), seconds from the first; the wall clock at that first span.
+  std::deque<parallel::RingSpan> spans;  // a deque: phases hold pointers into it until Finish
+  double spans_origin_unix_s = 0;
 };
 
 // A session's cache as far as planning needs it: how many tokens, and where they live.

@@ -424,9 +424,25 @@ PY
   fi
   ;;
 prefill_check)
-  # The README-level job of the model issue: TP2 x CP2 on the tiny preset equals one rank.
+  # The README-level job of the model issue: TP2 x CP2 on the tiny preset equals one rank; its
+  # timeline (--trace) has every rank's layers, GEMMs on the compute lane, all-reduces on the
+  # exchange lane.
   expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" prefill --model tiny --tp 2 \
-    --ranks-per-node 2 --prompt-lens 700,33,1 --check
+    --ranks-per-node 2 --prompt-lens 700,33,1 --check --trace "$tmp/prefill-trace.json"
+  "$py" - "$tmp/prefill-trace.json" <<'PY' || fail "prefill trace"
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+spans = [(e["pid"], lanes[(e["pid"], e["tid"])], e["name"]) for e in events if e.get("ph") == "X"]
+assert sorted({p for p, _, _ in spans}) == [0, 1, 2, 3], spans[:5]
+for rank in range(4):
+    mine = {(lane, name) for p, lane, name in spans if p == rank}
+    for want in [("compute", "embedding"), ("compute", "layer 0 qkv"), ("compute", "layer 3 down"),
+                 ("compute", "layer 2 attention ring"), ("exchange", "layer 1 all-reduce")]:
+        assert want in mine, (rank, want, sorted(mine)[:8])
+assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events if e.get("ph") == "X")
+print("prefill trace ok:", len(spans), "spans")
+PY
   expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" prefill --model tiny --prompt-lens 1000 \
     --algo pass-q --check --json "$tmp/p.json"
   "$py" -c "import json,sys; r=json.load(open('$tmp/p.json')); assert r['check']['pass']; assert r['knobs']['CPFILL_TEST_EXIT_RANK'] == '-1'" ||

@@ -2,12 +2,14 @@
 
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "base/host_buffer.h"
 #include "base/status.h"
 #include "base/thread_pool.h"
+#include "base/wall_clock.h"
 #include "runtime/cpu/layers.h"
 #include "runtime/memory.h"
 
@@ -106,14 +108,24 @@ class CpuBackend : public ModelBackend {
   // The CPU runs each operation when it is issued: a phase is host time.
   absl::Status BeginPhase() override {
     open_ = Clock::now();
+    if (!origin_) {
+      origin_ = open_;
+      origin_unix_s_ = UnixSecondsNow();
+    }
     return absl::OkStatus();
   }
-  absl::Status EndPhase(double* acc) override {
-    *acc += std::chrono::duration<double>(Clock::now() - open_).count();
+  absl::Status EndPhase(double* acc, parallel::RingSpan* span) override {
+    const auto now = Clock::now();
+    *acc += std::chrono::duration<double>(now - open_).count();
+    if (span) {
+      span->start_s = std::chrono::duration<double>(open_ - *origin_).count();
+      span->duration_s = std::chrono::duration<double>(now - open_).count();
+    }
     return absl::OkStatus();
   }
+  double PhasesOriginUnixS() const override { return origin_unix_s_; }
   absl::Status Finish() override { return absl::OkStatus(); }
-  void ResetPhases() override {}
+  void ResetPhases() override { origin_.reset(); }
 
   std::unique_ptr<KvStorage> MakeKvStorage() override { return MakeHostKvStorage(); }
   absl::StatusOr<int64_t> FreeMemoryBytes() override { return HostBytesAvailable(); }
@@ -148,6 +160,8 @@ class CpuBackend : public ModelBackend {
   RopeTable rope_;
   std::vector<HostBuffer> scratch_;
   Clock::time_point open_;
+  std::optional<Clock::time_point> origin_;  // the first phase since ResetPhases()
+  double origin_unix_s_ = 0;
 };
 
 }  // namespace

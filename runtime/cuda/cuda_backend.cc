@@ -8,6 +8,7 @@
 #include "attention/cuda/attention_cuda.h"
 #include "base/bfloat16.h"
 #include "base/status.h"
+#include "base/wall_clock.h"
 #include "parallel/cuda/cuda_ring_ops.h"
 #include "parallel/cuda/device_buffer.h"
 #include "runtime/cpu/layers.h"
@@ -31,18 +32,25 @@ class PhaseEvents {
   absl::Status Begin(cudaStream_t stream) {
     CPFILL_ASSIGN_OR_RETURN(open_, Next());
     CPFILL_CUDA_CHECK(cudaEventRecord(open_, stream));
+    if (used_ == 1) origin_unix_s_ = UnixSecondsNow();  // the first event since Reset
     return absl::OkStatus();
   }
-  absl::Status End(cudaStream_t stream, double* seconds) {
+  absl::Status End(cudaStream_t stream, double* seconds, parallel::RingSpan* span) {
     CPFILL_ASSIGN_OR_RETURN(cudaEvent_t end, Next());
     CPFILL_CUDA_CHECK(cudaEventRecord(end, stream));
-    pending_.emplace_back(seconds, open_, end);
+    pending_.push_back({seconds, span, open_, end});
     return absl::OkStatus();
   }
+  // After the stream is done: every phase's time into its accumulator, and its span.
   void Collect() {
-    for (auto [seconds, begin, end] : pending_) {
-      float ms = 0;
-      if (cudaEventElapsedTime(&ms, begin, end) == cudaSuccess) *seconds += ms / 1e3;
+    for (const Pending& p : pending_) {
+      float ms = 0, from_origin = 0;
+      if (cudaEventElapsedTime(&ms, p.begin, p.end) != cudaSuccess) continue;
+      *p.seconds += ms / 1e3;
+      if (p.span && cudaEventElapsedTime(&from_origin, pool_[0], p.begin) == cudaSuccess) {
+        p.span->start_s = from_origin / 1e3;
+        p.span->duration_s = ms / 1e3;
+      }
     }
     Reset();
   }
@@ -50,6 +58,7 @@ class PhaseEvents {
     pending_.clear();
     used_ = 0;
   }
+  double origin_unix_s() const { return origin_unix_s_; }
 
  private:
   absl::StatusOr<cudaEvent_t> Next() {
@@ -62,8 +71,14 @@ class PhaseEvents {
   }
   std::vector<cudaEvent_t> pool_;
   size_t used_ = 0;
+  struct Pending {
+    double* seconds;
+    parallel::RingSpan* span;
+    cudaEvent_t begin, end;
+  };
   cudaEvent_t open_ = nullptr;
-  std::vector<std::tuple<double*, cudaEvent_t, cudaEvent_t>> pending_;
+  std::vector<Pending> pending_;
+  double origin_unix_s_ = 0;  // host wall clock when the first event was issued
 };
 
 class CudaBackend : public ModelBackend {
@@ -142,7 +157,10 @@ class CudaBackend : public ModelBackend {
 
   parallel::RingOps& ring_ops() override { return *ring_ops_; }
   absl::Status BeginPhase() override { return phases_.Begin(stream_); }
-  absl::Status EndPhase(double* acc) override { return phases_.End(stream_, acc); }
+  absl::Status EndPhase(double* acc, parallel::RingSpan* span) override {
+    return phases_.End(stream_, acc, span);
+  }
+  double PhasesOriginUnixS() const override { return phases_.origin_unix_s(); }
   // The TP communicator's Synchronize is the host wait with a deadline (NCCL errors included).
   absl::Status Finish() override {
     CPFILL_RETURN_IF_ERROR(nccl_.tp->Synchronize());
