@@ -32,6 +32,32 @@ constexpr int64_t kMergeRowsPerItem = 16;
 
 }  // namespace
 
+int64_t PagedKv::TableBegin(int64_t kv_begin) const {
+  const auto it = std::upper_bound(seq_kv_begin.begin(), seq_kv_begin.end(), kv_begin);
+  if (it == seq_kv_begin.begin() || *(it - 1) != kv_begin) return -1;
+  return seq_table_begin[(it - seq_kv_begin.begin()) - 1];
+}
+
+absl::Status PagedKv::Validate(int64_t row_bytes, const SequenceSlice* slices,
+                               int64_t num_slices) const {
+  CPFILL_CHECK_ARG(table != nullptr && block_tokens > 0 && row_bytes > 0 &&
+                       block_stride_bytes / block_tokens >= row_bytes,
+                   "paged K/V: table ", table == nullptr ? "null" : "set", ", ", block_tokens,
+                   " tokens per block, a block stride of ", block_stride_bytes,
+                   " bytes for rows of ", row_bytes, " bytes");
+  CPFILL_CHECK_ARG(seq_kv_begin.size() == seq_table_begin.size() &&
+                       std::is_sorted(seq_kv_begin.begin(), seq_kv_begin.end()),
+                   "paged K/V: ", seq_kv_begin.size(), " sequence begins (ascending) and ",
+                   seq_table_begin.size(), " table begins");
+  for (int64_t i = 0; i < num_slices; ++i) {
+    if (slices[i].kv_len == 0 || slices[i].q_len == 0) continue;
+    CPFILL_CHECK_ARG(TableBegin(slices[i].kv_begin) >= 0, "paged K/V: slice ", i,
+                     "'s keys start at local row ", slices[i].kv_begin,
+                     ", where no sequence of the block table starts");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateAttentionParams(const AttentionParams& p) {
   CPFILL_RETURN_IF_ERROR(ValidateShape(p.shape));
   CPFILL_CHECK_ARG(p.q_tokens >= 0, "q_tokens must be >= 0, got ", p.q_tokens);

@@ -37,6 +37,9 @@ constexpr KnobSpec kKnobs[] = {
     {kDecodeKernel, KnobType::kBool, "1", "0|1",
      "CUDA attention: calls with at most 4 query rows per slice take the split-KV decode "
      "kernel (0: the prefill kernel, for comparison)"},
+    {kDecodeGemv, KnobType::kBool, "1", "0|1",
+     "CUDA linear layers: up to 8 token rows (decode steps) take the small-batch kernel, one "
+     "warp per output feature (0: cuBLASLt, for comparison)"},
     {kRanksPerNode, KnobType::kInt, "0", "0..1000000",
      "ranks per emulated node when --ranks-per-node is not given (0: the ranks of each host)"},
     {kTestExitRank, KnobType::kInt, "-1", "-1..1000000",

@@ -92,21 +92,27 @@ absl::StatusOr<RingAttention*> MixedRing::RingOf(int first, int count) {
 
 absl::Status MixedRing::Run(RingAlgorithm algorithm, const void* q, const void* k, const void* v,
                             float* o, float* lse, RingTimings* timings,
-                            RingAttention::StepCallback on_step) {
-  return whole_->Run(algorithm, q, k, v, o, lse, timings, std::move(on_step));
+                            RingAttention::StepCallback on_step, const RunOptions& options) {
+  return whole_->Run(algorithm, q, k, v, o, lse, timings, std::move(on_step), options);
 }
 
 absl::Status MixedRing::Run(std::span<const RingAlgorithm> per_sequence, const void* q,
                             const void* k, const void* v, float* o, float* lse,
-                            RingTimings* timings, RingAttention::StepCallback on_step) {
+                            RingTimings* timings, RingAttention::StepCallback on_step,
+                            const RunOptions& options) {
   CPFILL_CHECK_ARG(static_cast<int>(per_sequence.size()) == plan_.num_sequences(),
                    "mixed ring: ", per_sequence.size(), " algorithms for ", plan_.num_sequences(),
                    " sequences");
   const std::vector<AlgorithmRun> runs = AlgorithmRuns(per_sequence);
   if (runs.size() <= 1) {
     const RingAlgorithm only = runs.empty() ? RingAlgorithm::kPassKV : runs[0].algorithm;
-    return Run(only, q, k, v, o, lse, timings, std::move(on_step));
+    return Run(only, q, k, v, o, lse, timings, std::move(on_step), options);
   }
+  // A run's ring numbers its key rows from its own first sequence; a block table's sequence
+  // begins are the whole batch's. Decode, the one caller that reads blocks in place, is one ring.
+  CPFILL_CHECK_ARG(options.paged_kv == nullptr,
+                   "mixed ring: K/V read in place from a KV cache's blocks needs one algorithm "
+                   "for the whole batch");
   RingTimings local;
   RingTimings* t = timings ? timings : &local;
   *t = RingTimings{};
@@ -124,7 +130,7 @@ absl::Status MixedRing::Run(std::span<const RingAlgorithm> per_sequence, const v
     CPFILL_RETURN_IF_ERROR(ring->Run(run.algorithm, static_cast<const char*>(q) + q0 * q_row * e,
                                      static_cast<const char*>(k) + kv0 * kv_row * e,
                                      static_cast<const char*>(v) + kv0 * kv_row * e, o + q0 * q_row,
-                                     lse + q0 * shape_.num_heads, &part, on_step));
+                                     lse + q0 * shape_.num_heads, &part, on_step, options));
     AddRing(part, i == 0, /*name_rings=*/true, t);
   }
   t->total_s = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -54,10 +54,13 @@ class MixedRing {
   // wall time of them all; `algorithm` is the first ring's.
   absl::Status Run(std::span<const RingAlgorithm> per_sequence, const void* q, const void* k,
                    const void* v, float* o, float* lse, RingTimings* timings,
-                   RingAttention::StepCallback on_step = nullptr);
+                   RingAttention::StepCallback on_step = nullptr, const RunOptions& options = {});
   // Every sequence on `algorithm`: one ring.
   absl::Status Run(RingAlgorithm algorithm, const void* q, const void* k, const void* v, float* o,
-                   float* lse, RingTimings* timings, RingAttention::StepCallback on_step = nullptr);
+                   float* lse, RingTimings* timings, RingAttention::StepCallback on_step = nullptr,
+                   const RunOptions& options = {});
+  // The host wait of runs made with options.wait = false (every ring shares the ops).
+  absl::Status Finish() { return whole_->Finish(); }
 
   const sharding::LocalLayout& layout() const { return whole_->layout(); }
 

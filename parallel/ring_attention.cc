@@ -90,6 +90,7 @@ absl::Status CpuRingOps::Attend(const RingStepArgs& a) {
                     .num_slices = static_cast<int64_t>(a.slices.size()),
                     .o = a.o,
                     .lse = a.lse};
+  if (a.paged_kv != nullptr) CPFILL_RETURN_IF_ERROR(GatherPaged(a, &p));
   if (!a.fold_into_output) return attend_(p);
   // Merging an empty result changes nothing.
   if (a.slices.empty()) return absl::OkStatus();
@@ -100,6 +101,33 @@ absl::Status CpuRingOps::Attend(const RingStepArgs& a) {
   p.lse = p.o + o_floats;
   CPFILL_RETURN_IF_ERROR(attend_(p));
   return attention::MergeInto(a.shape, a.q_tokens, a.o, a.lse, p.o, p.lse, pool_);
+}
+
+absl::Status CpuRingOps::GatherPaged(const RingStepArgs& a, AttentionParams* p) {
+  const attention::PagedKv& paged = *a.paged_kv;
+  const int64_t row = int64_t{a.shape.num_kv_heads} * a.shape.head_dim * sizeof(float);
+  CPFILL_RETURN_IF_ERROR(paged.Validate(row, a.slices.data(), a.slices.size()));
+  const size_t bytes = static_cast<size_t>(a.kv_tokens * row);
+  if (paged_k_.size() < bytes) paged_k_.Resize(bytes);
+  if (paged_v_.size() < bytes) paged_v_.Resize(bytes);
+  const char* k_pool = static_cast<const char*>(a.k);
+  const char* v_pool = static_cast<const char*>(a.v);
+  for (const SequenceSlice& s : a.slices) {
+    if (s.q_len == 0 || s.kv_len == 0) continue;
+    const int64_t table_begin = paged.TableBegin(s.kv_begin);
+    // One copy per block: the rows of a block are contiguous.
+    for (int64_t r = 0; r < s.kv_len; r += paged.block_tokens) {
+      const int64_t block = paged.table[table_begin + r / paged.block_tokens];
+      const int64_t src = block * paged.block_stride_bytes;
+      const int64_t dst = (s.kv_begin + r) * row;
+      const int64_t n = std::min<int64_t>(paged.block_tokens, s.kv_len - r) * row;
+      std::memcpy(paged_k_.data() + dst, k_pool + src, n);
+      std::memcpy(paged_v_.data() + dst, v_pool + src, n);
+    }
+  }
+  p->k = paged_k_.As<float>(0);
+  p->v = paged_v_.As<float>(0);
+  return absl::OkStatus();
 }
 
 absl::Status CpuRingOps::Merge(const AttentionShape& shape, int64_t rows,
@@ -285,8 +313,8 @@ void RingAttention::AddSpan(RingTimings* t, std::string name, const char* lane, 
                             int b) const {
   t->spans.push_back({.name = std::move(name),
                       .lane = lane,
-                      .start_s = ops_->Seconds(origin, a),
-                      .duration_s = std::max(0.0, ops_->Seconds(a, b))});
+                      .start_s = Seconds(origin, a),
+                      .duration_s = std::max(0.0, Seconds(a, b))});
 }
 
 // A step's attention between two marks, then the wait for the exchange that overlapped it (on a
@@ -296,17 +324,17 @@ absl::Status RingAttention::ComputeStep(const RingStepArgs& a, const RingStepTim
                                         StepLog& log) {
   StepMarks marks;
   const std::string name = absl::StrCat("step ", step.step);
-  marks.c0 = ops_->Mark();
+  marks.c0 = Mark();
   {
     ProfilerRange range(*ops_, absl::StrCat(name, " attention"));
     CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
   }
-  marks.c1 = ops_->Mark();
+  marks.c1 = Mark();
   if (exchange) {
     ProfilerRange range(*ops_, absl::StrCat(name, " wait"));
     CPFILL_RETURN_IF_ERROR(exchange->Wait());
   }
-  marks.w1 = ops_->Mark();
+  marks.w1 = Mark();
   log.Add(*this, t, step, marks, std::move(exchange));
   return absl::OkStatus();
 }
@@ -324,20 +352,19 @@ void RingAttention::StepLog::Add(RingAttention& ring, RingTimings* t, const Ring
 // mark after the exchange's Wait(): on the CPU the host blocked that long, on a GPU the compute
 // stream idled that long waiting for the exchange.
 void RingAttention::StepLog::Report(RingAttention& ring, RingTimings* t) {
-  const RingOps& ops = *ring.ops_;
   for (; reported < steps.size(); ++reported) {
     RingStepTiming& step = steps[reported];
     const StepMarks& mk = marks[reported];
-    step.compute_s = ops.Seconds(mk.c0, mk.c1);
+    step.compute_s = ring.Seconds(mk.c0, mk.c1);
     const std::string name = absl::StrCat("step ", step.step);
     ring.AddSpan(t, absl::StrCat(name, " attention"), "compute", origin, mk.c0, mk.c1);
     if (const PendingExchange* ex = exchanges[reported].get()) {
-      step.transfer_s = ex->transfer_s();
-      step.wait_s = std::max(0.0, ops.Seconds(mk.c1, mk.w1));
+      step.transfer_s = ring.options_.wait ? ex->transfer_s() : 0.0;
+      step.wait_s = std::max(0.0, ring.Seconds(mk.c1, mk.w1));
       ring.AddSpan(t, absl::StrCat(name, " wait"), "compute", origin, mk.c1, mk.w1);
       t->spans.push_back({.name = absl::StrCat(name, " exchange"),
                           .lane = "exchange",
-                          .start_s = ops.Seconds(origin, mk.c0),
+                          .start_s = ring.Seconds(origin, mk.c0),
                           .duration_s = step.transfer_s});
     }
     t->visible_pairs += step.visible_pairs;
@@ -356,12 +383,12 @@ absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* 
   char* msg[2];
   CPFILL_ASSIGN_OR_RETURN(msg[0], Scratch(kMsg0, m.bytes));
   CPFILL_ASSIGN_OR_RETURN(msg[1], Scratch(kMsg1, m.bytes));
-  CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(n)));
-  const int p0 = ops_->Mark();
+  CPFILL_RETURN_IF_ERROR(BeginTimedRun(n));
+  const int p0 = Mark();
   t->start_unix_s = UnixSecondsNow();  // the spans' origin (on a GPU: when p0 was enqueued)
   StepLog log(n, p0);
   CPFILL_RETURN_IF_ERROR(PackKv(k, v, msg[0]));  // KV_k^k: this rank's KV, padded to L^i
-  const int p1 = ops_->Mark();
+  const int p1 = Mark();
 
   std::vector<SequenceSlice> slices;
   int cur = 0;
@@ -395,8 +422,8 @@ absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* 
     CPFILL_RETURN_IF_ERROR(ComputeStep(a, step, std::move(exchange), t, log));
     cur = 1 - cur;
   }
-  CPFILL_RETURN_IF_ERROR(ops_->Finish());
-  t->pack_s += ops_->Seconds(p0, p1);
+  CPFILL_RETURN_IF_ERROR(FinishTimedRun());
+  t->pack_s += Seconds(p0, p1);
   AddSpan(t, "pack", "compute", p0, p0, p1);
   log.Report(*this, t);
   return absl::OkStatus();
@@ -423,12 +450,12 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   CPFILL_ASSIGN_OR_RETURN(char* merged_bytes, Scratch(kMerged, block_bytes));
   float* partials = reinterpret_cast<float*>(partials_bytes);
   float* received = reinterpret_cast<float*>(received_bytes);
-  CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(n)));
-  const int p0 = ops_->Mark();
+  CPFILL_RETURN_IF_ERROR(BeginTimedRun(n));
+  const int p0 = Mark();
   t->start_unix_s = UnixSecondsNow();  // the spans' origin (on a GPU: when p0 was enqueued)
   StepLog log(n, p0);
   CPFILL_RETURN_IF_ERROR(PackQ(q, msg[0]));  // Q_k^k
-  const int p1 = ops_->Mark();
+  const int p1 = Mark();
 
   std::vector<SequenceSlice> slices;
   int cur = 0;
@@ -455,7 +482,8 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
                          .slices = slices,
                          .o = block,
                          .lse = block + slots * q_row,
-                         .communication_in_flight = exchange != nullptr};
+                         .communication_in_flight = exchange != nullptr,
+                         .paged_kv = options_.paged_kv};
     // Step j.3: the next queries must have arrived before they are computed on.
     CPFILL_RETURN_IF_ERROR(ComputeStep(a, step, std::move(exchange), t, log));
     cur = 1 - cur;
@@ -467,13 +495,13 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   std::vector<size_t> send_bytes(n, block_bytes), offsets(n);
   for (int p = 0; p < n; ++p) offsets[p] = p * block_bytes;
   send_bytes[me] = 0;
-  const int a0 = ops_->Mark();
+  const int a0 = Mark();
   {
     ProfilerRange range(*ops_, "all-to-all");
     CPFILL_RETURN_IF_ERROR(
         cp_.AllToAll(partials, send_bytes, offsets, received, send_bytes, offsets));
   }
-  const int a1 = ops_->Mark();
+  const int a1 = Mark();
   t->all_to_all_bytes = static_cast<int64_t>((n - 1) * block_bytes);
 
   // Step N+1: O_k = merge over s of O_k^s (App. B eq. 4), then back to local row order.
@@ -488,14 +516,14 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
     ProfilerRange range(*ops_, "merge");
     CPFILL_RETURN_IF_ERROR(ops_->Merge(shape_, slots, parts, merged_o, merged_lse));
   }
-  const int m1 = ops_->Mark();
+  const int m1 = Mark();
   CPFILL_RETURN_IF_ERROR(UnpackQ(merged_o, merged_lse, o, lse));
-  const int u1 = ops_->Mark();
+  const int u1 = Mark();
 
-  CPFILL_RETURN_IF_ERROR(ops_->Finish());
-  t->pack_s += ops_->Seconds(p0, p1) + ops_->Seconds(m1, u1);
-  t->all_to_all_s = ops_->Seconds(a0, a1);
-  t->merge_s = ops_->Seconds(a1, m1);
+  CPFILL_RETURN_IF_ERROR(FinishTimedRun());
+  t->pack_s += Seconds(p0, p1) + Seconds(m1, u1);
+  t->all_to_all_s = Seconds(a0, a1);
+  t->merge_s = Seconds(a1, m1);
   AddSpan(t, "pack", "compute", p0, p0, p1);
   AddSpan(t, "all-to-all", "exchange", p0, a0, a1);
   AddSpan(t, "merge", "compute", p0, a1, m1);
@@ -517,18 +545,18 @@ absl::Status RingAttention::RunAllGather(const void* q, const void* k, const voi
   CPFILL_ASSIGN_OR_RETURN(char* msg, Scratch(kMsg0, m.bytes));
   CPFILL_ASSIGN_OR_RETURN(char* gathered, Scratch(kGathered, n * m.bytes));
   CPFILL_ASSIGN_OR_RETURN(char* gathered_kv, Scratch(kGatheredKv, g.bytes));
-  CPFILL_RETURN_IF_ERROR(ops_->BeginRun(MarksFor(1)));
+  CPFILL_RETURN_IF_ERROR(BeginTimedRun(1));
 
   // Step 1: every rank's KV message, to every rank.
-  const int p0 = ops_->Mark();
+  const int p0 = Mark();
   t->start_unix_s = UnixSecondsNow();  // the spans' origin (on a GPU: when p0 was enqueued)
   CPFILL_RETURN_IF_ERROR(PackKv(k, v, msg));
-  const int g0 = ops_->Mark();
+  const int g0 = Mark();
   CPFILL_RETURN_IF_ERROR(cp_.AllGather(msg, m.bytes, gathered));
-  const int g1 = ops_->Mark();
+  const int g1 = Mark();
   // Step 2: each sequence's keys from all ranks side by side.
   CPFILL_RETURN_IF_ERROR(Repack(gathered, gathered_kv));
-  const int r1 = ops_->Mark();
+  const int r1 = Mark();
 
   // Step 3: one attention over the whole batch.
   std::vector<SequenceSlice> slices;
@@ -545,17 +573,17 @@ absl::Status RingAttention::RunAllGather(const void* q, const void* k, const voi
                        .o = o,
                        .lse = lse};
   CPFILL_RETURN_IF_ERROR(ops_->Attend(a));
-  const int c1 = ops_->Mark();
-  CPFILL_RETURN_IF_ERROR(ops_->Finish());
+  const int c1 = Mark();
+  CPFILL_RETURN_IF_ERROR(FinishTimedRun());
 
   RingStepTiming step;
   step.algorithm = RingAlgorithm::kAllGather;
   step.visible_pairs = ring_plan_.AllGatherVisiblePairs();
-  step.compute_s = ops_->Seconds(r1, c1);
+  step.compute_s = Seconds(r1, c1);
   t->visible_pairs += step.visible_pairs;
   t->steps.push_back(step);
-  t->pack_s += ops_->Seconds(p0, g0) + ops_->Seconds(g1, r1);
-  t->all_gather_s = ops_->Seconds(g0, g1);
+  t->pack_s += Seconds(p0, g0) + Seconds(g1, r1);
+  t->all_gather_s = Seconds(g0, g1);
   AddSpan(t, "pack", "compute", p0, p0, g0);
   AddSpan(t, "all-gather", "exchange", p0, g0, g1);
   AddSpan(t, "repack", "compute", p0, g1, r1);
@@ -564,10 +592,61 @@ absl::Status RingAttention::RunAllGather(const void* q, const void* k, const voi
   return absl::OkStatus();
 }
 
+// ---- a ring of one rank --------------------------------------------------------------------
+
+absl::Status RingAttention::RunLocal(RingAlgorithm algorithm, const void* q, const void* k,
+                                     const void* v, float* o, float* lse, RingTimings* t) {
+  const sharding::LocalLayout& layout = ring_plan_.layout();
+  CPFILL_RETURN_IF_ERROR(BeginTimedRun(1));
+  const int p0 = Mark();
+  t->start_unix_s = UnixSecondsNow();  // the spans' origin (on a GPU: when p0 was enqueued)
+  StepLog log(1, p0);
+  RingStepTiming step;
+  step.algorithm = algorithm;
+  std::vector<SequenceSlice> slices;
+  ring_plan_.LocalSlices(&slices, &step);
+  const RingStepArgs a{.shape = shape_,
+                       .q = q,
+                       .q_pos = ops_->q_positions(),
+                       .q_tokens = layout.q_rows(),
+                       .k = k,
+                       .v = v,
+                       .k_pos = ops_->kv_positions(),
+                       .kv_tokens = layout.kv_rows(),
+                       .slices = slices,
+                       .o = o,
+                       .lse = lse,
+                       .paged_kv = options_.paged_kv};
+  CPFILL_RETURN_IF_ERROR(ComputeStep(a, step, nullptr, t, log));
+  CPFILL_RETURN_IF_ERROR(FinishTimedRun());
+  log.Report(*this, t);
+  return absl::OkStatus();
+}
+
+absl::Status RingAttention::BeginTimedRun(int num_steps) {
+  return options_.wait ? ops_->BeginRun(MarksFor(num_steps)) : absl::OkStatus();
+}
+
+int RingAttention::Mark() { return options_.wait ? ops_->Mark() : 0; }
+
+double RingAttention::Seconds(int a, int b) const {
+  return options_.wait ? ops_->Seconds(a, b) : 0.0;
+}
+
+absl::Status RingAttention::FinishTimedRun() {
+  return options_.wait ? ops_->Finish() : absl::OkStatus();
+}
+
 absl::Status RingAttention::Run(RingAlgorithm algorithm, const void* q, const void* k,
                                 const void* v, float* o, float* lse, RingTimings* timings,
-                                StepCallback on_step) {
+                                StepCallback on_step, const RunOptions& options) {
+  CPFILL_CHECK_ARG(
+      options.paged_kv == nullptr || algorithm == RingAlgorithm::kPassQ || cp_size_ == 1,
+      "ring attention: K/V read in place from a KV cache's blocks needs pass-Q (the "
+      "KV stays) or a ring of one rank, not ",
+      std::string(RingAlgorithmName(algorithm)), " on CP", cp_size_);
   on_step_ = std::move(on_step);
+  options_ = options;
   RingTimings local;
   RingTimings* t = timings ? timings : &local;
   *t = RingTimings{};
@@ -576,7 +655,9 @@ absl::Status RingAttention::Run(RingAlgorithm algorithm, const void* q, const vo
   // Another ring may have used the ops since this one was created.
   ProfilerRange range(*ops_, "ring " + std::string(RingAlgorithmName(algorithm)));
   absl::Status status = BindPositions();
-  if (status.ok()) {
+  if (status.ok() && cp_size_ == 1) {
+    status = RunLocal(algorithm, q, k, v, o, lse, t);
+  } else if (status.ok()) {
     switch (algorithm) {
       case RingAlgorithm::kPassKV:
         status = RunPassKV(q, k, v, o, lse, t);

@@ -67,6 +67,20 @@ struct RingStepArgs {
   bool fold_into_output = false;
   // A ring exchange runs beside this step (CUDA: the kernel leaves SMs to NCCL).
   bool communication_in_flight = false;
+  // Set: k/v are a KV cache's block pools, read in place through this table (attention.h).
+  const attention::PagedKv* paged_kv = nullptr;
+};
+
+// How a run reads its keys and whether it waits.
+struct RunOptions {
+  // K/V read in place from a KV cache's blocks (k/v then point at the layer's pools): pass-Q
+  // only, where the KV never travels, or a ring of one rank (InvalidArgument otherwise).
+  const attention::PagedKv* paged_kv = nullptr;
+  // false: enqueue only. No marks, no step times (steps are still reported, with zero times)
+  // and no host wait: the caller calls RingAttention::Finish() before it reads o or lse. A
+  // model runs its layers so and waits once per forward: a decode step's 32 layers would
+  // otherwise each drain the GPU and pay the next kernels' launch latency in full.
+  bool wait = true;
 };
 
 // What the ring needs from a backend. Everything is enqueued or done in order; nothing a call
@@ -144,7 +158,8 @@ class CpuRingOps : public RingOps {
   absl::StatusOr<void*> Buffer(int slot, size_t bytes) override;
   absl::Status Copy(void* dst, const void* src, size_t bytes) override;
   absl::Status Fill(void* dst, uint8_t byte, size_t bytes) override;
-  // fold_into_output: attention into a scratch block, then attention::MergeInto.
+  // fold_into_output: attention into a scratch block, then attention::MergeInto. Paged K/V:
+  // the slices' rows are copied out of their blocks first (the CPU kernel reads rows in order).
   absl::Status Attend(const RingStepArgs& args) override;
   absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
                      std::span<const attention::PartialView> parts, float* o, float* lse) override;
@@ -159,8 +174,12 @@ class CpuRingOps : public RingOps {
   HostAttention attend_;
   std::vector<int32_t> q_pos_, kv_pos_;
   std::vector<HostBuffer> buffers_;  // by slot
-  HostBuffer step_out_;              // a folded step's [O | LSE] before the merge
-  std::vector<double> marks_s_;      // steady clock, seconds
+  // Paged K/V's rows for the CPU kernel, at their local rows (a step's slices only).
+  absl::Status GatherPaged(const RingStepArgs& a, attention::AttentionParams* p);
+
+  HostBuffer step_out_;           // a folded step's [O | LSE] before the merge
+  HostBuffer paged_k_, paged_v_;  // GatherPaged's rows
+  std::vector<double> marks_s_;   // steady clock, seconds
 };
 
 class RingAttention {
@@ -182,7 +201,11 @@ class RingAttention {
   // on the host, else after Finish()).
   using StepCallback = std::function<void(const RingStepTiming&, int num_steps)>;
   absl::Status Run(RingAlgorithm algorithm, const void* q, const void* k, const void* v, float* o,
-                   float* lse, RingTimings* timings, StepCallback on_step = nullptr);
+                   float* lse, RingTimings* timings, StepCallback on_step = nullptr,
+                   const RunOptions& options = {});
+  // The host wait of runs made with options.wait = false (RingOps::Finish, with the
+  // communicator's deadline).
+  absl::Status Finish() { return ops_->Finish(); }
 
   const sharding::LocalLayout& layout() const { return ring_plan_.layout(); }
 
@@ -203,6 +226,16 @@ class RingAttention {
                         RingTimings* t);
   absl::Status RunAllGather(const void* q, const void* k, const void* v, float* o, float* lse,
                             RingTimings* t);
+  // A ring of one rank, any algorithm: one attention on the local tensors (nothing to pack,
+  // pass or merge).
+  absl::Status RunLocal(RingAlgorithm algorithm, const void* q, const void* k, const void* v,
+                        float* o, float* lse, RingTimings* t);
+
+  // The ops' timing and host wait, or nothing when the run does not wait (RunOptions::wait).
+  absl::Status BeginTimedRun(int num_steps);
+  int Mark();
+  double Seconds(int a, int b) const;
+  absl::Status FinishTimedRun();
 
   // Message layouts (ring_plan.h): pass-KV [K][V][positions], pass-Q [Q][positions].
   MessageLayout KvMessage() const;
@@ -253,6 +286,7 @@ class RingAttention {
   int cp_rank_;
   int cp_size_;
   StepCallback on_step_;
+  RunOptions options_;  // of the run in progress
 };
 
 // Single-rank attention of a whole batch, for checks and rate measurements, on `ops`'s host

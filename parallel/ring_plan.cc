@@ -86,6 +86,18 @@ void RingPlan::PassQSlices(int source, std::vector<attention::SequenceSlice>* sl
   }
 }
 
+void RingPlan::LocalSlices(std::vector<attention::SequenceSlice>* slices,
+                           RingStepTiming* step) const {
+  slices->clear();
+  for (int s = 0; s < plan_.num_sequences(); ++s) {
+    if (!CountChunkPairs(s, cp_rank_, cp_rank_, step)) continue;
+    slices->push_back({.q_begin = layout_.q_offset[s],
+                       .q_len = layout_.q_len[s],
+                       .kv_begin = layout_.kv_offset[s],
+                       .kv_len = layout_.kv_len[s]});
+  }
+}
+
 int64_t RingPlan::AllGatherVisiblePairs() const {
   int64_t pairs = 0;
   for (int s = 0; s < plan_.num_sequences(); ++s) {

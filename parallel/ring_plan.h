@@ -103,6 +103,8 @@ class RingPlan {
   void PassQSlices(int source, std::vector<attention::SequenceSlice>* slices,
                    RingStepTiming* step) const;
   void AllGatherSlices(std::vector<attention::SequenceSlice>* slices) const;
+  // A ring of one rank: this rank's query rows against its own key rows, both in local layout.
+  void LocalSlices(std::vector<attention::SequenceSlice>* slices, RingStepTiming* step) const;
   // (query, key) pairs the mask leaves visible for this rank's queries against every key.
   int64_t AllGatherVisiblePairs() const;
 

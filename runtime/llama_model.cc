@@ -37,7 +37,8 @@ enum Slot {
   kUp,
   kLast,
   kNormed,
-  kLogits
+  kLogits,
+  kBlockTable
 };
 
 // A new span on t's timeline, filled in by the backend once its phase is timed.
@@ -58,6 +59,12 @@ struct LlamaModel::Running {
   std::unique_ptr<parallel::MixedRing> ring;
   Tensor ids, positions, x, h, q, k, v, k_all, v_all, attn, lse, attn_compute, proj, gate, up;
   std::vector<KvCache::Rows> new_rows, all_rows;  // the KV copies of every layer
+  // Decode steps read each sequence's K/V in place from its blocks (no all_rows copy): the
+  // batch's block tables, back to back, in the backend's memory, and where each sequence's
+  // local rows and table entries begin (attention::PagedKv).
+  bool kv_in_place = false;
+  Tensor block_table;
+  std::vector<int64_t> seq_kv_begin, seq_table_begin;
 };
 
 absl::StatusOr<KvCacheSpec> KvSpecFor(const ModelConfig& config, int tp_size, KvDtype dtype,
@@ -245,6 +252,7 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
     auto it = sessions_.find(req.session);
     r.seq.push_back(req.session.empty() || it == sessions_.end() ? next_seq_++ : it->second.seq);
   }
+  r.kv_in_place = decode_step.has_value();
   CPFILL_RETURN_IF_ERROR(CheckActivationMemory(r));
   CPFILL_RETURN_IF_ERROR(ReserveKv(r));
 
@@ -269,7 +277,7 @@ std::vector<LlamaModel::Activation> LlamaModel::Activations(Running& r) const {
   const int tp = backend_->tp().size();
   const int64_t hq = c.num_heads / tp, hkv = c.num_kv_heads / tp, hd = c.head_dim;
   const int64_t D = c.hidden_size, I = c.intermediate_size / tp;
-  const int64_t T = r.b.layout.q_rows(), R = r.b.layout.kv_rows();
+  const int64_t T = r.b.layout.q_rows(), R = r.kv_in_place ? 0 : r.b.layout.kv_rows();
   const ElemType f32 = ElemType::kF32, i32 = ElemType::kI32, ct = backend_->compute_type();
   return {{&r.ids, kIds, i32, T, 1},
           {&r.positions, kPositions, i32, T, 1},
@@ -330,12 +338,14 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
                             r.k.Rows(layout.q_offset[s], 1).data,
                             r.v.Rows(layout.q_offset[s], 1).data});
     }
-    if (layout.kv_len[s] > 0) {
+    if (layout.kv_len[s] > 0 && !r.kv_in_place) {
       r.all_rows.push_back({r.seq[s], 0, layout.kv_len[s],
                             r.k_all.Rows(layout.kv_offset[s], 1).data,
                             r.v_all.Rows(layout.kv_offset[s], 1).data});
     }
   }
+
+  if (r.kv_in_place) CPFILL_RETURN_IF_ERROR(UploadBlockTables(r));
 
   CPFILL_RETURN_IF_ERROR(be.BeginPhase());
   CPFILL_RETURN_IF_ERROR(be.Embed(r.ids, be.weights().embedding, &r.x));
@@ -345,9 +355,35 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
     CPFILL_RETURN_IF_ERROR(Layer(l, r, t));
     if (progress) progress(l);
   }
+  // The one host wait of the forward: the rings' (CP, with its deadline), then the backend's.
+  CPFILL_RETURN_IF_ERROR(r.ring->Finish());
   CPFILL_RETURN_IF_ERROR(be.Finish());
   t.spans_origin_unix_s = be.PhasesOriginUnixS();
   return absl::OkStatus();
+}
+
+// The block tables of the batch's sequences that hold rows here, back to back, uploaded once
+// for every layer (a block id names the same slot in each layer's pool).
+absl::Status LlamaModel::UploadBlockTables(Running& r) {
+  CPFILL_CHECK_INTERNAL(KvDtypeBytes(kv_->spec().dtype) == ElemBytes(backend_->compute_type()),
+                        "the KV cache's elements must be the attention's to be read in place");
+  const sharding::LocalLayout& layout = r.b.layout;
+  const int64_t block_tokens = kv_->spec().block_tokens;
+  std::vector<int32_t> table;
+  for (int s = 0; s < r.b.plan.num_sequences(); ++s) {
+    if (layout.kv_len[s] == 0) continue;
+    const std::span<const int32_t> blocks = kv_->BlockTable(r.seq[s]);
+    const int64_t used = (layout.kv_len[s] + block_tokens - 1) / block_tokens;
+    CPFILL_CHECK_INTERNAL(static_cast<int64_t>(blocks.size()) >= used, "KV sequence ", r.seq[s],
+                          " has ", blocks.size(), " blocks for ", layout.kv_len[s], " rows");
+    r.seq_kv_begin.push_back(layout.kv_offset[s]);
+    r.seq_table_begin.push_back(static_cast<int64_t>(table.size()));
+    table.insert(table.end(), blocks.begin(), blocks.begin() + used);
+  }
+  const int64_t entries = static_cast<int64_t>(table.size());
+  CPFILL_ASSIGN_OR_RETURN(r.block_table,
+                          backend_->Scratch(kBlockTable, ElemType::kI32, entries, 1));
+  return entries == 0 ? absl::OkStatus() : backend_->Upload(table.data(), &r.block_table);
 }
 
 // One decoder layer on this rank's rows, each phase timed on its own.
@@ -389,13 +425,27 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
   }));
   CPFILL_RETURN_IF_ERROR(phase(t.kv_s, "kv cache", [&]() -> absl::Status {
     CPFILL_RETURN_IF_ERROR(kv_->Write(l, r.new_rows));
-    return kv_->Read(l, r.all_rows);
+    return kv_->Read(l, r.all_rows);  // nothing when decode reads the blocks in place
   }));
   const bool convert = be.compute_type() != ElemType::kF32;
   CPFILL_RETURN_IF_ERROR(phase(t.attention_s, "attention ring", [&]() -> absl::Status {
-    parallel::RingTimings rt;
-    CPFILL_RETURN_IF_ERROR(r.ring->Run(r.algorithms, r.q.data, r.k_all.data, r.v_all.data,
-                                       r.attn.As<float>(), r.lse.As<float>(), &rt));
+    // Enqueued without a host wait (Forward waits once); K/V from the gathered rows, or from
+    // this layer's pools through the block tables.
+    parallel::RunOptions run{.wait = false};
+    const void* k = r.k_all.data;
+    const void* v = r.v_all.data;
+    const attention::PagedKv paged{.table = r.block_table.As<int32_t>(),
+                                   .block_tokens = kv_->spec().block_tokens,
+                                   .block_stride_bytes = kv_->spec().block_bytes(),
+                                   .seq_kv_begin = r.seq_kv_begin,
+                                   .seq_table_begin = r.seq_table_begin};
+    if (r.kv_in_place) {
+      k = kv_->BlockAddress(l, 0, 0);
+      v = kv_->BlockAddress(l, 1, 0);
+      run.paged_kv = &paged;
+    }
+    CPFILL_RETURN_IF_ERROR(r.ring->Run(r.algorithms, r.q.data, k, v, r.attn.As<float>(),
+                                       r.lse.As<float>(), nullptr, nullptr, run));
     return convert ? be.Convert(r.attn, &r.attn_compute) : absl::OkStatus();
   }));
   CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, "o proj", [&] {

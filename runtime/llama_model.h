@@ -5,7 +5,8 @@
 // Every rank holds its TP slice of the weights and its CP share of the tokens (the shard plan's
 // local layout). Per layer: RMSNorm; q/k/v column-parallel; RoPE at the tokens' global
 // positions; the new K/V rows into the KvCache, the sequence's whole K/V read back for ring
-// attention over the CP group (pass-KV or pass-Q, chosen by the selector per batch); o
+// attention over the CP group (pass-KV or pass-Q, chosen by the selector per sequence; a decode
+// step's pass-Q reads the K/V in place from the cache's blocks instead); o
 // projection row-parallel and an all-reduce over the TP group; the SwiGLU MLP column/row-parallel
 // and an all-reduce. The LM head runs only at each sequence's last position.
 //
@@ -102,6 +103,7 @@ class LlamaModel {
   absl::Status CheckActivationMemory(Running& r);
   absl::Status ReserveKv(Running& r);
   void RollBackKv(const Running& r);
+  absl::Status UploadBlockTables(Running& r);
   absl::Status Forward(Running& r, PrefillTimings& t, const std::function<void(int)>& progress);
   absl::Status Layer(int layer, Running& r, PrefillTimings& t);
   absl::StatusOr<std::vector<SequenceOutput>> LastLogits(const Running& r, PrefillTimings& t);

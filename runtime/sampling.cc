@@ -94,12 +94,13 @@ SampledToken SampleToken(std::span<const float> logits, const SamplingParams& p,
     }
     out.id = kept[i];
   }
+  // Log-probabilities only when asked: a log-sum-exp over Llama 3's 128K logits took about 2 ms
+  // of every decode step on the host (an H100's 32K step is 14 ms).
+  if (p.logprobs == 0) return out;
   const double log_z = LogSumExp(logits, 1.0);
   out.logprob = double(logits[out.id]) - log_z;
-  if (p.logprobs > 0) {
-    for (int32_t id : MostLikely(logits, static_cast<size_t>(p.logprobs))) {
-      out.top.push_back({id, double(logits[id]) - log_z});
-    }
+  for (int32_t id : MostLikely(logits, static_cast<size_t>(p.logprobs))) {
+    out.top.push_back({id, double(logits[id]) - log_z});
   }
   return out;
 }

@@ -34,7 +34,9 @@ absl::Status ValidateSampling(const SamplingParams& p, int64_t vocab);
 
 struct SampledToken {
   int32_t id = -1;
-  double logprob = 0;  // of `id` under the model's distribution (the log-softmax of the logits)
+  // Of `id` under the model's distribution (the log-softmax of the logits), when the params ask
+  // for logprobs (> 0); else 0, not computed.
+  double logprob = 0;
   std::vector<std::pair<int32_t, double>> top;  // the params' top `logprobs`, most likely first
 };
 

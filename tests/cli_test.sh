@@ -417,6 +417,12 @@ PY
     --prompt-lens 1500,77 --check
   expect_exit 0 'check: .*PASS' -- mpi 2 "$cpfill" prefill --backend cuda --model tiny --tp 2 \
     --prompt-lens 1500,77 --algo pass-q --check
+  # Decode on two GPUs: batched ring pass-Q (Alg. 4) over NCCL, each rank's K/V read in place
+  # from its cache blocks; then TP2. Greedy, against one fp32 rank teacher-forced.
+  expect_exit 0 'check: .*PASS' -- mpi 2 "$cpfill" generate --backend cuda --model tiny \
+    --prompt-lens 700,33,1 --max-tokens 24 --check
+  expect_exit 0 'check: .*PASS' -- mpi 2 "$cpfill" generate --backend cuda --model tiny --tp 2 \
+    --prompt-lens 700,33 --max-tokens 16 --check
   if [ "$gpus" -ge 4 ]; then
     expect_exit 0 'check: .*PASS' -- mpi 4 "$cpfill" attention --backend cuda --tp 2 \
       --ranks-per-node 2 --seq-lens 8000,300 --cached-lens 0,5000 --heads 16 --kv-heads 2 \

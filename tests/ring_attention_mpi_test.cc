@@ -3,7 +3,10 @@
 // 2N, empty and one-token sequences), GQA, TP x CP grids. Each distributed result is gathered on
 // world rank 0 and compared with a single-rank computation of the same batch. Run by CTest under
 // mpirun with 2, 3 and 4 ranks.
+#include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -35,11 +38,62 @@ struct Case {
   std::vector<std::vector<int64_t>> turns;
 };
 
+// How a run is made: timed with a host wait (the default), enqueued with one Finish() after
+// it, or enqueued reading this rank's K/V in place from shuffled KV-cache blocks (pass-Q).
+enum class Variant { kWait, kEnqueue, kPagedEnqueue };
+
+constexpr int kBlockTokens = 16;
+
+// This rank's K/V as a KV cache holds them: each sequence's local rows in shuffled blocks of
+// kBlockTokens rows, NaN in every row no sequence holds.
+struct HostPool {
+  std::vector<float> k, v;
+  std::vector<int32_t> table;
+  std::vector<int64_t> kv_begin, table_begin;
+  attention::PagedKv View(int64_t row_floats) const {
+    return {.table = table.data(),
+            .block_tokens = kBlockTokens,
+            .block_stride_bytes = kBlockTokens * row_floats * int64_t{sizeof(float)},
+            .seq_kv_begin = kv_begin,
+            .seq_table_begin = table_begin};
+  }
+};
+
+HostPool PoolOf(const sharding::LocalLayout& layout, const std::vector<float>& k,
+                const std::vector<float>& v, int64_t row_floats) {
+  HostPool pool;
+  int64_t blocks = 2;  // spare blocks nobody holds
+  for (size_t s = 0; s < layout.kv_len.size(); ++s) {
+    blocks += (layout.kv_len[s] + kBlockTokens - 1) / kBlockTokens;
+  }
+  std::vector<int32_t> ids(blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(blocks));
+  pool.k.assign(blocks * kBlockTokens * row_floats, std::nanf(""));
+  pool.v.assign(pool.k.size(), std::nanf(""));
+  size_t next = 0;
+  for (size_t s = 0; s < layout.kv_len.size(); ++s) {
+    if (layout.kv_len[s] == 0) continue;
+    pool.kv_begin.push_back(layout.kv_offset[s]);
+    pool.table_begin.push_back(static_cast<int64_t>(pool.table.size()));
+    for (int64_t r = 0; r < layout.kv_len[s]; ++r) {
+      if (r % kBlockTokens == 0) pool.table.push_back(ids[next++]);
+      const int64_t dst =
+          (int64_t{pool.table.back()} * kBlockTokens + r % kBlockTokens) * row_floats;
+      const int64_t src = (layout.kv_offset[s] + r) * row_floats;
+      std::copy_n(k.begin() + src, row_floats, pool.k.begin() + dst);
+      std::copy_n(v.begin() + src, row_floats, pool.v.begin() + dst);
+    }
+  }
+  return pool;
+}
+
 // Runs each sequence on its algorithm (parallel::MixedRing: one ring per run of adjacent equal
 // ones) and compares with one rank. Returns "" when equal within tolerance, else what differed
 // (on world rank 0; other ranks return "").
 std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c,
-                          const std::vector<RingAlgorithm>& algos, parallel::CpuRingOps& ops) {
+                          const std::vector<RingAlgorithm>& algos, parallel::CpuRingOps& ops,
+                          Variant variant = Variant::kWait) {
   auto fail = [](const absl::Status& s) { return std::string(s.ToString()); };
   // The KV cache layout: earlier turns stacked, or one full prefill.
   sharding::KvLayout cache;
@@ -90,13 +144,24 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c,
       lse(layout.q_rows() * shape.num_heads, std::nanf(""));
   // Twice, with the other ring run in between: the second run reuses the buffers of the others,
   // which must leave nothing behind, and takes its positions back.
+  const int64_t row_floats = int64_t{shape.num_kv_heads} * c.head_dim;
+  const HostPool pool =
+      variant == Variant::kPagedEnqueue ? PoolOf(layout, k, v, row_floats) : HostPool{};
+  const attention::PagedKv paged = pool.View(row_floats);
+  parallel::RunOptions options{.wait = variant == Variant::kWait};
+  const float* k_in = k.data();
+  const float* v_in = v.data();
+  if (variant == Variant::kPagedEnqueue) {
+    options.paged_kv = &paged;
+    k_in = pool.k.data();
+    v_in = pool.v.data();
+  }
   for (int run = 0; run < 2; ++run) {
     parallel::RingTimings timings;
-    if (absl::Status s =
-            (*ring)->Run(algos, q.data(), k.data(), v.data(), o.data(), lse.data(), &timings);
-        !s.ok()) {
-      return fail(s);
-    }
+    absl::Status s =
+        (*ring)->Run(algos, q.data(), k_in, v_in, o.data(), lse.data(), &timings, nullptr, options);
+    if (s.ok() && !options.wait) s = (*ring)->Finish();
+    if (!s.ok()) return fail(s);
     if (run == 1) break;
     const auto& ol = (*other)->layout();
     std::vector<float> oq(ol.q_rows() * shape.num_heads * c.head_dim, 1.0f);
@@ -210,13 +275,21 @@ void RunAllCases(int tp) {
       plans.push_back(turns);
       plans.push_back(grouped);
     }
-    for (const std::vector<RingAlgorithm>& algos : plans) {
-      const std::string error = RunAndCompare(*grid, c, algos, ops);
+    // Enqueued runs on every single algorithm, and pass-Q reading blocks in place (decode's).
+    std::vector<std::pair<std::vector<RingAlgorithm>, Variant>> runs;
+    for (const std::vector<RingAlgorithm>& algos : plans) runs.push_back({algos, Variant::kWait});
+    for (RingAlgorithm a : kinds) runs.push_back({std::vector(n, a), Variant::kEnqueue});
+    runs.push_back({std::vector(n, RingAlgorithm::kPassQ), Variant::kPagedEnqueue});
+    for (const auto& [algos, variant] : runs) {
+      const std::string error = RunAndCompare(*grid, c, algos, ops, variant);
       // Every rank agrees on the verdict of each case.
       auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
       ASSERT_TRUE(agreed.ok()) << agreed.status();
-      EXPECT_TRUE(*agreed) << c.name << ", " << parallel::AlgorithmsName(algos) << ", "
-                           << grid->Describe() << ": "
+      EXPECT_TRUE(*agreed) << c.name << ", " << parallel::AlgorithmsName(algos)
+                           << (variant == Variant::kEnqueue        ? " (enqueued)"
+                               : variant == Variant::kPagedEnqueue ? " (paged K/V)"
+                                                                   : "")
+                           << ", " << grid->Describe() << ": "
                            << (error.empty() ? "failed on another rank" : error);
     }
   }

@@ -1,7 +1,5 @@
 // Launchers of the CUDA attention backend: validation, the key-tile summary pre-pass, the
 // forward kernel (flash_kernel.cuh) per head dim, the fill of uncovered rows, and the merge.
-#include "attention/cuda/attention_cuda.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -10,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attention/cuda/attention_cuda.h"
 #include "attention/cuda/attention_decode.h"
 #include "attention/cuda/flash_kernel.cuh"
 #include "attention/online_softmax.h"
@@ -25,8 +24,8 @@ absl::Status CudaCallError(int code, const char* call, const char* file, int lin
   int device = -1;
   cudaGetDevice(&device);
   return absl::InternalError(absl::StrCat("CUDA call ", call, " failed on device ", device, ": ",
-                                          cudaGetErrorString(static_cast<cudaError_t>(code)),
-                                          " (", file, ":", line, ")"));
+                                          cudaGetErrorString(static_cast<cudaError_t>(code)), " (",
+                                          file, ":", line, ")"));
 }
 }  // namespace internal
 
@@ -52,7 +51,6 @@ int VariantFromEnv() {
 }
 int BlockM() { return VariantFromEnv() == 1 ? 64 : 128; }
 int BlockN() { return VariantFromEnv() == 2 ? 32 : 64; }
-
 
 // ---- rows that no slice covers: O = 0, LSE = -inf --------------------------------------
 
@@ -126,8 +124,8 @@ absl::Status LaunchFlashShape(const FlashParams& params, int num_q_tiles, int nu
   using Cfg = internal::FlashConfig<kDim, kBlockN, kWarps, kMTiles>;
   auto kernel = internal::FlashForwardKernel<kDim, kBlockN, kWarps, kMTiles, kMinBlocks>;
   // More than 48 KiB of dynamic shared memory must be asked for once per kernel.
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   CPFILL_CUDA_CHECK(attr);
   const dim3 grid(num_q_tiles, num_kv_heads);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(params);
@@ -216,6 +214,19 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
   CPFILL_CHECK_ARG(SupportedHeadDim(a.shape.head_dim), "CUDA attention: head_dim ",
                    a.shape.head_dim, " has no compiled kernel (supported: 64, 128)");
   CPFILL_CHECK_ARG(std::isfinite(a.shape.softmax_scale), "softmax_scale must be finite");
+  if (a.paged != nullptr) {
+    CPFILL_RETURN_IF_ERROR(a.paged->Validate(int64_t{a.shape.num_kv_heads} * a.shape.head_dim * 2,
+                                             a.slices, a.num_slices));
+    CPFILL_CHECK_ARG(a.paged->block_stride_bytes % 16 == 0,
+                     "CUDA attention: paged K/V needs 16-byte aligned blocks, stride ",
+                     a.paged->block_stride_bytes);
+    for (int64_t i = 0; i < a.num_slices; ++i) {
+      CPFILL_CHECK_ARG(a.slices[i].q_len <= internal::kMaxDecodeQueryRows,
+                       "CUDA attention: paged K/V is read by the decode kernel only, at most ",
+                       internal::kMaxDecodeQueryRows, " query rows per slice; slice ", i, " has ",
+                       a.slices[i].q_len);
+    }
+  }
   const size_t need = AttentionWorkspaceBytes(a);
   CPFILL_CHECK_ARG(workspace_bytes >= need && (need == 0 || workspace != nullptr),
                    "CUDA attention: workspace of ", workspace_bytes, " bytes, ", need, " needed");
@@ -242,14 +253,15 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
   if (internal::DecodeAttentionApplies(a)) {
     return internal::LaunchDecodeAttention(a, workspace, workspace_bytes, stream);
   }
+  if (a.paged != nullptr) return absl::OkStatus();  // no query rows: nothing to read
   const std::vector<int64_t> work = WorkingSlices(a);
   KeyTileSummary* summaries = static_cast<KeyTileSummary*>(workspace);
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
   // Hopper: the wgmma/TMA kernel (its 128-key tiles need fewer summaries than reserved here).
   if (internal::HopperAttentionUsable(a)) {
     // The counter is the workspace's last bytes (AttentionWorkspaceBytes).
-    int32_t* item_counter = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + need -
-                                                       kSchedulerCounterBytes);
+    int32_t* item_counter =
+        reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + need - kSchedulerCounterBytes);
     return internal::LaunchHopperAttention(a, work, summaries, item_counter, stream);
   }
 #endif
@@ -260,9 +272,9 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
     p.k = a.k;
     p.v = a.v;
     internal::LaunchExtent extent;
-    CPFILL_RETURN_IF_ERROR(internal::PrepareLaunch(
-        a, std::span<const int64_t>(work).subspan(first, count), BlockM(), BlockN(),
-        summaries + summary_offset, &p, p.slices, &extent));
+    CPFILL_RETURN_IF_ERROR(
+        internal::PrepareLaunch(a, std::span<const int64_t>(work).subspan(first, count), BlockM(),
+                                BlockN(), summaries + summary_offset, &p, p.slices, &extent));
     const int64_t q_tiles = extent.q_tiles, k_tiles = extent.k_tiles;
     KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
         p, static_cast<int>(k_tiles), summaries + summary_offset, nullptr);

@@ -53,6 +53,10 @@ struct CudaAttentionArgs {
   // Hopper kernel then leaves kSmsForCommunication SMs free, or it would hold every SM until it
   // ends and the exchange could not start (measured: CP4 over sockets 46 ms instead of 32).
   bool communication_in_flight = false;
+  // Set: k/v are a KV cache's block pools, read in place through this table (attention.h);
+  // only the decode kernel reads them, so every slice must hold at most
+  // internal::kMaxDecodeQueryRows query rows (InvalidArgument otherwise).
+  const PagedKv* paged = nullptr;
 };
 
 inline constexpr int kSmsForCommunication = 4;

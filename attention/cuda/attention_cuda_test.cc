@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -136,9 +138,54 @@ void ExpectGood(const Errors& e, const std::string& what) {
 }
 
 // Runs one case in `mode` on the GPU and returns O (as fp32) and LSE.
+struct PagedPool;
 void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<float>* o,
               std::vector<float>* lse, const std::vector<float>* running_o = nullptr,
-              const std::vector<float>* running_lse = nullptr) {
+              const std::vector<float>* running_lse = nullptr, const PagedPool* pool = nullptr);
+
+// K/V as a KV cache holds them: each sequence's rows (the distinct kv_begin of the case's
+// slices) in shuffled blocks of `block_tokens` rows of a pool whose every other row is NaN.
+struct PagedPool {
+  int block_tokens = 0;
+  int64_t row_elems = 0;
+  std::vector<__nv_bfloat16> k, v;  // [blocks][block_tokens][row_elems]
+  std::vector<int32_t> table;
+  std::vector<int64_t> seq_kv_begin, seq_table_begin;
+};
+
+PagedPool MakePagedPool(const Case& c, const Inputs& in, int block_tokens, uint64_t seed) {
+  PagedPool pool{.block_tokens = block_tokens, .row_elems = int64_t{c.kv_heads} * c.dim};
+  std::map<int64_t, int64_t> seqs;  // kv_begin -> rows
+  for (const SequenceSlice& s : c.slices) {
+    if (s.kv_len > 0) seqs[s.kv_begin] = std::max(seqs[s.kv_begin], s.kv_len);
+  }
+  int64_t blocks = 3;  // spare blocks nobody uses
+  for (auto [begin, rows] : seqs) blocks += (rows + block_tokens - 1) / block_tokens;
+  std::vector<int32_t> ids(blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
+  const size_t pool_elems = blocks * block_tokens * pool.row_elems;
+  pool.k.assign(pool_elems, __float2bfloat16(kNaN));
+  pool.v.assign(pool_elems, __float2bfloat16(kNaN));
+  size_t next = 0;
+  for (auto [begin, rows] : seqs) {
+    pool.seq_kv_begin.push_back(begin);
+    pool.seq_table_begin.push_back(static_cast<int64_t>(pool.table.size()));
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r % block_tokens == 0) pool.table.push_back(ids[next++]);
+      const int64_t dst =
+          (pool.table.back() * int64_t{block_tokens} + r % block_tokens) * pool.row_elems;
+      const int64_t src = (begin + r) * pool.row_elems;
+      std::copy_n(in.kb.begin() + src, pool.row_elems, pool.k.begin() + dst);
+      std::copy_n(in.vb.begin() + src, pool.row_elems, pool.v.begin() + dst);
+    }
+  }
+  return pool;
+}
+
+void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<float>* o,
+              std::vector<float>* lse, const std::vector<float>* running_o,
+              const std::vector<float>* running_lse, const PagedPool* pool) {
   const size_t no = c.q_tokens * c.heads * c.dim;
   DeviceArray<__nv_bfloat16> dq(in.qb.size()), dk(in.kb.size()), dv(in.vb.size());
   DeviceArray<int32_t> dqp(c.q_pos.size()), dkp(c.k_pos.size());
@@ -174,6 +221,22 @@ void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<floa
                       .o = mode == OutputMode::kBfloat16 ? static_cast<void*>(dob.get())
                                                          : static_cast<void*>(dof.get()),
                       .lse = dlse.get()};
+  DeviceArray<__nv_bfloat16> pk(pool ? pool->k.size() : 0), pv(pool ? pool->v.size() : 0);
+  DeviceArray<int32_t> table(pool ? pool->table.size() : 0);
+  PagedKv paged;
+  if (pool != nullptr) {
+    pk.Upload(pool->k);
+    pv.Upload(pool->v);
+    table.Upload(pool->table);
+    paged = {.table = table.get(),
+             .block_tokens = pool->block_tokens,
+             .block_stride_bytes = pool->block_tokens * pool->row_elems * 2,
+             .seq_kv_begin = pool->seq_kv_begin,
+             .seq_table_begin = pool->seq_table_begin};
+    a.k = pk.get();
+    a.v = pv.get();
+    a.paged = &paged;
+  }
   const size_t ws_bytes = AttentionWorkspaceBytes(a);
   DeviceArray<char> ws(ws_bytes);
   // Workspace garbage too: the kernel must not trust what an earlier call left there (the Hopper
@@ -322,8 +385,8 @@ TEST(CudaAttentionSmall, TileEdgesAndGqaGroupsThatDoNotFillTheTile) {
       const int dim = (k++ % 2) ? 64 : 128;
       // Queries at the end of a longer key range: the diagonal falls inside a tile.
       const int64_t nk = n + (n * 7) % 131;
-      CheckCase(OneSlice(absl::StrCat("edges ", h, ":", kvh, " q", n, " k", nk, " d", dim), h,
-                         kvh, dim, true, n, static_cast<int32_t>(nk - n), nk, 0),
+      CheckCase(OneSlice(absl::StrCat("edges ", h, ":", kvh, " q", n, " k", nk, " d", dim), h, kvh,
+                         dim, true, n, static_cast<int32_t>(nk - n), nk, 0),
                 static_cast<uint64_t>(1000 + k));
     }
   }
@@ -598,6 +661,65 @@ TEST(CudaDecodeAttention, RejectsHeadDim96) {
   const absl::Status s = PartialAttentionCuda(a, nullptr, 0, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("head_dim 96"), std::string::npos) << s;
+}
+
+// Paged K/V read in place (a KV cache's blocks, shuffled, NaN between the rows a sequence
+// holds) against the reference on the same rows contiguous, every output mode and block size
+// the cache allows at both ends, GQA packed and not.
+TEST(CudaDecodeAttention, PagedKvFromShuffledBlocks) {
+  for (auto [h, kvh] : {std::pair{16, 1}, std::pair{32, 8}}) {
+    const std::vector<DecodeSeq> seqs = {{1, 1},    {1, 17}, {0, 50},  {2, 1000},
+                                         {4, 5000}, {3, 17}, {1, 1000}};
+    const Case c = DecodeCase(absl::StrCat("paged decode ", h, ":", kvh), h, kvh, 128, true, seqs);
+    const Inputs in = MakeInputs(c, 61 + h);
+    std::vector<double> o_ref, lse_ref;
+    Reference(c, in, &o_ref, &lse_ref);
+    for (int block_tokens : {16, 64, 256}) {
+      const PagedPool pool = MakePagedPool(c, in, block_tokens, block_tokens + h);
+      for (OutputMode mode : {OutputMode::kBfloat16, OutputMode::kFloat32}) {
+        std::vector<float> o, lse;
+        RunOnGpu(c, in, mode, &o, &lse, nullptr, nullptr, &pool);
+        if (::testing::Test::HasFatalFailure()) return;
+        ExpectGood(Compare(c, o, lse, o_ref, lse_ref),
+                   absl::StrCat(c.name, " blocks of ", block_tokens,
+                                mode == OutputMode::kBfloat16 ? " (bf16 O)" : " (fp32 O)"));
+      }
+    }
+  }
+}
+
+TEST(CudaDecodeAttention, PagedKvRefusesPrefillRowsAndUnknownSequences) {
+  Case c = DecodeCase("paged refusals", 16, 1, 128, true, {{1, 100}, {1, 70}});
+  const Inputs in = MakeInputs(c, 5);
+  const PagedPool pool = MakePagedPool(c, in, 64, 5);
+  int dummy[4];
+  PagedKv paged{.table = dummy,
+                .block_tokens = 64,
+                .block_stride_bytes = 64 * 128 * 2,
+                .seq_kv_begin = pool.seq_kv_begin,
+                .seq_table_begin = pool.seq_table_begin};
+  std::vector<SequenceSlice> slices = c.slices;
+  CudaAttentionArgs a{.shape = ShapeOf(c),
+                      .q = reinterpret_cast<const __nv_bfloat16*>(dummy),
+                      .q_pos = dummy,
+                      .q_tokens = 16,
+                      .k = reinterpret_cast<const __nv_bfloat16*>(dummy),
+                      .v = reinterpret_cast<const __nv_bfloat16*>(dummy),
+                      .k_pos = dummy,
+                      .kv_tokens = c.kv_tokens,
+                      .slices = slices.data(),
+                      .num_slices = 1,
+                      .o = dummy,
+                      .lse = reinterpret_cast<float*>(dummy),
+                      .paged = &paged};
+  slices[0].q_len = internal::kMaxDecodeQueryRows + 1;
+  absl::Status s = PartialAttentionCuda(a, nullptr, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("decode kernel only"), std::string::npos) << s;
+  slices[0] = {.q_begin = 0, .q_len = 1, .kv_begin = 3, .kv_len = 10};
+  s = PartialAttentionCuda(a, nullptr, 0, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("no sequence of the block table starts"), std::string::npos) << s;
 }
 
 }  // namespace

@@ -9,8 +9,6 @@
 //   o_part   [partial rows][num_heads][head_dim] fp32  partial row of (split j, token t) is
 //                                                     partial_row + j * q_len + t
 //   lse_part [partial rows][num_heads] fp32 (natural log; -inf: the split saw no key)
-#include "attention/cuda/attention_decode.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "attention/cuda/attention_decode.h"
 #include "attention/cuda/flash_kernel.cuh"
 #include "attention/online_softmax.h"
 #include "base/knobs.h"
@@ -44,6 +43,7 @@ struct DecodeSlice {
   int32_t tiles_per_split;  // 64-key tiles per split (the last one may hold fewer)
   int32_t partial_row;      // the slice's first partial row in the workspace
   int32_t pair_start;       // first (token, head) pair of the slice in the combine grid
+  int32_t table_begin;      // paged K/V: the slice's first block-table entry
 };
 
 struct DecodeParams {
@@ -56,6 +56,11 @@ struct DecodeParams {
   float* lse_part;  // workspace, after o_part
   void* o;          // the call's output (bf16 or fp32 by out_mode)
   float* lse;
+  // Paged K/V (attention.h's PagedKv): k/v are the pools' block 0, key r of a slice lies in
+  // block block_table[table_begin + r / block_tokens]; null: contiguous rows from kv_begin.
+  const int32_t* block_table;
+  int64_t block_stride;  // elements from one block to the next
+  int32_t block_tokens;
   int32_t num_heads, num_kv_heads, group, causal, out_mode, num_slices;
   float scale_log2;  // softmax_scale * log2(e)
   DecodeSlice slices[kMaxDecodeSlices];
@@ -185,8 +190,18 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   // NaN there) and masked by their index.
   const int tile_begin = split * sl.tiles_per_split;
   const int num_tiles = max(0, min(sl.tiles_per_split, KeyTiles(sl.kv_len) - tile_begin));
-  const __nv_bfloat16* k_base = p.k + sl.kv_begin * kv_stride + kv_head * kDim;
-  const __nv_bfloat16* v_base = p.v + sl.kv_begin * kv_stride + kv_head * kDim;
+  // Contiguous: key r at k_base + r * kv_stride. Paged: the pools' block 0 (RowOffset below).
+  const bool paged = p.block_table != nullptr;
+  const int64_t head_offset = kv_head * kDim + (paged ? 0 : sl.kv_begin * kv_stride);
+  const __nv_bfloat16* k_base = p.k + head_offset;
+  const __nv_bfloat16* v_base = p.v + head_offset;
+  // Element offset of key `key` of the slice from k_base / v_base.
+  auto row_offset = [&](int key) -> int64_t {
+    if (!paged) return static_cast<int64_t>(key) * kv_stride;
+    const int32_t block = __ldg(p.block_table + sl.table_begin + key / p.block_tokens);
+    return static_cast<int64_t>(block) * p.block_stride +
+           static_cast<int64_t>(key % p.block_tokens) * kv_stride;
+  };
   const int32_t* kpos_base = p.k_pos + sl.kv_begin;
   constexpr int kRowsPerPass = kDecodeThreads / Cfg::kChunks;
   const int ld_chunk = tid % Cfg::kChunks, ld_row = tid / Cfg::kChunks;
@@ -197,7 +212,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     for (int i = 0; i < kDecodeBlockN / kRowsPerPass; ++i) {
       const int r = ld_row + i * kRowsPerPass;
       const bool in = key0 + r < sl.kv_len;
-      const int64_t off = static_cast<int64_t>(key0 + r) * kv_stride + ld_chunk * 8;
+      const int64_t off = in ? row_offset(key0 + r) + ld_chunk * 8 : 0;
       const uint32_t so = SwizzledOffset<kDim>(r, ld_chunk);
       CpAsync16(SmemAddr(st + so), in ? k_base + off : p.k, in ? 16 : 0);
       CpAsync16(SmemAddr(st + Cfg::kTileBytes + so), in ? v_base + off : p.v, in ? 16 : 0);
@@ -528,9 +543,11 @@ DecodePlan PlanDecode(const CudaAttentionArgs& a) {
     int32_t splits = static_cast<int32_t>((tiles + tps - 1) / tps);
     const int32_t even = splits == 0 ? 0 : (tiles + splits - 1) / splits;
     splits = even == 0 ? 0 : (tiles + even - 1) / even;
+    const int64_t table_begin = a.paged == nullptr ? 0 : a.paged->TableBegin(s.kv_begin);
     plan.slices.push_back({s.q_begin, s.kv_begin, static_cast<int32_t>(s.q_len),
                            static_cast<int32_t>(s.kv_len), 0, splits, even,
-                           static_cast<int32_t>(plan.partial_rows), 0});
+                           static_cast<int32_t>(plan.partial_rows), 0,
+                           static_cast<int32_t>(std::max<int64_t>(0, table_begin))});
     plan.partial_rows += int64_t{splits} * s.q_len;
   }
   return plan;
@@ -569,9 +586,10 @@ absl::Status LaunchGroup(const DecodeParams& p, int32_t ctas, int32_t pairs, int
 
 bool DecodeAttentionApplies(const CudaAttentionArgs& a) {
   static const bool enabled = knobs::Bool(knobs::kDecodeKernel);
-  if (!enabled || !SupportedHeadDim(a.shape.head_dim) || a.shape.num_kv_heads <= 0 ||
-      a.shape.num_heads % a.shape.num_kv_heads != 0 || a.slices == nullptr || !Aligned16(a.q) ||
-      !Aligned16(a.k) || !Aligned16(a.v)) {
+  // Paged K/V has no other reader: the knob chooses only for contiguous rows.
+  if ((!enabled && a.paged == nullptr) || !SupportedHeadDim(a.shape.head_dim) ||
+      a.shape.num_kv_heads <= 0 || a.shape.num_heads % a.shape.num_kv_heads != 0 ||
+      a.slices == nullptr || !Aligned16(a.q) || !Aligned16(a.k) || !Aligned16(a.v)) {
     return false;
   }
   bool any_rows = false;
@@ -603,6 +621,11 @@ absl::Status LaunchDecodeAttention(const CudaAttentionArgs& a, void* workspace,
   p.lse_part = p.o_part + part_values * a.shape.head_dim;
   p.o = a.o;
   p.lse = a.lse;
+  if (a.paged != nullptr) {
+    p.block_table = a.paged->table;
+    p.block_stride = a.paged->block_stride_bytes / static_cast<int64_t>(sizeof(__nv_bfloat16));
+    p.block_tokens = a.paged->block_tokens;
+  }
   p.num_heads = a.shape.num_heads;
   p.num_kv_heads = a.shape.num_kv_heads;
   p.group = a.shape.group_size();

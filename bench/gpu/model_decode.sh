@@ -8,7 +8,8 @@
 #      transformers on checkpoints transformers wrote);
 #   3. (tpot) time per output token of the Llama-3-8B geometry (LAYERS, default 32; synthetic bf16
 #      weights) at CONTEXTS (default 32768,131040: 128K less NEW, within the model's 131072 positions), NEW tokens (default 64) greedy: cpfill
-#      generate, then transformers' generate (bench/gpu/hf_generate_peer.py) in the same call.
+#      generate, then transformers' generate (bench/gpu/hf_generate_peer.py) in the same call;
+#      GEMV=ab adds each context with the decode GEMMs on cuBLASLt (CPFILL_DECODE_GEMV=0).
 # Binaries from .gpu-carry/ (bench/gpu/build-carry.sh); logs, JSON and summary.txt under $OUT,
 # packed into $OUT/model-decode.tgz.
 set -uo pipefail
@@ -23,6 +24,8 @@ if [ "$what" != tpot ] && [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: not th
 small_gpu_tests
 timeout 120 "$carry/attention_cuda_test" --gtest_filter='*Decode*' > "$out/gpu_decode_tests.log" 2>&1
 note "gpu tests (decode kernel): rc $? $(grep -E 'PASSED|FAILED' "$out/gpu_decode_tests.log" | head -3)"
+timeout 120 "$carry/gemv_cuda_test" > "$out/gemv_cuda.log" 2>&1
+note "gemv_cuda_test: rc $? $(grep -E 'PASSED|FAILED' "$out/gemv_cuda.log" | head -2)"
 timeout 120 "$carry/kv_cache_cuda_test" > "$out/kv_cache_cuda.log" 2>&1
 note "kv_cache_cuda_test: rc $? $(grep -E 'PASSED|FAILED' "$out/kv_cache_cuda.log" | head -2)"
 timeout 200 mpirun -np 1 "$carry/llama_model_cuda_test" > "$out/llama_model_cuda.log" 2>&1
@@ -48,11 +51,17 @@ note "hf_transformers_check: rc $? $(tail -1 "$out/hf_transformers_check.log")"
 fi
 
 if [ "$what" != check ]; then
+# GEMV=ab: each context also with the decode GEMMs on cuBLASLt (CPFILL_DECODE_GEMV=0), same call.
+variants=("")
+[ "${GEMV:-}" = ab ] && variants+=("CPFILL_DECODE_GEMV=0")
 for ctx in ${contexts//,/ }; do
-  timeout 200 mpirun -np 1 "$cpfill" generate --backend cuda --model llama3-8b --layers "$layers" \
-    --prompt-lens "$ctx" --max-tokens "$new" --ignore-eos --kv-capacity-tokens $((ctx + 4096)) \
-    --json "$out/cpfill-generate-$ctx.json" > "$out/cpfill-generate-$ctx.log" 2>&1
-  note "cpfill generate $ctx: rc $? $(grep -E 'TTFT' "$out/cpfill-generate-$ctx.log" | head -1)"
+  for v in "${variants[@]}"; do
+    tag=cpfill-generate-$ctx${v:+-cublaslt}
+    env $v timeout 200 mpirun -np 1 "$cpfill" generate --backend cuda --model llama3-8b \
+      --layers "$layers" --prompt-lens "$ctx" --max-tokens "$new" --ignore-eos \
+      --kv-capacity-tokens $((ctx + 4096)) --json "$out/$tag.json" > "$out/$tag.log" 2>&1
+    note "$tag: rc $? $(grep -E 'TTFT|TPOT' "$out/$tag.log" | head -2 | tr '\n' ' ')"
+  done
 done
 timeout 250 python3 bench/gpu/hf_generate_peer.py --layers "$layers" --lens "$contexts" \
   --new-tokens "$new" > "$out/hf-generate.jsonl" 2> "$out/hf-generate.err"

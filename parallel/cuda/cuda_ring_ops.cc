@@ -85,7 +85,8 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
       .output = a.fold_into_output ? OutputMode::kMergeIntoFloat32 : OutputMode::kFloat32,
       .o = a.o,
       .lse = a.lse,
-      .communication_in_flight = a.communication_in_flight};
+      .communication_in_flight = a.communication_in_flight,
+      .paged = a.paged_kv};
   // Sized on the first run of a plan; later runs find it large enough.
   CPFILL_RETURN_IF_ERROR(
       workspace_.Reserve(std::max(kMinBytes, attention::cuda::AttentionWorkspaceBytes(args))));
