@@ -35,6 +35,7 @@ const std::set<std::string> kKnownFields = {"model",
                                             "seed",
                                             "echo",
                                             "stop",
+                                            "include_stop_str_in_output",
                                             "top_k",
                                             "presence_penalty",
                                             "frequency_penalty"};
@@ -209,10 +210,30 @@ absl::Status RefuseUnsupported(const nlohmann::json& v) {
   }
   CPFILL_ASSIGN_OR_RETURN(bool echo, BoolField(v, "echo"));
   CPFILL_CHECK_ARG(!echo, "\"echo\" is not supported");
-  if (const nlohmann::json* stop = json::Find(v, "stop"); stop != nullptr) {
-    CPFILL_CHECK_ARG(stop->is_null() || (stop->is_array() && stop->empty()),
-                     "\"stop\" strings are not supported; use \"stop_token_ids\"");
+  return absl::OkStatus();
+}
+
+// "stop": a string or a list of up to kMaxStopStrings non-empty strings (null or [] : none).
+absl::Status ParseStop(const nlohmann::json& v, const runtime::Tokenizer* tokenizer,
+                       CompletionRequest* r) {
+  CPFILL_ASSIGN_OR_RETURN(r->include_stop_str_in_output,
+                          BoolField(v, "include_stop_str_in_output"));
+  const nlohmann::json* stop = json::Find(v, "stop");
+  if (stop == nullptr || stop->is_null()) return absl::OkStatus();
+  const nlohmann::json list = stop->is_string() ? nlohmann::json::array({*stop}) : *stop;
+  CPFILL_CHECK_ARG(list.is_array() && list.size() <= kMaxStopStrings, "\"stop\" is ",
+                   json::Show(*stop), ", must be a string or a list of at most ", kMaxStopStrings,
+                   " strings");
+  for (size_t i = 0; i < list.size(); ++i) {
+    CPFILL_CHECK_ARG(list[i].is_string() && !list[i].get_ref<const std::string&>().empty() &&
+                         list[i].get_ref<const std::string&>().size() <= kMaxStopBytes,
+                     "\"stop\"[", i, "] is ", json::Show(list[i]),
+                     ", must be a non-empty string of at most ", kMaxStopBytes, " bytes");
+    r->stop.push_back(list[i].get<std::string>());
   }
+  CPFILL_CHECK_ARG(r->stop.empty() || tokenizer != nullptr,
+                   "\"stop\" strings need the model's tokenizer, and this model has none (a "
+                   "preset, or a checkpoint without tokenizer.json); use \"stop_token_ids\"");
   return absl::OkStatus();
 }
 
@@ -293,6 +314,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
   CPFILL_CHECK_ARG(prompt != nullptr, "\"prompt\" is required");
   CPFILL_RETURN_IF_ERROR(ParsePrompts(*prompt, tokenizer, &r));
   CPFILL_RETURN_IF_ERROR(ParseGeneration(v, &r));
+  CPFILL_RETURN_IF_ERROR(ParseStop(v, tokenizer, &r));
   if (const nlohmann::json* s = json::Find(v, "session"); s != nullptr && !s->is_null()) {
     CPFILL_CHECK_ARG(s->is_string() && !s->get_ref<const std::string&>().empty() &&
                          s->get_ref<const std::string&>().size() <= 256,
@@ -308,8 +330,65 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
   return r;
 }
 
+size_t StopCut(const CompletionRequest& request, std::string_view text) {
+  size_t cut = std::string::npos, first = std::string::npos;
+  for (const std::string& stop : request.stop) {
+    const size_t at = text.find(stop);
+    if (at < first) {
+      first = at;
+      cut = request.include_stop_str_in_output ? at + stop.size() : at;
+    }
+  }
+  return cut;
+}
+
+std::string CutAtStop(const CompletionRequest& request, std::string text) {
+  const size_t cut = StopCut(request, text);
+  if (cut != std::string::npos) text.resize(cut);
+  return text;
+}
+
+size_t StopPrefixHeld(const CompletionRequest& request, std::string_view text) {
+  size_t held = 0;
+  for (const std::string& stop : request.stop) {
+    for (size_t k = std::min(stop.size() - 1, text.size()); k > held; --k) {
+      if (text.substr(text.size() - k) == std::string_view(stop).substr(0, k)) {
+        held = k;
+        break;
+      }
+    }
+  }
+  return held;
+}
+
+namespace {
+
+// The stop strings of one request, checked on the text of its newest tokens only: a stop
+// string that the newest token completed ends within its last bytes, and every token decodes to
+// at least one byte, so the last (longest stop + 2) tokens hold it. Earlier text held none, or
+// generation would have stopped there.
+std::function<bool(const std::vector<runtime::SampledToken>&)> StopWhen(
+    const CompletionRequest& request, const runtime::Tokenizer* tokenizer) {
+  size_t longest = 0;
+  for (const std::string& stop : request.stop) longest = std::max(longest, stop.size());
+  return [stops = request.stop, window = longest + 2,
+          tokenizer](const std::vector<runtime::SampledToken>& tokens) {
+    std::vector<int32_t> ids;
+    for (size_t i = tokens.size() > window ? tokens.size() - window : 0; i < tokens.size(); ++i) {
+      ids.push_back(tokens[i].id);
+    }
+    const std::string text = DecodeText(tokenizer, ids);
+    return std::any_of(stops.begin(), stops.end(), [&](const std::string& stop) {
+      return text.find(stop) != std::string::npos;
+    });
+  };
+}
+
+}  // namespace
+
 std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& request,
-                                                     uint64_t seed) {
+                                                     uint64_t seed,
+                                                     const runtime::Tokenizer* tokenizer) {
   std::vector<runtime::EngineRequest> out;
   for (size_t i = 0; i < request.prompts.size(); ++i) {
     runtime::EngineRequest e{.tokens = request.prompts[i],
@@ -320,6 +399,7 @@ std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& re
                              .ignore_eos = request.ignore_eos};
     // Prompts of one request draw differently, and repeat with the request's seed.
     e.sampling.seed = request.seed.value_or(seed) + i;
+    if (!request.stop.empty() && tokenizer != nullptr) e.stop_when = StopWhen(request, tokenizer);
     out.push_back(std::move(e));
   }
   return out;
@@ -340,7 +420,7 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
     const runtime::EngineResult& r = results[i];
     const std::vector<int32_t> ids = r.token_ids();
     nlohmann::ordered_json c = {{"index", i},
-                                {"text", DecodeText(tokenizer, ids)},
+                                {"text", CutAtStop(request, DecodeText(tokenizer, ids))},
                                 {"token_ids", ids},
                                 {"logprobs", nullptr},
                                 {"finish_reason", r.finish_reason}};

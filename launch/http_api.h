@@ -36,11 +36,29 @@ struct CompletionRequest {
   std::optional<uint64_t> seed;                          // none: the server draws one per request
   std::vector<int32_t> stop_token_ids;  // vLLM's extension; EOS stops unless ignore_eos
   bool ignore_eos = false;
+  // "stop": up to 4 strings; generation ends when the text holds one, and the text returned ends
+  // just before it (after it with vLLM's include_stop_str_in_output). Needs the tokenizer.
+  std::vector<std::string> stop;
+  bool include_stop_str_in_output = false;
 };
 
-// The engine requests of a completion, one per prompt (`seed` when the request names none).
+// The engine requests of a completion, one per prompt (`seed` when the request names none);
+// stop strings become each request's stop_when, which decodes its newest tokens with `tokenizer`.
 std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& request,
-                                                     uint64_t seed);
+                                                     uint64_t seed,
+                                                     const runtime::Tokenizer* tokenizer);
+
+inline constexpr int kMaxStopStrings = 4;  // OpenAI's limit
+inline constexpr size_t kMaxStopBytes = 256;
+
+// Where the text given to the client ends under the request's stop strings: before the earliest
+// one in `text` (after it with include_stop_str_in_output); std::string::npos when none is in it.
+size_t StopCut(const CompletionRequest& request, std::string_view text);
+// `text` as the client gets it: cut at StopCut when a stop string is in it.
+std::string CutAtStop(const CompletionRequest& request, std::string text);
+// Bytes at the end of `text` that may be the start of a stop string: a stream holds them back
+// until the next tokens say whether the stop string follows.
+size_t StopPrefixHeld(const CompletionRequest& request, std::string_view text);
 
 // The largest body the server reads, and the most prompts and top-k one request may ask for.
 inline constexpr size_t kMaxBodyBytes = 64u << 20;
@@ -49,8 +67,8 @@ inline constexpr int kMaxLogprobs = 20;
 inline constexpr int kMaxTokensPerRequest = 1 << 20;
 
 // InvalidArgument naming the field for malformed JSON, wrong types, unknown or unsupported
-// fields (stop strings, penalties, echo, n > 1; text prompts when `tokenizer` is null: the model
-// has none), a model name other than `served_model`, or a session with more than one prompt.
+// fields (penalties, echo, n > 1; text prompts and stop strings when `tokenizer` is null: the
+// model has none), a model name other than `served_model`, or a session with more than one prompt.
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
                                                          const std::string& served_model,
                                                          const runtime::Tokenizer* tokenizer);

@@ -48,14 +48,37 @@ TEST(HttpApi, ParsesGenerationFields) {
   EXPECT_EQ(r->stop_token_ids, (std::vector<int32_t>{7, 8}));
   EXPECT_TRUE(r->ignore_eos && r->stream && r->include_usage);
   // The engine requests: one per prompt, each with its own seed from the request's.
-  const auto e = EngineRequestsOf(*r, 999);
+  const auto e = EngineRequestsOf(*r, 999, nullptr);
   ASSERT_EQ(e.size(), 2u);
   EXPECT_EQ(e[0].sampling.seed, 5u);
   EXPECT_EQ(e[1].sampling.seed, 6u);
   EXPECT_EQ(e[1].max_tokens, 40);
   EXPECT_EQ(e[1].stop_ids, (std::vector<int32_t>{7, 8}));
   auto unseeded = ParseCompletionRequest(R"({"prompt": [1]})", "tiny", nullptr);
-  EXPECT_EQ(EngineRequestsOf(*unseeded, 999)[0].sampling.seed, 999u);
+  EXPECT_EQ(EngineRequestsOf(*unseeded, 999, nullptr)[0].sampling.seed, 999u);
+  EXPECT_FALSE(e[0].stop_when);  // no stop strings: nothing decodes text on the engine's thread
+}
+
+TEST(HttpApi, StopStringsCutTheTextAndHoldBackWhatMayBeginOne) {
+  CompletionRequest r;
+  r.stop = {"END", "\n\n"};
+  EXPECT_EQ(StopCut(r, "no stop here"), std::string::npos);
+  EXPECT_EQ(CutAtStop(r, "a\n\nbEND"), "a");  // the earliest stop string wins
+  EXPECT_EQ(CutAtStop(r, "abcENDx"), "abc");
+  r.include_stop_str_in_output = true;
+  EXPECT_EQ(CutAtStop(r, "abcENDx\n\n"), "abcEND");
+  // While streaming: a tail that may begin a stop string waits; one that cannot goes out.
+  EXPECT_EQ(StopPrefixHeld(r, "abcEN"), 2u);
+  EXPECT_EQ(StopPrefixHeld(r, "abc\n"), 1u);
+  EXPECT_EQ(StopPrefixHeld(r, "abcENx"), 0u);
+  EXPECT_EQ(StopPrefixHeld(r, ""), 0u);
+  // The response's text is cut; its token ids and usage keep every generated token.
+  runtime::EngineResult result;
+  result.finish_reason = "stop";
+  result.tokens = {{.id = 1}, {.id = 2}};
+  const auto out = CompletionResponse(r, {result}, "cmpl-1", 0, "tiny", nullptr);
+  EXPECT_EQ(out["choices"][0]["token_ids"].size(), 2u);
+  EXPECT_EQ(out["usage"]["completion_tokens"], 2);
 }
 
 TEST(HttpApi, RefusesEachMalformedFieldByName) {
@@ -79,7 +102,12 @@ TEST(HttpApi, RefusesEachMalformedFieldByName) {
       {R"({"prompt": [1], "top_p": 0})", "\"top_p\""},
       {R"({"prompt": [1], "top_k": 2.5})", "\"top_k\""},
       {R"({"prompt": [1], "seed": "x"})", "\"seed\""},
-      {R"({"prompt": [1], "stop": ["\n"]})", "\"stop\" strings are not supported"},
+      {R"({"prompt": [1], "stop": ["\n"]})", "\"stop\" strings need the model's tokenizer"},
+      {R"({"prompt": [1], "stop": 5})", "must be a string or a list of at most 4"},
+      {R"({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]})", "a list of at most 4 strings"},
+      {R"({"prompt": [1], "stop": ["a", ""]})", "\"stop\"[1] is \"\", must be a non-empty"},
+      {R"({"prompt": [1], "stop": [7]})", "\"stop\"[0] is 7"},
+      {R"({"prompt": [1], "include_stop_str_in_output": 1})", "must be true or false"},
       {R"({"prompt": [1], "stop_token_ids": [1, -1]})", "\"stop_token_ids\"[1]"},
       {R"({"prompt": [1], "ignore_eos": 1})", "\"ignore_eos\""},
       {R"({"prompt": [1], "presence_penalty": 0.5})", "\"presence_penalty\" is not supported"},

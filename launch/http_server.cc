@@ -88,7 +88,7 @@ void HttpFront::Completions(const httplib::Request& req, httplib::Response& res)
       ParseCompletionRequest(req.body, served_model_, tokenizer_);
   if (!parsed.ok()) return SetError(parsed.status(), res);
   *request = std::move(*parsed);
-  std::vector<runtime::EngineRequest> prompts = EngineRequestsOf(*request, NextSeed());
+  std::vector<runtime::EngineRequest> prompts = EngineRequestsOf(*request, NextSeed(), tokenizer_);
   const std::string id = absl::StrCat("cmpl-", next_id_++);
   std::shared_ptr<CompletionStream> stream;
   if (request->stream) {

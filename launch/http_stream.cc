@@ -54,8 +54,18 @@ std::string CompletionStream::Event(int index, const runtime::GeneratedToken& to
   const bool last = !token.finish_reason.empty();
   std::string text;
   const size_t offset = CodePoints(c.sent);
-  const std::string whole = DecodeText(tokenizer_, c.ids);
-  if ((last || !EndsSplit(whole)) && whole.compare(0, c.sent.size(), c.sent) == 0) {
+  std::string whole = DecodeText(tokenizer_, c.ids);
+  const bool split = EndsSplit(whole);
+  // Stop strings: the text ends before the one found (its last token), and while it runs, bytes
+  // that may begin one wait for the next tokens.
+  const size_t cut = StopCut(request_, whole);
+  if (cut != std::string::npos) {
+    whole.resize(cut);
+  } else if (!last) {
+    whole.resize(whole.size() - StopPrefixHeld(request_, whole));
+  }
+  if ((last || !split) && whole.size() >= c.sent.size() &&
+      whole.compare(0, c.sent.size(), c.sent) == 0) {
     text = whole.substr(c.sent.size());
     c.sent = whole;
   }

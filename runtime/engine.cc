@@ -583,7 +583,8 @@ bool Engine::NextToken(Pending& p, const std::vector<float>& logits) {
   const auto in = [id](const std::vector<int32_t>& ids) {
     return std::find(ids.begin(), ids.end(), id) != ids.end();
   };
-  if (in(q.stop_ids) || (!q.ignore_eos && in(options_.eos_ids))) {
+  if (in(q.stop_ids) || (!q.ignore_eos && in(options_.eos_ids)) ||
+      (q.stop_when && q.stop_when(r.tokens))) {
     r.finish_reason = "stop";
   } else if (static_cast<int>(r.tokens.size()) >= q.max_tokens || p.positions_left <= 0) {
     r.finish_reason = "length";

@@ -83,6 +83,10 @@ struct EngineRequest {
   SamplingParams sampling;
   std::vector<int32_t> stop_ids;  // stop at these too
   bool ignore_eos = false;        // do not stop at the engine's eos_ids
+  // Rank 0's engine thread asks it after each token (the generated tokens so far, the newest
+  // last); true ends the generation with finish_reason "stop". The server's stop strings: only
+  // it has the text. Must be quick and must not block.
+  std::function<bool(const std::vector<SampledToken>&)> stop_when;
   // Rank 0's engine thread calls it with each token as it is chosen (streaming); must not block.
   std::function<void(const GeneratedToken&)> on_token;
   // Set by the client (a stream whose reader left): generation ends with finish_reason "abort".

@@ -12,7 +12,9 @@
    sanitizer runtime, instead of 1);
 3. checks each answer's first token against a one-shot `cpfill prefill` of the same tokens on
    one rank (a session's second turn: of the whole conversation), that the second turn reused
-   the first turn's KV, and that a bad token was refused.
+   the first turn's KV, and that a bad token was refused; and the C example's generation (12
+   greedy tokens read as they come) against `cpfill generate` on one rank, and its bad params
+   refused.
 """
 import json
 import os
@@ -23,6 +25,7 @@ import tempfile
 
 LENS = [300, 77, 1000]  # as in launch/embed/examples/prefill.{c,py}
 TURN2 = 50
+GENERATED = 12  # as in launch/embed/examples/prefill.c
 VOCAB = 1024  # the tiny preset's
 FLAGS = ["--model", "tiny", "--tp", "2", "--ranks-per-node", "2", "--backend", "cpu",
          "--threads", "1", "--kv-capacity-tokens", "8192", "--timeout-s", "60"]
@@ -66,6 +69,28 @@ def one_shot_first_tokens(cpfill, tmp):
     return [s["first_token"] for s in json.load(open(report))["sequences"]]
 
 
+def one_shot_generation(cpfill, tmp):
+    """Greedy tokens after prompt 1 from `cpfill generate` on one rank (the examples' prompt)."""
+    tokens = os.path.join(tmp, "gen-tokens.json")
+    json.dump([prompt(1, LENS[1])], open(tokens, "w"))
+    report = os.path.join(tmp, "gen.json")
+    run([cpfill, "generate", "--model", "tiny", "--tokens", tokens, "--backend", "cpu",
+         "--max-tokens", str(GENERATED), "--ignore-eos", "--json", report])
+    return json.load(open(report))["sequences"][0]["tokens"]
+
+
+def check_generation(output, want, label):
+    m = re.search(r"^generate: tokens ([\d ]+) finish (\S+) reads (\d+)$", output, re.M)
+    if not m:
+        fail(f"{label}: no generation line:\n{output}")
+    got = [int(t) for t in m.group(1).split()]
+    if got != want or m.group(2) != "length":
+        fail(f"{label}: generated {got} ({m.group(2)}), cpfill generate on one rank: {want}")
+    if output.count("bad params refused:") != 2:
+        fail(f"{label}: bad generation params were not refused:\n{output}")
+    print(f"{label}: {len(got)} generated tokens equal one rank's, read in {m.group(3)} polls")
+
+
 def check(output, want, label):
     got = {m.group(1): (int(m.group(2)), m.group(3))
            for m in re.finditer(r"^(prompt \d|session turn \d): first_token (\d+)(.*)$", output, re.M)}
@@ -94,7 +119,11 @@ def main():
     else:
         exe = install_and_build(build, prefix)
         want = one_shot_first_tokens(os.path.join(prefix, "bin/cpfill"), tmp)
-    check(run(["mpirun", "-np", "4", exe] + FLAGS), want, "C example")
+    cpfill = os.path.join(build, "cpfill") if "--built-example" in sys.argv else \
+        os.path.join(prefix, "bin/cpfill")
+    out = run(["mpirun", "-np", "4", exe] + FLAGS)
+    check(out, want, "C example")
+    check_generation(out, one_shot_generation(cpfill, tmp), "C example")
     if "--python-example" in sys.argv:
         py = os.path.join(SOURCE, "launch/embed/examples/prefill.py")
         out = run(["mpirun", "-np", "4", sys.executable, py, f"{prefix}/lib/libcpfill.so"] + FLAGS)

@@ -10,6 +10,7 @@ beside the weights, serves it on 2 ranks (CP2, CPU backend), and asserts that
   * /v1/models says the server takes text;
   * a text prompt is answered exactly as the token ids `tokenizers` encodes it to (BOS first):
     same first token, same prompt_tokens; choices[].text is `tokenizers`' decode of that token;
+  * a stop string ends generation and cuts the text before it, streamed or not;
   * a batch of texts and a session of text turns work; texts with non-ASCII, emoji, special
     tokens and whitespace runs are among them;
   * a body with invalid UTF-8 inside the prompt gets a 400 naming the problem, and the server
@@ -104,6 +105,42 @@ def check_logprobs_name_tokens(port, tok):
         fail(f"text_offset streamed {streamed}, in one answer {offsets}")
 
 
+def check_stop_strings(port):
+    """A stop string ends generation where the text first holds it: the text ends just before it
+    (after it with include_stop_str_in_output), finish_reason "stop", fewer tokens than asked;
+    streamed chunks add up to the same text and none holds the stop string."""
+    # Sampled with a seed: a tiny random model's greedy text repeats itself, sampling does not.
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "temperature": 1.0,
+            "seed": 11}
+    full = complete(port, **body)["choices"][0]
+    text = full["text"]
+    picks = [(at, text[at:at + 4]) for at in range(len(text) // 3, len(text) - 4)
+             if text[at:at + 4].strip() and text.find(text[at:at + 4]) == at]
+    if not picks:
+        fail(f"no stop string to pick from the greedy text {text!r}")
+    at, stop = picks[0]
+    got = complete(port, stop=[stop, "<<never>>"], **body)["choices"][0]
+    n = len(got["token_ids"])
+    if got["text"] != text[:at] or got["finish_reason"] != "stop" or n >= len(full["token_ids"]):
+        fail(f"stop {stop!r} in {text!r}: text {got['text']!r}, {got['finish_reason']}, {n} tokens")
+    if got["token_ids"] != full["token_ids"][:n]:
+        fail(f"stop {stop!r}: tokens {got['token_ids']} are not the full run's first {n}")
+    events = [e for e in stream(port, {"model": MODEL, "temperature": 0, "stream": True,
+                                       "stop": stop, **body})
+              if e != "[DONE]" and e.get("choices")]
+    chunks = [e["choices"][0]["text"] for e in events]
+    if "".join(chunks) != text[:at] or events[-1]["choices"][0]["finish_reason"] != "stop" or \
+            any(stop in c for c in chunks):
+        fail(f"stop {stop!r} streamed as {chunks}, want {text[:at]!r} then finish_reason stop")
+    kept = complete(port, stop=stop, include_stop_str_in_output=True, **body)["choices"][0]
+    if kept["text"] != text[:at + len(stop)]:
+        fail(f"include_stop_str_in_output: {kept['text']!r}, want {text[:at + len(stop)]!r}")
+    absent = complete(port, stop="<<never>>", **body)["choices"][0]
+    if absent["text"] != text or absent["finish_reason"] != "length":
+        fail(f"a stop string never generated changed the answer: {absent}")
+    print(f"stop strings ok: {stop!r} at character {at} of {len(text)}, {n} tokens")
+
+
 def run(port, tok):
     status, body = http(port, "GET", "/v1/models")
     if status != 200 or not json.loads(body)["data"][0].get("text_prompts"):
@@ -114,6 +151,7 @@ def run(port, tok):
     for text in texts:
         check_text_equals_ids(port, tok, text)
     check_logprobs_name_tokens(port, tok)
+    check_stop_strings(port)
     batch = complete(port, texts[:4])
     for text, choice in zip(texts[:4], batch["choices"]):
         single = complete(port, text)["choices"][0]["token_ids"][0]

@@ -1,15 +1,18 @@
 // The C API of libcpfill.so (cpfill.h) over the engine (runtime/engine.h), built the way
 // `cpfill serve` builds it (launch/engine_host.h). Each entry point turns statuses into codes
 // and catches every exception: nothing C++ crosses into the embedding program.
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "launch/embed/cpfill.h"
 #include "launch/engine_host.h"
 #include "launch/flags.h"
@@ -26,10 +29,19 @@ struct cpfill_engine {
   bool shut_down = false;
 };
 
+// The tokens a generation has produced so far, written by the engine's thread (on_token) and
+// read by the caller's; shared so a request freed while it runs leaves the engine a live log.
+struct TokenLog {
+  std::mutex mu;
+  std::vector<int32_t> ids;
+  bool finished = false;
+};
+
 struct cpfill_request {
   cpfill::runtime::Engine::Reply reply;
   std::optional<absl::StatusOr<cpfill::runtime::EngineResult>> done;
   std::string algorithm;
+  std::shared_ptr<TokenLog> tokens = std::make_shared<TokenLog>();
 };
 
 namespace {
@@ -118,17 +130,45 @@ absl::Status Create(int argc, const char* const* argv, const void* comm, cpfill_
   return absl::OkStatus();
 }
 
+// The engine's generation fields from the C struct (NULL: one greedy token).
+absl::Status ApplyParams(const cpfill_generate_params* p, cpfill::runtime::EngineRequest* q) {
+  if (p == nullptr) return absl::OkStatus();
+  const int64_t max_tokens = p->max_tokens == 0 ? 1 : p->max_tokens;
+  if (max_tokens < 1 || max_tokens > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("cpfill_submit_generate: max_tokens is ",
+                                                   p->max_tokens, ", must be in [1, 1048576]"));
+  }
+  if (p->stop_token_ids == nullptr && p->num_stop_token_ids > 0) {
+    return absl::InvalidArgumentError(
+        "cpfill_submit_generate: stop_token_ids is NULL with num_stop_token_ids > 0");
+  }
+  q->max_tokens = static_cast<int>(max_tokens);
+  q->sampling = {.temperature = p->temperature,
+                 .top_k = p->top_k,
+                 .top_p = p->top_p == 0 ? 1.0 : p->top_p,
+                 .seed = p->seed};
+  q->ignore_eos = p->ignore_eos != 0;
+  q->stop_ids.assign(p->stop_token_ids, p->stop_token_ids + p->num_stop_token_ids);
+  return absl::OkStatus();  // the engine's Submit checks the sampling fields by name
+}
+
 absl::Status Submit(cpfill_engine* e, const int32_t* tokens, size_t n, const char* session,
-                    cpfill_request** out) {
+                    const cpfill_generate_params* params, cpfill_request** out) {
   if (absl::Status s = NeedRoot(e, "cpfill_submit"); !s.ok()) return s;
   if (out == nullptr) return absl::InvalidArgumentError("cpfill_submit: request is NULL");
   if (tokens == nullptr && n > 0)
     return absl::InvalidArgumentError("cpfill_submit: tokens is NULL");
   cpfill::runtime::EngineRequest request{.tokens = std::vector<int32_t>(tokens, tokens + n),
                                          .session = session == nullptr ? "" : session};
+  if (absl::Status s = ApplyParams(params, &request); !s.ok()) return s;
+  auto r = std::make_unique<cpfill_request>();
+  request.on_token = [log = r->tokens](const cpfill::runtime::GeneratedToken& t) {
+    std::lock_guard lock(log->mu);
+    log->ids.push_back(t.token.id);
+    log->finished = !t.finish_reason.empty();
+  };
   auto reply = e->host->engine->Submit(std::move(request));
   if (!reply.ok()) return reply.status();
-  auto r = std::make_unique<cpfill_request>();
   r->reply = std::move(*reply);
   *out = r.release();
   return absl::OkStatus();
@@ -166,6 +206,24 @@ absl::Status Result(cpfill_request* r, cpfill_result* out) {
                        .queue_s = x.queue_s,
                        .prefill_s = x.prefill_s,
                        .algorithm = r->algorithm.c_str()};
+  return absl::OkStatus();
+}
+
+absl::Status Tokens(cpfill_request* r, int32_t* ids, size_t capacity, size_t* count,
+                    int* finished) {
+  if (r == nullptr || count == nullptr || finished == nullptr) {
+    return absl::InvalidArgumentError("cpfill_request_tokens: request, count or finished is NULL");
+  }
+  if (ids == nullptr && capacity > 0) {
+    return absl::InvalidArgumentError("cpfill_request_tokens: ids is NULL with capacity > 0");
+  }
+  // A request that failed gives no tokens; it is finished all the same.
+  const bool failed = Await(r, 0.0).ok() && !r->done->ok();
+  std::lock_guard lock(r->tokens->mu);
+  const std::vector<int32_t>& have = r->tokens->ids;
+  std::copy_n(have.begin(), std::min(capacity, have.size()), ids);
+  *count = have.size();
+  *finished = r->tokens->finished || failed ? 1 : 0;
   return absl::OkStatus();
 }
 
@@ -212,7 +270,22 @@ int cpfill_engine_run(cpfill_engine* e) {
 
 int cpfill_submit(cpfill_engine* e, const int32_t* tokens, size_t n, const char* session,
                   cpfill_request** request) {
-  return Guarded([&] { return Submit(e, tokens, n, session, request); });
+  return Guarded([&] { return Submit(e, tokens, n, session, nullptr, request); });
+}
+
+int cpfill_submit_generate(cpfill_engine* e, const int32_t* tokens, size_t n, const char* session,
+                           const cpfill_generate_params* params, cpfill_request** request) {
+  return Guarded([&] { return Submit(e, tokens, n, session, params, request); });
+}
+
+int cpfill_request_tokens(cpfill_request* r, int32_t* ids, size_t capacity, size_t* count,
+                          int* finished) {
+  return Guarded([&] { return Tokens(r, ids, capacity, count, finished); });
+}
+
+const char* cpfill_request_finish_reason(cpfill_request* r) {
+  if (r == nullptr || !Await(r, 0.0).ok() || !r->done->ok()) return nullptr;
+  return (*r->done)->finish_reason.c_str();
 }
 
 int cpfill_request_poll(cpfill_request* r) {

@@ -13,6 +13,10 @@
  *     cpfill_request_wait(r, -1);                        // or poll with cpfill_request_poll
  *     cpfill_result res;  cpfill_request_result(r, &res); // res.first_token, res.logits, ...
  *     cpfill_request_free(r);
+ *     cpfill_generate_params g = {0};  g.max_tokens = 64;    // greedy; or temperature, top_p...
+ *     cpfill_submit_generate(e, tokens, n, NULL, &g, &r);
+ *     size_t got; int done = 0;                          // stream: poll the tokens so far
+ *     while (!done) { cpfill_request_tokens(r, ids, 64, &got, &done); ... }
  *     cpfill_engine_shutdown(e);                         // drains; releases the other ranks
  *   } else {
  *     cpfill_engine_run(e);                              // returns after rank 0's shutdown
@@ -87,6 +91,38 @@ int cpfill_engine_run(cpfill_engine* engine);
  * batch could run, CPFILL_UNAVAILABLE when the queue is full. */
 int cpfill_submit(cpfill_engine* engine, const int32_t* tokens, size_t n, const char* session,
                   cpfill_request** request);
+/* Generation. A zeroed struct asks for one greedy token (a prefill); set max_tokens for more.
+ * temperature 0 is greedy; top_k 0 keeps every token; top_p 0 is taken as 1; seed makes sampling
+ * repeat token for token; generation stops at the model's EOS ids (unless ignore_eos), at
+ * stop_token_ids, at max_tokens, or at the model's last position. */
+typedef struct cpfill_generate_params {
+  int32_t max_tokens;             /* 1 .. 1048576 (0 is taken as 1) */
+  double temperature;             /* 0 .. 100 */
+  int32_t top_k;                  /* >= 0 */
+  double top_p;                   /* 0 .. 1 */
+  uint64_t seed;
+  int ignore_eos;                 /* 1: generate past EOS */
+  const int32_t* stop_token_ids;  /* may be NULL when num_stop_token_ids is 0 */
+  size_t num_stop_token_ids;
+} cpfill_generate_params;
+
+/* Rank 0, any thread, non-blocking: as cpfill_submit, and generates up to params->max_tokens
+ * tokens on the sharded KV cache (decode steps interleave with other requests' prefills). A
+ * session keeps the generated tokens: its next turn sends only the new ones. NULL params: one
+ * greedy token. CPFILL_INVALID_ARGUMENT naming the field for bad params. */
+int cpfill_submit_generate(cpfill_engine* engine, const int32_t* tokens, size_t n,
+                           const char* session, const cpfill_generate_params* params,
+                           cpfill_request** request);
+/* The tokens generated so far, while the request runs or after (the first token first): copies
+ * up to `capacity` ids into `ids` (NULL with capacity 0 to ask for the count), sets *count to
+ * how many there are and *finished to 1 once the last has come. Poll it to stream tokens. */
+int cpfill_request_tokens(cpfill_request* request, int32_t* ids, size_t capacity, size_t* count,
+                          int* finished);
+/* Why a finished generation ended: "stop" (EOS or a stop id), "length" (max_tokens or the model's
+ * positions) or "abort"; NULL until it finished or when it failed. Valid until the request is
+ * freed. */
+const char* cpfill_request_finish_reason(cpfill_request* request);
+
 /* OK when the request has finished (successfully or not), CPFILL_NOT_READY otherwise. */
 int cpfill_request_poll(cpfill_request* request);
 /* Blocks until the request finishes (OK) or `timeout_s` passes (CPFILL_NOT_READY); a negative

@@ -5,6 +5,8 @@
  * Every rank creates the engine with the flags it was given; rank 0 submits a few prompts and a
  * two-turn session, waits for them, and prints one line per answer:
  *   prompt <i>: first_token <t> prompt_tokens <n> cached_tokens <c> ...
+ * then generates 12 greedy tokens after prompt 1, reading them as they come:
+ *   generate: tokens <ids> finish length reads <k>
  * the other ranks lend themselves to the engine until rank 0 shuts it down. Prompt i has
  * kLens[i] tokens, token j being (i * 7919 + j * 31) % vocab, so a test can prefill the same
  * prompts one-shot and compare. Exits 0 when everything behaved as documented, 1 otherwise.
@@ -43,6 +45,51 @@ static int Finish(cpfill_request* r, const char* label) {
   return ok;
 }
 
+/* Greedy generation of kGenerated tokens after prompt 1, streamed: the tokens so far are read
+ * while it runs. Prints "generate: tokens <ids> finish <reason> reads <k>"; then bad params are
+ * refused by name. 1 on success. */
+enum { kGenerated = 12 };
+static int Generate(cpfill_engine* e, int64_t vocab) {
+  int32_t* prompt = Prompt(1, kLens[1], vocab);
+  cpfill_generate_params g = {0};
+  g.max_tokens = kGenerated;
+  g.ignore_eos = 1;
+  cpfill_request* r;
+  int ok = Check(cpfill_submit_generate(e, prompt, (size_t)kLens[1], NULL, &g, &r), "generate");
+  if (!ok) {
+    free(prompt);
+    return 0;
+  }
+  int32_t ids[kGenerated];
+  size_t count = 0;
+  int done = 0, reads = 0;
+  while (ok && !done) {
+    cpfill_request_wait(r, 0.002); /* NOT_READY until the last token: only a pause */
+    ok = Check(cpfill_request_tokens(r, ids, kGenerated, &count, &done), "tokens");
+    ++reads;
+  }
+  ok = ok && Check(cpfill_request_wait(r, -1.0), "wait");
+  const char* reason = cpfill_request_finish_reason(r);
+  if (ok) {
+    printf("generate: tokens");
+    for (size_t i = 0; i < count && i < kGenerated; ++i) printf(" %d", ids[i]);
+    printf(" finish %s reads %d\n", reason ? reason : "(none)", reads);
+  }
+  cpfill_request_free(r);
+  /* A negative max_tokens and a top_p above 1 are refused, naming the field. */
+  g.max_tokens = -1;
+  int refused = cpfill_submit_generate(e, prompt, 4, NULL, &g, &r) == CPFILL_INVALID_ARGUMENT;
+  if (refused) printf("bad params refused: %s\n", cpfill_last_error());
+  g.max_tokens = 4;
+  g.top_p = 1.5;
+  refused = refused &&
+            cpfill_submit_generate(e, prompt, 4, NULL, &g, &r) == CPFILL_INVALID_ARGUMENT;
+  if (refused) printf("bad params refused: %s\n", cpfill_last_error());
+  free(prompt);
+  if (!refused) fprintf(stderr, "example: bad generation params were not refused\n");
+  return ok && refused;
+}
+
 /* Rank 0: three prompts submitted together (one fused batch), then a session of two turns. */
 static int Serve(cpfill_engine* e) {
   const int64_t vocab = cpfill_engine_vocab_size(e);
@@ -78,7 +125,7 @@ static int Serve(cpfill_engine* e) {
     printf("refused as expected: %s\n", cpfill_last_error());
   }
   ok = Check(cpfill_session_end(e, "chat"), "session end") && ok;
-  return ok;
+  return Generate(e, vocab) && ok;
 }
 
 int main(int argc, char** argv) {
