@@ -36,10 +36,14 @@ constexpr KnobSpec kKnobs[] = {
      "Hopper kernel: items from a global counter, longest first (static: round-robin)"},
     {kDecodeKernel, KnobType::kBool, "1", "0|1",
      "CUDA attention: calls with at most 4 query rows per slice take the split-KV decode "
-     "kernel (0: the prefill kernel, for comparison)"},
+     "kernel (0: the prefill kernel, for comparison; K/V read in place from the KV cache's "
+     "blocks, as the model's decode steps do, always takes the decode kernel)"},
     {kDecodeGemv, KnobType::kBool, "1", "0|1",
      "CUDA linear layers: up to 8 token rows (decode steps) take the small-batch kernel, one "
      "warp per output feature (0: cuBLASLt, for comparison)"},
+    {kDecodeSplitWaves, KnobType::kInt, "1", "1..16",
+     "CUDA decode attention: the key splits aim at this many waves of the split kernel's CTAs "
+     "(1: one wave, the fewest and longest splits; more: shorter splits, for measurement)"},
     {kRanksPerNode, KnobType::kInt, "0", "0..1000000",
      "ranks per emulated node when --ranks-per-node is not given (0: the ranks of each host)"},
     {kTestExitRank, KnobType::kInt, "-1", "-1..1000000",

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <set>
+#include <span>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -107,30 +108,20 @@ std::string TokenName(const runtime::Tokenizer* tokenizer, int32_t id) {
   return absl::StrCat("token_id:", id);
 }
 
-// OpenAI's completion logprobs: each generated token's name, id (an extension), log-probability,
-// top k by name (two ids with one text keep the likelier) and offset (in characters) into the
-// choice's text, from `text_offset` on.
-nlohmann::ordered_json Logprobs(const std::vector<runtime::SampledToken>& tokens,
-                                const runtime::Tokenizer* tokenizer, size_t text_offset) {
+// OpenAI's completion logprobs: each token's name, id (an extension), log-probability, top k by
+// name (two ids with one text keep the likelier) and offset (in characters) into the choice's
+// text, `text_offsets` (one per token: TokenTextStarts in characters).
+nlohmann::ordered_json Logprobs(std::span<const runtime::SampledToken> tokens,
+                                std::span<const size_t> text_offsets,
+                                const runtime::Tokenizer* tokenizer) {
   nlohmann::ordered_json names = nlohmann::ordered_json::array(), ids = names, lps = names,
                          tops = names, offsets = names;
-  const size_t base_offset = text_offset;
-  std::vector<int32_t> seen;
-  for (const runtime::SampledToken& t : tokens) {
-    const std::string name = TokenName(tokenizer, t.id);
-    names.push_back(name);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const runtime::SampledToken& t = tokens[i];
+    names.push_back(TokenName(tokenizer, t.id));
     ids.push_back(t.id);
     lps.push_back(t.logprob);
-    seen.push_back(t.id);
-    offsets.push_back(text_offset);
-    // Where the next token starts in the choice's text: the characters of all tokens so far,
-    // decoded together (a character split over tokens counts once); while they end in a
-    // replacement character (a character not finished yet) it stays where that text starts,
-    // as a stream sends it (http_stream.cc).
-    if (tokenizer != nullptr) {
-      const std::string so_far = DecodeText(tokenizer, seen);
-      if (!EndsSplit(so_far)) text_offset = base_offset + CodePoints(so_far);
-    }
+    offsets.push_back(text_offsets[i]);
     nlohmann::ordered_json top = nlohmann::ordered_json::object();
     for (const auto& [id, lp] : t.top) {
       const std::string key = TokenName(tokenizer, id);
@@ -227,8 +218,9 @@ absl::Status ParseStop(const nlohmann::json& v, const runtime::Tokenizer* tokeni
   for (size_t i = 0; i < list.size(); ++i) {
     CPFILL_CHECK_ARG(list[i].is_string() && !list[i].get_ref<const std::string&>().empty() &&
                          list[i].get_ref<const std::string&>().size() <= kMaxStopBytes,
-                     "\"stop\"[", i, "] is ", json::Show(list[i]),
-                     ", must be a non-empty string of at most ", kMaxStopBytes, " bytes");
+                     stop->is_string() ? "\"stop\"" : absl::StrCat("\"stop\"[", i, "]"), " is ",
+                     json::Show(list[i]), ", must be a non-empty string of at most ", kMaxStopBytes,
+                     " bytes");
     r->stop.push_back(list[i].get<std::string>());
   }
   CPFILL_CHECK_ARG(r->stop.empty() || tokenizer != nullptr,
@@ -342,12 +334,6 @@ size_t StopCut(const CompletionRequest& request, std::string_view text) {
   return cut;
 }
 
-std::string CutAtStop(const CompletionRequest& request, std::string text) {
-  const size_t cut = StopCut(request, text);
-  if (cut != std::string::npos) text.resize(cut);
-  return text;
-}
-
 size_t StopPrefixHeld(const CompletionRequest& request, std::string_view text) {
   size_t held = 0;
   for (const std::string& stop : request.stop) {
@@ -410,6 +396,49 @@ std::string DecodeText(const runtime::Tokenizer* tokenizer, const std::vector<in
   return tokenizer->Decode(ids, /*skip_special=*/false).value_or("");
 }
 
+size_t NextTokenStart(std::string_view text_before, size_t previous_start) {
+  return EndsSplit(text_before) ? previous_start : text_before.size();
+}
+
+std::vector<size_t> TokenTextStarts(const runtime::Tokenizer* tokenizer,
+                                    const std::vector<int32_t>& ids) {
+  std::vector<size_t> starts;
+  std::vector<int32_t> before;
+  for (const int32_t id : ids) {
+    starts.push_back(before.empty() ? 0
+                                    : NextTokenStart(DecodeText(tokenizer, before), starts.back()));
+    before.push_back(id);
+  }
+  return starts;
+}
+
+size_t TokensBeforeCut(const std::vector<size_t>& starts, size_t cut) {
+  if (cut == std::string::npos) return starts.size();
+  return std::lower_bound(starts.begin(), starts.end(), cut) - starts.begin();  // non-decreasing
+}
+
+namespace {
+
+// A choice's text, cut at a stop string, and its logprobs when asked: of the tokens that text
+// covers, each at its offset in characters.
+void ChoiceText(const CompletionRequest& request, const std::vector<runtime::SampledToken>& tokens,
+                const runtime::Tokenizer* tokenizer, nlohmann::ordered_json* choice) {
+  std::vector<int32_t> ids;
+  for (const runtime::SampledToken& t : tokens) ids.push_back(t.id);
+  const std::string text = DecodeText(tokenizer, ids);
+  const size_t cut = StopCut(request, text);
+  (*choice)["text"] = cut == std::string::npos ? text : text.substr(0, cut);
+  if (request.logprobs == 0) return;
+  const std::vector<size_t> starts = TokenTextStarts(tokenizer, ids);
+  const size_t covered = TokensBeforeCut(starts, cut);
+  std::vector<size_t> offsets;
+  for (size_t i = 0; i < covered; ++i) offsets.push_back(CodePoints(text.substr(0, starts[i])));
+  (*choice)["logprobs"] =
+      Logprobs(std::span(tokens).first(covered), std::span<const size_t>(offsets), tokenizer);
+}
+
+}  // namespace
+
 nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                           const std::vector<runtime::EngineResult>& results,
                                           const std::string& id, int64_t created,
@@ -418,13 +447,12 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
   nlohmann::ordered_json choices = nlohmann::ordered_json::array(), timing = choices;
   for (size_t i = 0; i < results.size(); ++i) {
     const runtime::EngineResult& r = results[i];
-    const std::vector<int32_t> ids = r.token_ids();
     nlohmann::ordered_json c = {{"index", i},
-                                {"text", CutAtStop(request, DecodeText(tokenizer, ids))},
-                                {"token_ids", ids},
+                                {"text", ""},
+                                {"token_ids", r.token_ids()},
                                 {"logprobs", nullptr},
                                 {"finish_reason", r.finish_reason}};
-    if (request.logprobs > 0) c["logprobs"] = Logprobs(r.tokens, tokenizer, 0);
+    ChoiceText(request, r.tokens, tokenizer, &c);
     choices.push_back(std::move(c));
     timing.push_back(Timing(r));
   }
@@ -441,16 +469,24 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
 }
 
 nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::string& id,
-                                   int64_t created, const std::string& served_model, int index,
-                                   const runtime::GeneratedToken& token, const std::string& text,
-                                   const runtime::Tokenizer* tokenizer, size_t text_offset) {
-  nlohmann::ordered_json c = {{"index", index},
-                              {"text", text},
-                              {"token_ids", {token.token.id}},
+                                   int64_t created, const std::string& served_model,
+                                   const StreamDelta& delta, const runtime::Tokenizer* tokenizer) {
+  std::vector<int32_t> ids = delta.unsent_ids;
+  std::vector<runtime::SampledToken> covered;
+  if (delta.token) {
+    ids.insert(ids.begin(), delta.token->id);
+    covered.push_back(*delta.token);
+  }
+  nlohmann::ordered_json c = {{"index", delta.index},
+                              {"text", delta.text},
+                              {"token_ids", ids},
                               {"logprobs", nullptr},
                               {"finish_reason", nullptr}};
-  if (request.logprobs > 0) c["logprobs"] = Logprobs({token.token}, tokenizer, text_offset);
-  if (!token.finish_reason.empty()) c["finish_reason"] = token.finish_reason;
+  if (request.logprobs > 0) {
+    const size_t offset[] = {delta.text_offset};
+    c["logprobs"] = Logprobs(covered, std::span(offset).first(covered.size()), tokenizer);
+  }
+  if (!delta.finish_reason.empty()) c["finish_reason"] = delta.finish_reason;
   return {{"id", id},
           {"object", "text_completion"},
           {"created", created},

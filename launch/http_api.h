@@ -37,7 +37,9 @@ struct CompletionRequest {
   std::vector<int32_t> stop_token_ids;  // vLLM's extension; EOS stops unless ignore_eos
   bool ignore_eos = false;
   // "stop": up to 4 strings; generation ends when the text holds one, and the text returned ends
-  // just before it (after it with vLLM's include_stop_str_in_output). Needs the tokenizer.
+  // just before it (after it with vLLM's include_stop_str_in_output), its logprobs with the
+  // tokens that text covers. The token ids, usage and a session keep every generated token, the
+  // one that completed the match too (as vLLM's do). Needs the tokenizer.
   std::vector<std::string> stop;
   bool include_stop_str_in_output = false;
 };
@@ -54,8 +56,6 @@ inline constexpr size_t kMaxStopBytes = 256;
 // Where the text given to the client ends under the request's stop strings: before the earliest
 // one in `text` (after it with include_stop_str_in_output); std::string::npos when none is in it.
 size_t StopCut(const CompletionRequest& request, std::string_view text);
-// `text` as the client gets it: cut at StopCut when a stop string is in it.
-std::string CutAtStop(const CompletionRequest& request, std::string text);
 // Bytes at the end of `text` that may be the start of a stop string: a stream holds them back
 // until the next tokens say whether the stop string follows.
 size_t StopPrefixHeld(const CompletionRequest& request, std::string_view text);
@@ -73,30 +73,41 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
                                                          const std::string& served_model,
                                                          const runtime::Tokenizer* tokenizer);
 
-// The response: choices (one per prompt: the generated token ids and, with a tokenizer, their
-// text; their logprobs when asked; the finish reason), usage (prompt, cached and completion
-// tokens), the echoed kv_transfer_params, and a "cpfill" object with each prompt's queue time,
-// TTFT and its phases, decode time and time per output token, and the selector's choice.
+// The response: choices (one per prompt: every generated token's id and, with a tokenizer, their
+// text cut at a stop string; logprobs when asked, of the tokens that text covers; the finish
+// reason), usage (prompt, cached and completion tokens), the echoed kv_transfer_params, and a
+// "cpfill" object with each prompt's queue time, TTFT and its phases, decode time and time per
+// output token, and the selector's choice.
 nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                           const std::vector<runtime::EngineResult>& results,
                                           const std::string& id, int64_t created,
                                           const std::string& served_model,
                                           const runtime::Tokenizer* tokenizer);
 
-// One server-sent event of a streamed completion (OpenAI's text_completion chunk): choice `index`
-// gets `text` and the token (its logprobs when asked, named through `tokenizer` when there is one,
-// at `text_offset` in the choice's text so far), and its finish reason on its last token.
+// One choice's part of a streamed chunk: its new text and the token it covers (its logprobs when
+// asked, named through the tokenizer, at `text_offset` characters into the choice's text), or,
+// closing a choice that a stop string ended, no token: the ids of the tokens whose text lay past
+// the stop string (sent as token_ids only, so a stream's ids add up to every generated token,
+// as the whole answer's do). `finish_reason` on the choice's last chunk.
+struct StreamDelta {
+  int index = 0;
+  std::string text;
+  std::optional<runtime::SampledToken> token;
+  size_t text_offset = 0;
+  std::vector<int32_t> unsent_ids;
+  std::string finish_reason;
+};
+// One server-sent event of a streamed completion (OpenAI's text_completion chunk).
 nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::string& id,
-                                   int64_t created, const std::string& served_model, int index,
-                                   const runtime::GeneratedToken& token, const std::string& text,
-                                   const runtime::Tokenizer* tokenizer, size_t text_offset);
+                                   int64_t created, const std::string& served_model,
+                                   const StreamDelta& delta, const runtime::Tokenizer* tokenizer);
 // The last chunk when stream_options.include_usage is set: no choices, the usage.
 nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
                                   const std::string& served_model,
                                   const std::vector<runtime::EngineResult>& results);
 
-// Text of `ids` that is safe to send: empty until the bytes so far end a whole UTF-8 character
-// (a character split over tokens decodes to U+FFFD until its last byte comes).
+// The text of `ids` (special tokens as their text): a character split over tokens decodes to
+// U+FFFD until its last byte comes (EndsSplit).
 std::string DecodeText(const runtime::Tokenizer* tokenizer, const std::vector<int32_t>& ids);
 // Characters (Unicode code points) of UTF-8 text: logprobs' text_offset counts what clients'
 // strings count, not bytes.
@@ -104,6 +115,19 @@ size_t CodePoints(std::string_view utf8);
 // True when decoded text ends in U+FFFD, what a decoder makes of a character whose last bytes
 // (the next tokens) have not come yet.
 bool EndsSplit(std::string_view text);
+// Where the next token's text starts in its choice's text, in bytes, given `text_before` (the
+// text of the tokens before it) and where the token before it started: at the end of that text,
+// unless it ends in a character not finished yet (EndsSplit), which the next token finishes:
+// then the same place as the token before. logprobs' text_offset and a stream's chunks place
+// tokens alike by it.
+size_t NextTokenStart(std::string_view text_before, size_t previous_start);
+// NextTokenStart of every token of `ids` (0 for each without a tokenizer: there is no text).
+std::vector<size_t> TokenTextStarts(const runtime::Tokenizer* tokenizer,
+                                    const std::vector<int32_t>& ids);
+// How many of a choice's tokens its text covers, given where each starts: all of them, unless a
+// stop string cut the text at `cut` (StopCut); then those that start before it. logprobs cover
+// these, streamed or not.
+size_t TokensBeforeCut(const std::vector<size_t>& starts, size_t cut);
 
 // A JSON body as text. Strings that are not valid UTF-8 (a URL's bytes, a parser's message
 // quoting the bad input) are written with U+FFFD in place of the bad bytes instead of throwing.

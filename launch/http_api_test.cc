@@ -6,6 +6,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
+#include "launch/http_test_util.h"
 
 namespace cpfill::launch {
 namespace {
@@ -63,22 +64,124 @@ TEST(HttpApi, StopStringsCutTheTextAndHoldBackWhatMayBeginOne) {
   CompletionRequest r;
   r.stop = {"END", "\n\n"};
   EXPECT_EQ(StopCut(r, "no stop here"), std::string::npos);
-  EXPECT_EQ(CutAtStop(r, "a\n\nbEND"), "a");  // the earliest stop string wins
-  EXPECT_EQ(CutAtStop(r, "abcENDx"), "abc");
+  EXPECT_EQ(StopCut(r, "a\n\nbEND"), 1u);  // the earliest stop string wins
+  EXPECT_EQ(StopCut(r, "abcENDx"), 3u);
   r.include_stop_str_in_output = true;
-  EXPECT_EQ(CutAtStop(r, "abcENDx\n\n"), "abcEND");
+  EXPECT_EQ(StopCut(r, "abcENDx\n\n"), 6u);
   // While streaming: a tail that may begin a stop string waits; one that cannot goes out.
   EXPECT_EQ(StopPrefixHeld(r, "abcEN"), 2u);
   EXPECT_EQ(StopPrefixHeld(r, "abc\n"), 1u);
   EXPECT_EQ(StopPrefixHeld(r, "abcENx"), 0u);
   EXPECT_EQ(StopPrefixHeld(r, ""), 0u);
-  // The response's text is cut; its token ids and usage keep every generated token.
-  runtime::EngineResult result;
-  result.finish_reason = "stop";
-  result.tokens = {{.id = 1}, {.id = 2}};
-  const auto out = CompletionResponse(r, {result}, "cmpl-1", 0, "tiny", nullptr);
-  EXPECT_EQ(out["choices"][0]["token_ids"].size(), 2u);
-  EXPECT_EQ(out["usage"]["completion_tokens"], 2);
+}
+
+TEST(HttpApi, StopStringsParseWithATokenizerOnly) {
+  const runtime::Tokenizer tok = ByteTokenizer("parse", {});
+  auto one = ParseCompletionRequest(R"({"prompt": [1], "stop": "END"})", "tiny", &tok);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->stop, (std::vector<std::string>{"END"}));
+  EXPECT_FALSE(one->include_stop_str_in_output);
+  auto four = ParseCompletionRequest(
+      R"({"prompt": [1], "stop": ["a", "b\n", "c", "d"], "include_stop_str_in_output": true})",
+      "tiny", &tok);
+  ASSERT_TRUE(four.ok()) << four.status();
+  EXPECT_EQ(four->stop.size(), 4u);
+  EXPECT_TRUE(four->include_stop_str_in_output);
+  for (const char* none : {R"({"prompt": [1], "stop": null})", R"({"prompt": [1], "stop": []})"}) {
+    auto r = ParseCompletionRequest(none, "tiny", nullptr);  // no stop strings: no tokenizer needed
+    ASSERT_TRUE(r.ok()) << none << ": " << r.status();
+    EXPECT_TRUE(r->stop.empty());
+  }
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"({"prompt": [1], "stop": ""})", "\"stop\" is \"\", must be a non-empty string"},
+      {R"({"prompt": [1], "stop": ["a", ""]})", "\"stop\"[1] is \"\", must be a non-empty"},
+      {R"({"prompt": [1], "stop": [7]})", "\"stop\"[0] is 7"},
+      {R"({"prompt": [1], "stop": {"a": 1}})", "must be a string or a list of at most 4"},
+      {R"({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]})", "a list of at most 4 strings"},
+      {R"({"prompt": [1], "stop": [")" + std::string(257, 'x') + R"("]})", "at most 256 bytes"},
+  };
+  for (const auto& [body, message] : bad) {
+    auto r = ParseCompletionRequest(body, "tiny", &tok);
+    ASSERT_FALSE(r.ok()) << body;
+    EXPECT_NE(r.status().message().find(message), std::string::npos) << body << ": " << r.status();
+  }
+}
+
+// The engine asks stop_when after each token: true once the text holds a stop string, however
+// long the generation before it (it decodes only the newest tokens).
+TEST(HttpApi, StopWhenFindsAStopStringCompletedByTheNewestToken) {
+  const runtime::Tokenizer tok = ByteTokenizer("stop_when", {"ND", "\xC3\xA9"});
+  CompletionRequest request;
+  request.prompts = {{1}};
+  request.stop = {"END", "\xC3\xA9!"};  // "é!"
+  const runtime::EngineRequest e = EngineRequestsOf(request, 1, &tok)[0];
+  ASSERT_TRUE(e.stop_when);
+  std::vector<runtime::SampledToken> tokens;
+  const auto add = [&](const std::vector<int32_t>& ids) {
+    for (const int32_t id : ids) tokens.push_back({.id = id});
+    return e.stop_when(tokens);
+  };
+  EXPECT_FALSE(add(ByteIds(std::string(300, 'x') + "E")));
+  EXPECT_FALSE(add({int32_t{'N'}}));  // "EN": not yet
+  EXPECT_FALSE(add({int32_t{'x'}}));  // "ENx": never
+  EXPECT_FALSE(add({int32_t{'E'}}));
+  EXPECT_TRUE(add({256}));  // "ND" completes "END"
+  tokens.clear();
+  EXPECT_FALSE(add({0xC3}));  // half of é
+  EXPECT_FALSE(add({0xA9}));  // é, split over two tokens
+  EXPECT_TRUE(add({int32_t{'!'}}));
+  tokens.clear();
+  EXPECT_FALSE(add({257}));  // é as one token
+  EXPECT_TRUE(add({int32_t{'!'}}));
+}
+
+// The whole answer: text cut before the stop string, logprobs of the tokens that text covers
+// (at their offsets in characters), token ids and usage of every token generated.
+TEST(HttpApi, StopStringCutsTheTextAndItsLogprobsButNotTheTokens) {
+  const runtime::Tokenizer tok = ByteTokenizer("response", {"ND"});
+  CompletionRequest request;
+  request.prompts = {{1}};
+  request.stop = {"END"};
+  request.logprobs = 1;
+  runtime::EngineResult r;
+  r.finish_reason = "stop";
+  // "\xC3\xA9" (é) split over two tokens, then "a E", then "ND" completing "END".
+  std::vector<int32_t> ids = {0xC3, 0xA9, 'a', ' ', 'E', 256};
+  for (const int32_t id : ids) r.tokens.push_back({.id = id, .logprob = -0.5 - id});
+  const auto choice = [&] {
+    return CompletionResponse(request, {r}, "cmpl-1", 0, "tiny", &tok)["choices"][0];
+  };
+  nlohmann::ordered_json c = choice();
+  EXPECT_EQ(c["text"],
+            "\xC3\xA9"
+            "a ");
+  EXPECT_EQ(c["token_ids"], nlohmann::json(ids));
+  EXPECT_EQ(c["finish_reason"], "stop");
+  EXPECT_EQ(c["logprobs"]["token_ids"], nlohmann::json({0xC3, 0xA9, 'a', ' '}));
+  EXPECT_EQ(c["logprobs"]["text_offset"], nlohmann::json({0, 0, 1, 2}));
+  EXPECT_EQ(c["logprobs"]["token_logprobs"][3], -0.5 - ' ');
+  EXPECT_EQ(
+      CompletionResponse(request, {r}, "cmpl-1", 0, "tiny", &tok)["usage"]["completion_tokens"], 6);
+  request.include_stop_str_in_output = true;
+  c = choice();
+  EXPECT_EQ(c["text"],
+            "\xC3\xA9"
+            "a END");
+  EXPECT_EQ(c["logprobs"]["token_ids"], nlohmann::json(ids));
+  EXPECT_EQ(c["logprobs"]["text_offset"], nlohmann::json({0, 0, 1, 2, 3, 4}));
+  request.include_stop_str_in_output = false;
+  request.stop = {
+      "\xC3\xA9"
+      "a"};  // at the very start: no text, no logprobs
+  c = choice();
+  EXPECT_EQ(c["text"], "");
+  EXPECT_TRUE(c["logprobs"]["tokens"].empty());
+  request.stop = {"never"};
+  c = choice();
+  EXPECT_EQ(c["text"],
+            "\xC3\xA9"
+            "a END");
+  EXPECT_EQ(c["logprobs"]["token_ids"].size(), ids.size());
 }
 
 TEST(HttpApi, RefusesEachMalformedFieldByName) {
@@ -103,10 +206,8 @@ TEST(HttpApi, RefusesEachMalformedFieldByName) {
       {R"({"prompt": [1], "top_k": 2.5})", "\"top_k\""},
       {R"({"prompt": [1], "seed": "x"})", "\"seed\""},
       {R"({"prompt": [1], "stop": ["\n"]})", "\"stop\" strings need the model's tokenizer"},
+      {R"({"prompt": [1], "stop": "x"})", "\"stop\" strings need the model's tokenizer"},
       {R"({"prompt": [1], "stop": 5})", "must be a string or a list of at most 4"},
-      {R"({"prompt": [1], "stop": ["a", "b", "c", "d", "e"]})", "a list of at most 4 strings"},
-      {R"({"prompt": [1], "stop": ["a", ""]})", "\"stop\"[1] is \"\", must be a non-empty"},
-      {R"({"prompt": [1], "stop": [7]})", "\"stop\"[0] is 7"},
       {R"({"prompt": [1], "include_stop_str_in_output": 1})", "must be true or false"},
       {R"({"prompt": [1], "stop_token_ids": [1, -1]})", "\"stop_token_ids\"[1]"},
       {R"({"prompt": [1], "ignore_eos": 1})", "\"ignore_eos\""},
@@ -191,17 +292,27 @@ TEST(HttpApi, TextOffsetsCountCharactersNotBytes) {
 TEST(HttpApi, StreamChunksFollowOpenAi) {
   CompletionRequest request;
   request.prompts = {{1}, {2}};
-  runtime::GeneratedToken t{.index = 3, .token = {.id = 9}, .finish_reason = ""};
-  nlohmann::ordered_json c = StreamChunk(request, "cmpl-4", 7, "tiny", 1, t, "ab", nullptr, 0);
+  StreamDelta d{.index = 1, .text = "ab", .token = runtime::SampledToken{.id = 9}};
+  nlohmann::ordered_json c = StreamChunk(request, "cmpl-4", 7, "tiny", d, nullptr);
   EXPECT_EQ(c["object"], "text_completion");
   EXPECT_EQ(c["choices"][0]["index"], 1);
   EXPECT_EQ(c["choices"][0]["text"], "ab");
-  EXPECT_EQ(c["choices"][0]["token_ids"][0], 9);
+  EXPECT_EQ(c["choices"][0]["token_ids"], nlohmann::json({9}));
   EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
-  t.finish_reason = "length";
-  EXPECT_EQ(StreamChunk(request, "cmpl-4", 7, "tiny", 1, t, "", nullptr,
-                        0)["choices"][0]["finish_reason"],
-            "length");
+  EXPECT_TRUE(c["choices"][0]["logprobs"].is_null());
+  d.finish_reason = "length";
+  d.text_offset = 5;
+  request.logprobs = 1;
+  c = StreamChunk(request, "cmpl-4", 7, "tiny", d, nullptr);
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(c["choices"][0]["logprobs"]["text_offset"], nlohmann::json({5}));
+  // A choice that a stop string closed: the ids past it, no text, no logprobs.
+  c = StreamChunk(request, "cmpl-4", 7, "tiny",
+                  {.index = 0, .unsent_ids = {3, 4}, .finish_reason = "stop"}, nullptr);
+  EXPECT_EQ(c["choices"][0]["token_ids"], nlohmann::json({3, 4}));
+  EXPECT_EQ(c["choices"][0]["text"], "");
+  EXPECT_TRUE(c["choices"][0]["logprobs"]["tokens"].empty());
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
   runtime::EngineResult r;
   r.prompt_tokens = 4;
   r.tokens.resize(3);

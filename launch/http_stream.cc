@@ -1,5 +1,8 @@
 #include "launch/http_stream.h"
 
+#include <algorithm>
+#include <string_view>
+
 #include "absl/strings/str_cat.h"
 
 namespace cpfill::launch {
@@ -43,38 +46,74 @@ bool CompletionStream::Next(std::string* out, std::chrono::milliseconds wait) {
     ready_.wait_for(lock, wait, [&] { return !pending_.empty(); });
     taken.swap(pending_);
   }
-  for (const auto& [index, token] : taken) *out += Event(index, token);
+  for (const auto& [index, token] : taken) *out += Events(index, token);
   return finished_ < static_cast<int>(choices_.size());
 }
 
-// Only the HTTP thread (Next) reads and writes choices_' ids, sent and finished.
-std::string CompletionStream::Event(int index, const runtime::GeneratedToken& token) {
+// Only the HTTP thread (Next) reads and writes choices_ but for `started`.
+std::string CompletionStream::Events(int index, const runtime::GeneratedToken& token) {
   Choice& c = choices_[index];
+  c.starts.push_back(c.tokens.empty() ? 0 : NextTokenStart(c.text, c.starts.back()));
+  c.tokens.push_back(token.token);
   c.ids.push_back(token.token.id);
+  c.text = DecodeText(tokenizer_, c.ids);
   const bool last = !token.finish_reason.empty();
-  std::string text;
-  const size_t offset = CodePoints(c.sent);
-  std::string whole = DecodeText(tokenizer_, c.ids);
-  const bool split = EndsSplit(whole);
-  // Stop strings: the text ends before the one found (its last token), and while it runs, bytes
-  // that may begin one wait for the next tokens.
-  const size_t cut = StopCut(request_, whole);
-  if (cut != std::string::npos) {
-    whole.resize(cut);
-  } else if (!last) {
-    whole.resize(whole.size() - StopPrefixHeld(request_, whole));
+  const size_t cut = StopCut(request_, c.text);
+  const size_t sendable = Sendable(c, cut, last);
+  // Without stop strings every token goes out at once; with them, once its text starts in what
+  // may be sent, or at the end when no stop string was found.
+  const bool all = request_.stop.empty() || (last && cut == std::string::npos);
+  size_t until = c.sent_tokens;
+  while (until < c.tokens.size() && (all || c.starts[until] < sendable)) ++until;
+  std::string out;
+  for (size_t i = c.sent_tokens; i < until; ++i) {
+    const bool final_token = last && i + 1 == c.tokens.size();
+    out += TokenEvent(index, i, i + 1 < until ? c.starts[i + 1] : sendable,
+                      final_token ? token.finish_reason : "");
   }
-  if ((last || !split) && whole.size() >= c.sent.size() &&
-      whole.compare(0, c.sent.size(), c.sent) == 0) {
-    text = whole.substr(c.sent.size());
-    c.sent = whole;
-  }
+  c.sent_tokens = until;
+  if (last && until < c.tokens.size()) out += ClosingEvent(index, token.finish_reason);
   if (last) {
     c.finished = true;
     ++finished_;
   }
-  return ServerSentEvent(JsonText(
-      StreamChunk(request_, id_, created_, served_model_, index, token, text, tokenizer_, offset)));
+  return out;
+}
+
+size_t CompletionStream::Sendable(const Choice& c, size_t cut, bool last) const {
+  size_t end = c.text.size();
+  if (cut != std::string::npos) {
+    end = cut;
+  } else if (!last && EndsSplit(c.text)) {
+    end = c.sent_bytes;
+  } else if (!last) {
+    end -= StopPrefixHeld(request_, c.text);
+  }
+  return std::max(end, c.sent_bytes);  // text once sent stays sent
+}
+
+std::string CompletionStream::TokenEvent(int index, size_t i, size_t end,
+                                         const std::string& finish_reason) {
+  Choice& c = choices_[index];
+  end = std::max(end, c.sent_bytes);
+  StreamDelta delta{.index = index,
+                    .text = c.text.substr(c.sent_bytes, end - c.sent_bytes),
+                    .token = c.tokens[i],
+                    .text_offset = CodePoints(std::string_view(c.text).substr(0, c.starts[i])),
+                    .finish_reason = finish_reason};
+  c.sent_bytes = end;
+  return ServerSentEvent(
+      JsonText(StreamChunk(request_, id_, created_, served_model_, delta, tokenizer_)));
+}
+
+// The tokens past the stop string: their ids, none of their text.
+std::string CompletionStream::ClosingEvent(int index, const std::string& finish_reason) {
+  const Choice& c = choices_[index];
+  StreamDelta closing{.index = index, .finish_reason = finish_reason};
+  closing.unsent_ids.assign(c.ids.begin() + static_cast<std::ptrdiff_t>(c.sent_tokens),
+                            c.ids.end());
+  return ServerSentEvent(
+      JsonText(StreamChunk(request_, id_, created_, served_model_, closing, tokenizer_)));
 }
 
 }  // namespace cpfill::launch

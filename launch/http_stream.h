@@ -2,6 +2,11 @@
 // pushes each generated token as it is chosen; the HTTP thread pulls them as server-sent events
 // (OpenAI's text_completion chunks, then "data: [DONE]"). Text is decoded on the HTTP thread,
 // never on the engine's, and a character split over tokens is sent once its last byte came.
+// With stop strings, text that may begin one is held back until the next tokens decide, and so
+// are the chunks of the tokens it belongs to: a token goes out once its text starts in what may
+// be sent. When a stop string ends the choice, the tokens past it send no text and no logprobs,
+// only their ids on the closing chunk: what is streamed adds up to the whole answer
+// (CompletionResponse), text, token_ids and logprobs alike.
 //
 //   auto stream = std::make_shared<CompletionStream>(request, "cmpl-1", created, "m", tok);
 //   engine_request.on_token = stream->Sink(0);          // before Submit
@@ -45,12 +50,23 @@ class CompletionStream : public std::enable_shared_from_this<CompletionStream> {
 
  private:
   struct Choice {
-    std::vector<int32_t> ids;
-    std::string sent;  // text given out so far
+    std::vector<runtime::SampledToken> tokens;  // every token pushed so far
+    std::vector<int32_t> ids;                   // of `tokens`
+    std::vector<size_t> starts;  // where each token's text starts in `text` (NextTokenStart)
+    std::string text;            // decoded `ids`
+    size_t sent_bytes = 0;       // of `text`, given out
+    size_t sent_tokens = 0;      // of `tokens`, given out in chunks
     bool started = false, finished = false;
   };
   void Push(int index, const runtime::GeneratedToken& token);
-  std::string Event(int index, const runtime::GeneratedToken& token);  // lock not held
+  std::string Events(int index, const runtime::GeneratedToken& token);  // lock not held
+  // Bytes of the choice's text that may go out: all but what may begin a stop string, nothing
+  // of a character not finished, nothing past a stop string (at `cut`).
+  size_t Sendable(const Choice& c, size_t cut, bool last) const;
+  // The chunk of token `i`, its text up to `end`.
+  std::string TokenEvent(int index, size_t i, size_t end, const std::string& finish_reason);
+  // The last chunk of a choice whose tokens from sent_tokens on lie past a stop string.
+  std::string ClosingEvent(int index, const std::string& finish_reason);
 
   const CompletionRequest& request_;
   const std::string id_, served_model_;

@@ -53,10 +53,10 @@ CpuRingOps::CpuRingOps(ThreadPool* pool)
 CpuRingOps::CpuRingOps(ThreadPool* pool, HostAttention attend)
     : pool_(pool), attend_(std::move(attend)) {}
 
-absl::Status CpuRingOps::SetPositions(std::span<const int32_t> q_pos,
+absl::Status CpuRingOps::SetPositions(int slot, std::span<const int32_t> q_pos,
                                       std::span<const int32_t> kv_pos) {
-  q_pos_.assign(q_pos.begin(), q_pos.end());
-  kv_pos_.assign(kv_pos.begin(), kv_pos.end());
+  q_pos_[slot].assign(q_pos.begin(), q_pos.end());
+  kv_pos_[slot].assign(kv_pos.begin(), kv_pos.end());
   return absl::OkStatus();
 }
 
@@ -161,7 +161,7 @@ RingAttention::RingAttention(Communicator& cp, const sharding::ShardPlan& plan,
 
 RingAttention::~RingAttention() {
   // A later ring may be allocated at this address: it must not take these positions for its own.
-  if (ops_->positions_of_ == this) ops_->positions_of_ = nullptr;
+  if (ops_->positions_of_[position_slot_] == this) ops_->positions_of_[position_slot_] = nullptr;
 }
 
 absl::StatusOr<std::unique_ptr<RingAttention>> RingAttention::Create(
@@ -181,10 +181,19 @@ absl::StatusOr<std::unique_ptr<RingAttention>> RingAttention::Create(
 }
 
 absl::Status RingAttention::BindPositions() {
-  if (ops_->positions_of_ == this) return absl::OkStatus();
+  auto& owners = ops_->positions_of_;
+  if (owners[position_slot_] == this) return absl::OkStatus();
+  // A free slot, else the one taken longest ago.
+  const auto free = std::find(owners.begin(), owners.end(), nullptr);
+  int slot = static_cast<int>(free - owners.begin());
+  if (free == owners.end()) {
+    slot = ops_->next_position_slot_;
+    ops_->next_position_slot_ = (slot + 1) % RingOps::kPositionSlots;
+  }
   const sharding::LocalLayout& layout = ring_plan_.layout();
-  CPFILL_RETURN_IF_ERROR(ops_->SetPositions(layout.q_positions, layout.kv_positions));
-  ops_->positions_of_ = this;
+  CPFILL_RETURN_IF_ERROR(ops_->SetPositions(slot, layout.q_positions, layout.kv_positions));
+  owners[slot] = this;
+  position_slot_ = slot;
   return absl::OkStatus();
 }
 
@@ -220,7 +229,8 @@ absl::Status RingAttention::PackKv(const void* k, const void* v, char* msg) {
     if (n > 0) {
       CPFILL_RETURN_IF_ERROR(ops_->Copy(mk, static_cast<const char*>(k) + src * row, n * row));
       CPFILL_RETURN_IF_ERROR(ops_->Copy(mv, static_cast<const char*>(v) + src * row, n * row));
-      CPFILL_RETURN_IF_ERROR(ops_->Copy(mpos, ops_->kv_positions() + src, n * sizeof(int32_t)));
+      CPFILL_RETURN_IF_ERROR(
+          ops_->Copy(mpos, ops_->kv_positions(position_slot_) + src, n * sizeof(int32_t)));
     }
     // Padding slots may still hold a peer's keys from an earlier exchange: clear them.
     if (pad > 0) {
@@ -244,7 +254,8 @@ absl::Status RingAttention::PackQ(const void* q, char* msg) {
     char* mpos = msg + m.pos_offset + dst * sizeof(int32_t);
     if (n > 0) {
       CPFILL_RETURN_IF_ERROR(ops_->Copy(mq, static_cast<const char*>(q) + src * row, n * row));
-      CPFILL_RETURN_IF_ERROR(ops_->Copy(mpos, ops_->q_positions() + src, n * sizeof(int32_t)));
+      CPFILL_RETURN_IF_ERROR(
+          ops_->Copy(mpos, ops_->q_positions(position_slot_) + src, n * sizeof(int32_t)));
     }
     if (pad > 0) {
       CPFILL_RETURN_IF_ERROR(ops_->Fill(mq + n * row, 0, pad * row));
@@ -407,7 +418,7 @@ absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* 
     ring_plan_.PassKvSlices(step.source_cp_rank, &slices, &step);
     const RingStepArgs a{.shape = shape_,
                          .q = q,
-                         .q_pos = ops_->q_positions(),
+                         .q_pos = ops_->q_positions(position_slot_),
                          .q_tokens = layout.q_rows(),
                          .k = msg[cur] + m.a_offset,
                          .v = msg[cur] + m.b_offset,
@@ -477,7 +488,7 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
                          .q_tokens = slots,
                          .k = k,
                          .v = v,
-                         .k_pos = ops_->kv_positions(),
+                         .k_pos = ops_->kv_positions(position_slot_),
                          .kv_tokens = layout.kv_rows(),
                          .slices = slices,
                          .o = block,
@@ -563,7 +574,7 @@ absl::Status RingAttention::RunAllGather(const void* q, const void* k, const voi
   ring_plan_.AllGatherSlices(&slices);
   const RingStepArgs a{.shape = shape_,
                        .q = q,
-                       .q_pos = ops_->q_positions(),
+                       .q_pos = ops_->q_positions(position_slot_),
                        .q_tokens = layout.q_rows(),
                        .k = gathered_kv + g.a_offset,
                        .v = gathered_kv + g.b_offset,
@@ -607,11 +618,11 @@ absl::Status RingAttention::RunLocal(RingAlgorithm algorithm, const void* q, con
   ring_plan_.LocalSlices(&slices, &step);
   const RingStepArgs a{.shape = shape_,
                        .q = q,
-                       .q_pos = ops_->q_positions(),
+                       .q_pos = ops_->q_positions(position_slot_),
                        .q_tokens = layout.q_rows(),
                        .k = k,
                        .v = v,
-                       .k_pos = ops_->kv_positions(),
+                       .k_pos = ops_->kv_positions(position_slot_),
                        .kv_tokens = layout.kv_rows(),
                        .slices = slices,
                        .o = o,

@@ -27,6 +27,7 @@
 //                                                   &timings));
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -96,12 +97,15 @@ class RingOps {
     return absl::OkStatus();
   }
 
-  // Copies the plan's positions (host) into the ops' memory: q_positions(), kv_positions().
-  // May wait on the host (set-up, outside every ring loop).
-  virtual absl::Status SetPositions(std::span<const int32_t> q_pos,
+  // Rings whose positions the ops hold at once: a mixed batch alternates two rings every layer
+  // (parallel::MixedRing), and each keeps its slot instead of uploading again.
+  static constexpr int kPositionSlots = 2;
+  // Copies a plan's positions (host) into position slot `slot` of the ops' memory:
+  // q_positions(slot), kv_positions(slot). Enqueued (the host spans may go once it returns).
+  virtual absl::Status SetPositions(int slot, std::span<const int32_t> q_pos,
                                     std::span<const int32_t> kv_pos) = 0;
-  virtual const int32_t* q_positions() const = 0;
-  virtual const int32_t* kv_positions() const = 0;
+  virtual const int32_t* q_positions(int slot) const = 0;
+  virtual const int32_t* kv_positions(int slot) const = 0;
 
   // Scratch `slot`, at least `bytes` long, in the ops' memory. Owned by the ops and kept between
   // runs (and between rings), grown when too small: contents are not kept across a growth.
@@ -134,7 +138,8 @@ class RingOps {
 
  private:
   friend class RingAttention;
-  const RingAttention* positions_of_ = nullptr;  // whose plan q_positions() holds
+  std::array<const RingAttention*, kPositionSlots> positions_of_{};  // whose plan each slot holds
+  int next_position_slot_ = 0;  // the slot a new ring takes when none is free
 };
 
 // The host attention a CpuRingOps runs each step: fp32 tensors in host memory (attention.h).
@@ -151,10 +156,10 @@ class CpuRingOps : public RingOps {
   absl::Status AttendHost(const attention::AttentionParams& p) { return attend_(p); }
 
   size_t elem_bytes() const override { return sizeof(float); }
-  absl::Status SetPositions(std::span<const int32_t> q_pos,
+  absl::Status SetPositions(int slot, std::span<const int32_t> q_pos,
                             std::span<const int32_t> kv_pos) override;
-  const int32_t* q_positions() const override { return q_pos_.data(); }
-  const int32_t* kv_positions() const override { return kv_pos_.data(); }
+  const int32_t* q_positions(int slot) const override { return q_pos_[slot].data(); }
+  const int32_t* kv_positions(int slot) const override { return kv_pos_[slot].data(); }
   absl::StatusOr<void*> Buffer(int slot, size_t bytes) override;
   absl::Status Copy(void* dst, const void* src, size_t bytes) override;
   absl::Status Fill(void* dst, uint8_t byte, size_t bytes) override;
@@ -172,7 +177,7 @@ class CpuRingOps : public RingOps {
  private:
   ThreadPool* pool_;
   HostAttention attend_;
-  std::vector<int32_t> q_pos_, kv_pos_;
+  std::array<std::vector<int32_t>, kPositionSlots> q_pos_, kv_pos_;
   std::vector<HostBuffer> buffers_;  // by slot
   // Paged K/V's rows for the CPU kernel, at their local rows (a step's slices only).
   absl::Status GatherPaged(const RingStepArgs& a, attention::AttentionParams* p);
@@ -276,7 +281,7 @@ class RingAttention {
   void AddSpan(RingTimings* t, std::string name, const char* lane, int origin, int a, int b) const;
   absl::Status ComputeStep(const RingStepArgs& a, const RingStepTiming& step,
                            std::unique_ptr<PendingExchange> exchange, RingTimings* t, StepLog& log);
-  // Makes the ops hold this ring's positions (another ring may have replaced them).
+  // Makes the ops hold this ring's positions in a slot (another ring may have taken its slot).
   absl::Status BindPositions();
 
   Communicator& cp_;
@@ -286,7 +291,8 @@ class RingAttention {
   int cp_rank_;
   int cp_size_;
   StepCallback on_step_;
-  RunOptions options_;  // of the run in progress
+  RunOptions options_;     // of the run in progress
+  int position_slot_ = 0;  // the ops' slot of this ring's positions (while positions_of_ says so)
 };
 
 // Single-rank attention of a whole batch, for checks and rate measurements, on `ops`'s host

@@ -84,12 +84,16 @@ struct EngineRequest {
   std::vector<int32_t> stop_ids;  // stop at these too
   bool ignore_eos = false;        // do not stop at the engine's eos_ids
   // Rank 0's engine thread asks it after each token (the generated tokens so far, the newest
-  // last); true ends the generation with finish_reason "stop". The server's stop strings: only
-  // it has the text. Must be quick and must not block.
+  // last); true ends the generation with finish_reason "stop", as a stop id does (its decode slot
+  // and, without a session, its KV are freed). The token that made it true is kept like any
+  // other (the result's tokens, a session's history): the caller cuts the text. The server's
+  // stop strings: only it has the text. Must be quick and must not block (it runs with the
+  // engine's lock held).
   std::function<bool(const std::vector<SampledToken>&)> stop_when;
   // Rank 0's engine thread calls it with each token as it is chosen (streaming); must not block.
   std::function<void(const GeneratedToken&)> on_token;
-  // Set by the client (a stream whose reader left): generation ends with finish_reason "abort".
+  // Set by the client (a stream whose reader left, cpfill_request_cancel): generation ends with
+  // finish_reason "abort" at its next token.
   std::shared_ptr<std::atomic<bool>> cancelled;
 };
 

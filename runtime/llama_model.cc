@@ -381,8 +381,12 @@ absl::Status LlamaModel::UploadBlockTables(Running& r) {
     table.insert(table.end(), blocks.begin(), blocks.begin() + used);
   }
   const int64_t entries = static_cast<int64_t>(table.size());
-  CPFILL_ASSIGN_OR_RETURN(r.block_table,
-                          backend_->Scratch(kBlockTable, ElemType::kI32, entries, 1));
+  // Sized for the whole pool at once: a table that grows a block at a time (every few decode
+  // steps) would otherwise regrow the scratch each time.
+  CPFILL_ASSIGN_OR_RETURN(
+      r.block_table,
+      backend_->Scratch(kBlockTable, ElemType::kI32, std::max(entries, kv_->num_blocks()), 1));
+  r.block_table.rows = entries;
   return entries == 0 ? absl::OkStatus() : backend_->Upload(table.data(), &r.block_table);
 }
 

@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "runtime/tokenizer_test_util.h"
 
 namespace cpfill::runtime {
 namespace {
@@ -27,37 +28,13 @@ constexpr char kLlama3Pattern[] =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|)"
     R"( ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
-// GPT-2's byte-level alphabet, written independently of tokenizer.cc: printable Latin-1 bytes
-// are themselves, the other 68 bytes U+0100.. in byte order.
-std::string Spell(std::string_view bytes) {
-  std::string out;
-  for (const char c : bytes) {
-    const int b = static_cast<uint8_t>(c);
-    int cp = b, n = 0;
-    const auto printable = [](int x) {
-      return (x >= 33 && x <= 126) || (x >= 161 && x <= 172) || x >= 174;
-    };
-    if (!printable(b)) {
-      for (int k = 0; k < b; ++k) n += printable(k) ? 0 : 1;
-      cp = 256 + n;
-    }
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-  return out;
-}
-
 // A Llama-3-shaped tokenizer.json whose vocabulary is the 256 bytes (id = byte value); tests
 // add tokens, merges and added tokens to it.
 class TokenizerJson {
  public:
   TokenizerJson() {
     Json vocab = Json::object();
-    for (int b = 0; b < 256; ++b) vocab[Spell(std::string(1, static_cast<char>(b)))] = b;
+    for (int b = 0; b < 256; ++b) vocab[SpellBytes(std::string(1, static_cast<char>(b)))] = b;
     root_ = {{"version", "1.0"},
              {"truncation", nullptr},
              {"padding", nullptr},
@@ -96,12 +73,12 @@ class TokenizerJson {
   // A vocabulary token for these bytes; its id.
   int32_t Token(std::string_view bytes) {
     const auto id = static_cast<int32_t>(root_["model"]["vocab"].size());
-    root_["model"]["vocab"][Spell(bytes)] = id;
+    root_["model"]["vocab"][SpellBytes(bytes)] = id;
     return id;
   }
   // The next merge (lowest priority so far), as a [a, b] pair; the merged token must exist.
   void Merge(std::string_view a, std::string_view b) {
-    root_["model"]["merges"].push_back({Spell(a), Spell(b)});
+    root_["model"]["merges"].push_back({SpellBytes(a), SpellBytes(b)});
   }
   // An added token after the vocabulary (tokenizers' numbering); its id.
   int32_t Added(const std::string& content, bool special, Json extra = Json::object()) {
@@ -212,7 +189,7 @@ TEST(Tokenizer, LegacyStringMergesMatchPairs) {
   j.Merge(" ", "w");
   j.Merge(" w", "o");
   Json legacy = j.root();
-  legacy["model"]["merges"] = {"#version: 0.2", Spell(" ") + " w", Spell(" w") + " o"};
+  legacy["model"]["merges"] = {"#version: 0.2", SpellBytes(" ") + " w", SpellBytes(" w") + " o"};
   for (const Json* root : {&j.root(), &legacy}) {
     const Tokenizer t = MustLoad("legacy", *root);
     EXPECT_THAT(Ids(t, "a wo w"), ElementsAre('a', sp_wo, sp_w));

@@ -12,9 +12,13 @@
    sanitizer runtime, instead of 1);
 3. checks each answer's first token against a one-shot `cpfill prefill` of the same tokens on
    one rank (a session's second turn: of the whole conversation), that the second turn reused
-   the first turn's KV, and that a bad token was refused; and the C example's generation (12
-   greedy tokens read as they come) against `cpfill generate` on one rank, and its bad params
-   refused.
+   the first turn's KV, and that a bad token was refused; the examples' generations (12 tokens
+   after prompt 1, greedy and sampled with a seed, streamed as they come) against `cpfill
+   generate` on one rank with the same sampling; the C example's cancelled generation (finish
+   reason "abort", far fewer tokens than asked); and every bad generation param refused with a
+   message naming it;
+4. checks that libcpfill.so exports exactly the functions cpfill.h declares, each at its
+   version node (the prefill API at CPFILL_0.1, so programs built against it keep running).
 """
 import json
 import os
@@ -69,26 +73,77 @@ def one_shot_first_tokens(cpfill, tmp):
     return [s["first_token"] for s in json.load(open(report))["sequences"]]
 
 
-def one_shot_generation(cpfill, tmp):
-    """Greedy tokens after prompt 1 from `cpfill generate` on one rank (the examples' prompt)."""
+SAMPLED = ["--temperature", "0.9", "--top-k", "50", "--top-p", "0.95", "--sample-seed", "7"]
+# What the examples' bad generation params are refused with, in their order.
+BAD_PARAMS = ["struct_size is 0", "max_tokens is 0", "max_tokens is -1", "top_p is 1.5",
+              "top_p is 0", "temperature is -1", "top_k is -1", "stop_token_ids is NULL"]
+# The functions of the first ABI (CPFILL_0.1): they must never move.
+ABI_0_1 = {"cpfill_version", "cpfill_last_error", "cpfill_engine_create", "cpfill_engine_rank",
+           "cpfill_engine_size", "cpfill_engine_vocab_size", "cpfill_engine_run", "cpfill_submit",
+           "cpfill_request_poll", "cpfill_request_wait", "cpfill_request_result",
+           "cpfill_request_free", "cpfill_session_end", "cpfill_engine_shutdown",
+           "cpfill_engine_destroy"}
+
+
+def one_shot_generations(cpfill, tmp):
+    """Tokens after prompt 1 from `cpfill generate` on one rank (the examples' prompt): greedy,
+    and sampled as the examples sample."""
     tokens = os.path.join(tmp, "gen-tokens.json")
     json.dump([prompt(1, LENS[1])], open(tokens, "w"))
-    report = os.path.join(tmp, "gen.json")
-    run([cpfill, "generate", "--model", "tiny", "--tokens", tokens, "--backend", "cpu",
-         "--max-tokens", str(GENERATED), "--ignore-eos", "--json", report])
-    return json.load(open(report))["sequences"][0]["tokens"]
+    out = {}
+    for label, flags in (("greedy", []), ("sampled", SAMPLED)):
+        report = os.path.join(tmp, f"gen-{label}.json")
+        run([cpfill, "generate", "--model", "tiny", "--tokens", tokens, "--backend", "cpu",
+             "--max-tokens", str(GENERATED), "--ignore-eos", "--json", report] + flags)
+        out[label] = json.load(open(report))["sequences"][0]["tokens"]
+    return out
 
 
-def check_generation(output, want, label):
-    m = re.search(r"^generate: tokens ([\d ]+) finish (\S+) reads (\d+)$", output, re.M)
-    if not m:
-        fail(f"{label}: no generation line:\n{output}")
-    got = [int(t) for t in m.group(1).split()]
-    if got != want or m.group(2) != "length":
-        fail(f"{label}: generated {got} ({m.group(2)}), cpfill generate on one rank: {want}")
-    if output.count("bad params refused:") != 2:
-        fail(f"{label}: bad generation params were not refused:\n{output}")
-    print(f"{label}: {len(got)} generated tokens equal one rank's, read in {m.group(3)} polls")
+def check_generation(output, want, label, cancelled):
+    for run_label, tokens in want.items():
+        m = re.search(rf"^{run_label}: tokens ([\d ]+) finish (\S+) reads (\d+)$", output, re.M)
+        if not m:
+            fail(f"{label}: no {run_label} generation line:\n{output}")
+        got = [int(t) for t in m.group(1).split()]
+        if got != tokens or m.group(2) != "length":
+            fail(f"{label}: {run_label}: generated {got} ({m.group(2)}), "
+                 f"cpfill generate on one rank: {tokens}")
+        if not 1 <= int(m.group(3)) <= GENERATED:
+            fail(f"{label}: {run_label}: read in {m.group(3)} waits, not 1 .. {GENERATED}")
+        print(f"{label}: {run_label}: {len(got)} tokens equal one rank's, read in {m.group(3)} "
+              "waits")
+    if cancelled:
+        m = re.search(r"^cancel: tokens (\d+) of (\d+) finish (\S+)$", output, re.M)
+        if not m or m.group(3) != "abort" or not 3 <= int(m.group(1)) < int(m.group(2)) // 10:
+            fail(f"{label}: the cancelled generation: {m.group(0) if m else output}")
+        print(f"{label}: cancelled after {m.group(1)} of {m.group(2)} tokens")
+    refused = re.findall(r"^bad params refused: (.*)$", output, re.M)
+    if len(refused) != len(BAD_PARAMS) or any(
+            want not in got or not got.startswith("cpfill_submit_generate: ")
+            for want, got in zip(BAD_PARAMS, refused)):
+        fail(f"{label}: bad generation params: {refused}, want messages naming {BAD_PARAMS}")
+
+
+def check_exports(lib, header):
+    """libcpfill.so's dynamic symbols: the functions cpfill.h declares, each at a CPFILL_ version,
+    the first ABI's at CPFILL_0.1; nothing else (the C++ inside stays private)."""
+    declared = set(re.findall(r"^[A-Za-z][\w ]*\** ?(cpfill_\w+)\(", open(header).read(), re.M))
+    exported = {}
+    for line in subprocess.run(["objdump", "-T", lib], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[1] == "g" and "*UND*" not in line and "*ABS*" not in line:
+            exported[f[-1]] = f[-2]
+    if set(exported) != declared:
+        fail(f"{lib} exports {sorted(set(exported) - declared)} beyond cpfill.h and lacks "
+             f"{sorted(declared - set(exported))}")
+    moved = {name: v for name, v in exported.items() if name in ABI_0_1 and v != "CPFILL_0.1"}
+    unversioned = {name: v for name, v in exported.items() if not v.startswith("CPFILL_")}
+    if not ABI_0_1 <= declared or moved or unversioned:
+        fail(f"symbol versions: moved from CPFILL_0.1 {moved}, unversioned {unversioned}, "
+             f"missing {sorted(ABI_0_1 - declared)}")
+    print(f"{lib}: {len(exported)} functions, the {len(ABI_0_1)} of CPFILL_0.1 unmoved, "
+          f"{sorted(set(exported.values()))}")
 
 
 def check(output, want, label):
@@ -123,11 +178,16 @@ def main():
         os.path.join(prefix, "bin/cpfill")
     out = run(["mpirun", "-np", "4", exe] + FLAGS)
     check(out, want, "C example")
-    check_generation(out, one_shot_generation(cpfill, tmp), "C example")
+    generations = one_shot_generations(cpfill, tmp)
+    check_generation(out, generations, "C example", cancelled=True)
+    lib = os.path.join(build, "lib/libcpfill.so") if "--built-example" in sys.argv else \
+        os.path.join(prefix, "lib/libcpfill.so")
+    check_exports(lib, os.path.join(SOURCE, "launch/embed/cpfill.h"))
     if "--python-example" in sys.argv:
         py = os.path.join(SOURCE, "launch/embed/examples/prefill.py")
         out = run(["mpirun", "-np", "4", sys.executable, py, f"{prefix}/lib/libcpfill.so"] + FLAGS)
         check(out, want, "Python ctypes example")
+        check_generation(out, generations, "Python ctypes example", cancelled=False)
     print("PASS")
 
 

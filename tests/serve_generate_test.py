@@ -222,7 +222,8 @@ def run(cpfill, server, port, tmp):
     check_session(cpfill, port, tmp)
     check_client_leaves(port)
     for body, message in [({"prompt": [1], "max_tokens": 131073}, "positions"),
-                          ({"prompt": [1], "max_tokens": 4, "stop": ["x"]}, "\"stop\""),
+                          ({"prompt": [1], "max_tokens": 4, "stop": ["x"]},
+                           "\"stop\" strings need the model's tokenizer"),
                           ({"prompt": [1], "max_tokens": 4, "top_p": 0}, "\"top_p\""),
                           ({"prompt": [1], "max_tokens": 4, "stop_token_ids": [VOCAB]},
                            "outside the vocabulary")]:

@@ -10,7 +10,8 @@ beside the weights, serves it on 2 ranks (CP2, CPU backend), and asserts that
   * /v1/models says the server takes text;
   * a text prompt is answered exactly as the token ids `tokenizers` encodes it to (BOS first):
     same first token, same prompt_tokens; choices[].text is `tokenizers`' decode of that token;
-  * a stop string ends generation and cuts the text before it, streamed or not;
+  * a stop string ends generation and cuts the text and logprobs before it, streamed or not
+    alike (a stream never sends the stop string), and a session keeps the tokens generated;
   * a batch of texts and a session of text turns work; texts with non-ASCII, emoji, special
     tokens and whitespace runs are among them;
   * a body with invalid UTF-8 inside the prompt gets a 400 naming the problem, and the server
@@ -105,40 +106,136 @@ def check_logprobs_name_tokens(port, tok):
         fail(f"text_offset streamed {streamed}, in one answer {offsets}")
 
 
-def check_stop_strings(port):
+def streamed(port, body):
+    """A streamed completion's chunks (one prompt), and the usage chunk."""
+    events = stream(port, {"model": MODEL, "stream": True,
+                           "stream_options": {"include_usage": True}, **body})
+    if events[-1] != "[DONE]" or events[-2]["choices"]:
+        fail(f"the stream did not end with a usage chunk and [DONE]: {events[-2:]}")
+    return [e["choices"][0] for e in events[:-2]], events[-2]["usage"]
+
+
+def check_stream_agrees(port, body, whole, stop=None):
+    """Streamed, the same request adds up to the same choice: text (never holding `stop`, not
+    even for a moment), token ids, logprobs, finish reason and usage."""
+    chunks, usage = streamed(port, body)
+    texts = [c["text"] for c in chunks]
+    so_far = ["".join(texts[:k + 1]) for k in range(len(texts))]
+    if so_far[-1] != whole["text"] or (stop and any(stop in t for t in so_far)):
+        fail(f"stop {stop!r} streamed as {texts}, want {whole['text']!r} and never the stop")
+    ids = [t for c in chunks for t in c["token_ids"]]
+    if ids != whole["token_ids"] or usage["completion_tokens"] != len(ids):
+        fail(f"streamed token ids {ids} (usage {usage}), in one answer {whole['token_ids']}")
+    if chunks[-1]["finish_reason"] != whole["finish_reason"] or \
+            any(c["finish_reason"] for c in chunks[:-1]):
+        fail(f"streamed finish reasons {[c['finish_reason'] for c in chunks]}")
+    for field in ("tokens", "token_ids", "token_logprobs", "text_offset"):
+        got = [x for c in chunks for x in c["logprobs"][field]]
+        if not same_logprobs(field, got, whole["logprobs"][field]):
+            fail(f"streamed logprobs {field} {got}, in one answer {whole['logprobs'][field]}")
+
+
+def same_logprobs(field, a, b):
+    """Logprobs of two runs of one request: the same tokens, and log-probabilities equal up to
+    rounding (each decode step places the new token's KV on a rank by the engine's step count,
+    so two runs sum attention in another order)."""
+    if field != "token_logprobs":
+        return a == b
+    return len(a) == len(b) and all(abs(x - y) < 1e-4 for x, y in zip(a, b))
+
+
+def text_starts(tok, ids):
+    """Where each token's text starts (in characters), by `tokenizers`: after the text of the
+    tokens before it, or with the token before while that text ends in a split character."""
+    starts = []
+    for i in range(len(ids)):
+        before = tok.decode(ids[:i], skip_special_tokens=False)
+        starts.append(starts[-1] if before.endswith("\ufffd") else len(before))
+    return starts
+
+
+def stop_picks(tok, full):
+    """Two stop strings from a generated text, each found nowhere before its place: one where a
+    token starts (the tokens from there on lie past the cut), the shortest such piece of 4
+    characters or more; and 4 characters anywhere (likely across tokens, mid-token)."""
+    text = full["text"]
+
+    def fits(at, k):
+        piece = text[at:at + k]
+        return at + k <= len(text) and piece.strip() and "\ufffd" not in piece and \
+            text.find(piece) == at
+    starts = sorted(set(text_starts(tok, full["token_ids"])))
+    at_token = [(at, text[at:at + k], True) for at in starts if at >= len(text) // 3
+                for k in range(4, 33) if fits(at, k)]
+    anywhere = [(at, text[at:at + 4], False) for at in range(len(text) // 3, len(text))
+                if fits(at, 4) and at not in starts]
+    if not at_token or not anywhere:
+        fail(f"no stop strings to pick from the sampled text {text!r}")
+    return [at_token[0], anywhere[0]]
+
+
+def check_stop_strings(port, tok):
     """A stop string ends generation where the text first holds it: the text ends just before it
-    (after it with include_stop_str_in_output), finish_reason "stop", fewer tokens than asked;
-    streamed chunks add up to the same text and none holds the stop string."""
+    (after it with include_stop_str_in_output), finish_reason "stop", fewer tokens than asked
+    (the token ids and usage: every token generated, the one that completed the match too), the
+    logprobs only of the tokens the text covers; streamed, the same, and no chunk ever sends the
+    stop string; a session keeps the tokens generated up to the stop."""
     # Sampled with a seed: a tiny random model's greedy text repeats itself, sampling does not.
     body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "temperature": 1.0,
-            "seed": 11}
+            "seed": 11, "logprobs": 2}
     full = complete(port, **body)["choices"][0]
+    picks = stop_picks(tok, full)
+    generated = [check_stop(port, tok, body, full, *pick) for pick in picks]
+    absent = complete(port, stop="<<never>>", **body)["choices"][0]
+    if absent["text"] != full["text"] or absent["finish_reason"] != "length" or not all(
+            same_logprobs(f, absent["logprobs"][f], full["logprobs"][f])
+            for f in ("tokens", "token_ids", "token_logprobs", "text_offset")):
+        fail(f"a stop string never generated changed the answer: {absent}")
+    check_stream_agrees(port, dict(body, stop="<<never>>"), absent, "<<never>>")
+    # The session holds the prompt and the n tokens generated; the last one's KV comes with the
+    # next turn.
+    turn1 = complete(port, stop=picks[-1][1], session="stopped", **body)
+    turn2 = complete(port, " and then", session="stopped")
+    cached = turn2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if cached != turn1["usage"]["prompt_tokens"] + generated[-1] - 1:
+        fail(f"after a stop string the session reused {cached} tokens, want "
+             f"{turn1['usage']['prompt_tokens']} + {generated[-1]} - 1")
+    print(f"a stop string not generated changed nothing; the session kept the {generated[-1]} "
+          "tokens generated up to its stop string")
+
+
+def check_stop(port, tok, body, full, at, stop, at_token_start):
+    """One stop string at character `at` of the full run's text; the tokens it generated."""
     text = full["text"]
-    picks = [(at, text[at:at + 4]) for at in range(len(text) // 3, len(text) - 4)
-             if text[at:at + 4].strip() and text.find(text[at:at + 4]) == at]
-    if not picks:
-        fail(f"no stop string to pick from the greedy text {text!r}")
-    at, stop = picks[0]
-    got = complete(port, stop=[stop, "<<never>>"], **body)["choices"][0]
+    answer = complete(port, stop=[stop, "<<never>>"], **body)
+    got = answer["choices"][0]
     n = len(got["token_ids"])
     if got["text"] != text[:at] or got["finish_reason"] != "stop" or n >= len(full["token_ids"]):
         fail(f"stop {stop!r} in {text!r}: text {got['text']!r}, {got['finish_reason']}, {n} tokens")
-    if got["token_ids"] != full["token_ids"][:n]:
-        fail(f"stop {stop!r}: tokens {got['token_ids']} are not the full run's first {n}")
-    events = [e for e in stream(port, {"model": MODEL, "temperature": 0, "stream": True,
-                                       "stop": stop, **body})
-              if e != "[DONE]" and e.get("choices")]
-    chunks = [e["choices"][0]["text"] for e in events]
-    if "".join(chunks) != text[:at] or events[-1]["choices"][0]["finish_reason"] != "stop" or \
-            any(stop in c for c in chunks):
-        fail(f"stop {stop!r} streamed as {chunks}, want {text[:at]!r} then finish_reason stop")
+    if got["token_ids"] != full["token_ids"][:n] or answer["usage"]["completion_tokens"] != n:
+        fail(f"stop {stop!r}: tokens {got['token_ids']} ({answer['usage']}) are not the full "
+             f"run's first {n}")
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    if stop in decode(got["token_ids"][:-1]) or stop not in decode(got["token_ids"]):
+        fail(f"stop {stop!r}: generation did not end at the token that completed it")
+    # logprobs: of the tokens whose text starts before the cut, at their offsets.
+    starts = text_starts(tok, got["token_ids"])
+    covered = sum(1 for x in starts if x < len(got["text"]))
+    lp = got["logprobs"]
+    if (at_token_start and covered >= n) or lp["token_ids"] != got["token_ids"][:covered] or \
+            lp["text_offset"] != starts[:covered] or \
+            not same_logprobs("token_logprobs", lp["token_logprobs"],
+                              full["logprobs"]["token_logprobs"][:covered]):
+        fail(f"stop {stop!r}: logprobs {lp} for the text {got['text']!r}, want the first "
+             f"{covered} tokens at {starts[:covered]}")
+    check_stream_agrees(port, dict(body, stop=stop), got, stop)
     kept = complete(port, stop=stop, include_stop_str_in_output=True, **body)["choices"][0]
-    if kept["text"] != text[:at + len(stop)]:
+    if kept["text"] != text[:at + len(stop)] or kept["token_ids"] != got["token_ids"]:
         fail(f"include_stop_str_in_output: {kept['text']!r}, want {text[:at + len(stop)]!r}")
-    absent = complete(port, stop="<<never>>", **body)["choices"][0]
-    if absent["text"] != text or absent["finish_reason"] != "length":
-        fail(f"a stop string never generated changed the answer: {absent}")
-    print(f"stop strings ok: {stop!r} at character {at} of {len(text)}, {n} tokens")
+    check_stream_agrees(port, dict(body, stop=stop, include_stop_str_in_output=True), kept)
+    print(f"stop {stop!r} at character {at} of {len(text)}: {n} tokens, logprobs of {covered}; "
+          "streamed alike, never sent")
+    return n
 
 
 def run(port, tok):
@@ -151,7 +248,7 @@ def run(port, tok):
     for text in texts:
         check_text_equals_ids(port, tok, text)
     check_logprobs_name_tokens(port, tok)
-    check_stop_strings(port)
+    check_stop_strings(port, tok)
     batch = complete(port, texts[:4])
     for text, choice in zip(texts[:4], batch["choices"]):
         single = complete(port, text)["choices"][0]["token_ids"][0]

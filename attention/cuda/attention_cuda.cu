@@ -220,6 +220,13 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
     CPFILL_CHECK_ARG(a.paged->block_stride_bytes % 16 == 0,
                      "CUDA attention: paged K/V needs 16-byte aligned blocks, stride ",
                      a.paged->block_stride_bytes);
+    // The decode kernel is paged K/V's only reader, and it loads 16 bytes at a time.
+    CPFILL_CHECK_ARG(
+        internal::Aligned16(a.q) && internal::Aligned16(a.k) && internal::Aligned16(a.v),
+        "CUDA attention: paged K/V needs 16-byte aligned q, k and v (their "
+        "addresses modulo 16: ",
+        reinterpret_cast<uintptr_t>(a.q) % 16, ", ", reinterpret_cast<uintptr_t>(a.k) % 16, ", ",
+        reinterpret_cast<uintptr_t>(a.v) % 16, ")");
     for (int64_t i = 0; i < a.num_slices; ++i) {
       CPFILL_CHECK_ARG(a.slices[i].q_len <= internal::kMaxDecodeQueryRows,
                        "CUDA attention: paged K/V is read by the decode kernel only, at most ",
@@ -253,7 +260,11 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
   if (internal::DecodeAttentionApplies(a)) {
     return internal::LaunchDecodeAttention(a, workspace, workspace_bytes, stream);
   }
-  if (a.paged != nullptr) return absl::OkStatus();  // no query rows: nothing to read
+  if (a.paged != nullptr) {
+    // Checked above: the decode kernel refuses paged args only when no slice has a query row.
+    CPFILL_CHECK_ARG(covered == 0, "CUDA attention: paged K/V that the decode kernel cannot read");
+    return absl::OkStatus();
+  }
   const std::vector<int64_t> work = WorkingSlices(a);
   KeyTileSummary* summaries = static_cast<KeyTileSummary*>(workspace);
 #ifdef CPFILL_HAVE_HOPPER_KERNEL

@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   // NaN there) and masked by their index.
   const int tile_begin = split * sl.tiles_per_split;
   const int num_tiles = max(0, min(sl.tiles_per_split, KeyTiles(sl.kv_len) - tile_begin));
-  // Contiguous: key r at k_base + r * kv_stride. Paged: the pools' block 0 (RowOffset below).
+  // Contiguous: key r at k_base + r * kv_stride. Paged: the pools' block 0 (row_offset below).
   const bool paged = p.block_table != nullptr;
   const int64_t head_offset = kv_head * kDim + (paged ? 0 : sl.kv_begin * kv_stride);
   const __nv_bfloat16* k_base = p.k + head_offset;
@@ -461,8 +461,6 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // ---- host side ---------------------------------------------------------------------------
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // The split kernel's shared-memory opt-in (once per head dim) and its CTAs per SM.
 struct SplitKernelInfo {
   cudaError_t attr_error;
@@ -519,11 +517,12 @@ int64_t CountCtas(const CudaAttentionArgs& a, int64_t tiles_per_split) {
   return ctas * a.shape.num_kv_heads;
 }
 
-// The splits: the fewest tiles per split that keeps the CTAs within one wave (a second,
-// partly filled wave would cost a whole CTA's time), at least kMinTilesPerSplit; then each
-// slice's tiles spread evenly over its splits.
+// The splits: the fewest tiles per split that keeps the CTAs within one wave (a second, partly
+// filled wave would cost a whole CTA's time; CPFILL_DECODE_SPLIT_WAVES aims at more, shorter
+// splits), at least kMinTilesPerSplit; then each slice's tiles spread evenly over its splits.
 DecodePlan PlanDecode(const CudaAttentionArgs& a) {
-  const int64_t slots = Slots(a);
+  static const int64_t waves = knobs::Int(knobs::kDecodeSplitWaves);
+  const int64_t slots = Slots(a) * waves;
   int64_t total = 0, longest = 1;
   for (int64_t i = 0; i < a.num_slices; ++i) {
     const SequenceSlice& s = a.slices[i];

@@ -20,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "attention/cuda/attention_cuda.h"
@@ -32,6 +33,9 @@ namespace cpfill::attention::cuda::internal {
 // (sequence, KV head) with no key split: slower at any KV length past a few thousand keys.
 // Beyond 4 rows the prefill kernel's 128-row tiles start to fill (a partial prefill).
 inline constexpr int kMaxDecodeQueryRows = 4;
+
+// The decode kernel loads Q, K and V 16 bytes at a time.
+inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // True when `a` goes to the decode kernel: CPFILL_DECODE_KERNEL is on, the head dim is
 // compiled (64, 128), Q/K/V are 16-byte aligned, and some slice has query rows while none has

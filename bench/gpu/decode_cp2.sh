@@ -6,7 +6,9 @@
 #   (batched ring pass-Q, paper Alg. 4; each rank holds half of every sequence's KV) over NVLink
 #   and over sockets (NCCL_P2P_DISABLE, NCCL_SHM_DISABLE: a slow inter-node link), same call.
 #   With "tests" first: the multi-GPU tests (tests/cli_test.sh multigpu_device_ring), whose
-#   generate --check runs decode on CP2 and TP2 against one fp32 rank.
+#   generate --check runs decode on CP2 and TP2 against one fp32 rank. RUNS picks and orders
+#   the runs (default "cp1 cp2-nvlink cp2-sockets"); MPI_ARGS adds mpirun options and TAG a
+#   suffix to the sockets runs' names (e.g. MPI_ARGS="--bind-to none" TAG=-unbound).
 # Binaries from .gpu-carry/ (bench/gpu/build-carry.sh); logs, JSON and summary.txt under $OUT,
 # packed into $OUT/decode-cp2.tgz.
 set -uo pipefail
@@ -14,6 +16,7 @@ source "$(dirname "$0")/lib.sh"
 layers=${LAYERS:-32}
 new=${NEW:-32}
 cases=${CASES:-32768 131040 32768,32768,32768,32768}
+runs=${RUNS:-cp1 cp2-nvlink cp2-sockets}  # which of the three to run, and in that order
 new_summary
 [ "${1:-}" = tests ] && multigpu_tests
 
@@ -28,9 +31,13 @@ generate() {  # generate TAG NET NP LENS: one cpfill generate, its TPOT and step
 
 for lens in $cases; do
   name=$(echo "$lens" | awk -F, '{print NF "x" $1}')
-  generate "cp1-$name" nvlink 1 "$lens"
-  generate "cp2-nvlink-$name" nvlink 2 "$lens"
-  generate "cp2-sockets-$name" sockets 2 "$lens"
+  for run in $runs; do
+    case $run in
+      cp1) generate "cp1-$name" nvlink 1 "$lens" ;;
+      cp2-nvlink) generate "cp2-nvlink-$name" nvlink 2 "$lens" ;;
+      cp2-sockets) generate "cp2-sockets-$name${TAG:-}" sockets 2 "$lens" ;;
+    esac
+  done
 done
 tar -czf "$out/decode-cp2.tgz" -C "$out" --exclude decode-cp2.tgz .
 echo "== summary"

@@ -24,12 +24,14 @@ net_env() {  # the NCCL environment of a link kind; shm and sockets emulate slow
   esac
 }
 
-on_net() {  # on_net NET NP COMMAND...: mpirun of NP ranks, NET's NCCL settings on every rank
+# on_net NET NP COMMAND...: mpirun of NP ranks, NET's NCCL settings on every rank; MPI_ARGS adds
+# mpirun options (e.g. "--bind-to none": mpirun binds each of 2 ranks to one core by default).
+on_net() {
   local net=$1 np=$2 envs xs="" e
   shift 2
   envs=$(net_env "$net")
   for e in $envs; do xs="$xs -x ${e%%=*}"; done
-  env $envs mpirun -np "$np" $xs -x NCCL_NVLS_ENABLE "$@"
+  env $envs mpirun -np "$np" ${MPI_ARGS:-} $xs -x NCCL_NVLS_ENABLE "$@"
 }
 
 ring() {  # ring NET NP FILE ARGS...: one `cpfill attention` on the device ring; FILE.json, FILE.log

@@ -26,6 +26,7 @@ step() {  # step NAME command...: runs it, logs to $out/NAME.log, prints one ver
 }
 step attention_cuda_test "$carry/attention_cuda_test"
 step kv_cache_cuda_test "$carry/kv_cache_cuda_test"
+step gemv_cuda_test "$carry/gemv_cuda_test"
 step llama_model_cuda_test mpirun -np 1 "$carry/llama_model_cuda_test"
 step cli_cuda_backend_check bash tests/cli_test.sh cuda_backend_check "$carry/cpfill"
 step cli_memory_checked_first bash tests/cli_test.sh memory_checked_first "$carry/cpfill"

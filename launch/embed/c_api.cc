@@ -2,8 +2,12 @@
 // `cpfill serve` builds it (launch/engine_host.h). Each entry point turns statuses into codes
 // and catches every exception: nothing C++ crosses into the embedding program.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstddef>
 #include <exception>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -29,20 +33,35 @@ struct cpfill_engine {
   bool shut_down = false;
 };
 
-// The tokens a generation has produced so far, written by the engine's thread (on_token) and
-// read by the caller's; shared so a request freed while it runs leaves the engine a live log.
+// The tokens a request has produced so far and, once the last has come, why it ended: written by
+// the engine's thread (on_token), read by the caller's threads. Shared, so that a request freed
+// while it runs leaves the engine a live log to write to.
 struct TokenLog {
   std::mutex mu;
+  std::condition_variable grew;  // a token came
   std::vector<int32_t> ids;
-  bool finished = false;
+  std::string finish_reason;  // set once, with the last token; "" until then
 };
 
+// Calls on one request may come from several threads: after the request is handed out, the reply
+// is only read (through the const, thread-safe shared_future), the token log under its mutex,
+// `cancelled` atomically, and `algorithm` written once.
 struct cpfill_request {
-  cpfill::runtime::Engine::Reply reply;
-  std::optional<absl::StatusOr<cpfill::runtime::EngineResult>> done;
-  std::string algorithm;
+  std::shared_future<absl::StatusOr<cpfill::runtime::EngineResult>> reply;
   std::shared_ptr<TokenLog> tokens = std::make_shared<TokenLog>();
+  std::shared_ptr<std::atomic<bool>> cancelled = std::make_shared<std::atomic<bool>>(false);
+  bool generates = false;  // cpfill_submit_generate's: freeing it cancels it
+  std::once_flag named;    // `algorithm` is written once, by the first cpfill_request_result
+  std::string algorithm;
 };
+
+// The structs' layouts are ABI (cpfill.h): a change here breaks programs built against it.
+static_assert(sizeof(void*) != 8 ||
+                  (sizeof(cpfill_result) == 72 && offsetof(cpfill_result, algorithm) == 64),
+              "cpfill_result's layout changed: it must never change");
+static_assert(sizeof(void*) != 8 || (sizeof(cpfill_generate_params) == 72 &&
+                                     offsetof(cpfill_generate_params, num_stop_token_ids) == 64),
+              "cpfill_generate_params changed: grow it only at the end, checking struct_size");
 
 namespace {
 
@@ -130,72 +149,100 @@ absl::Status Create(int argc, const char* const* argv, const void* comm, cpfill_
   return absl::OkStatus();
 }
 
-// The engine's generation fields from the C struct (NULL: one greedy token).
-absl::Status ApplyParams(const cpfill_generate_params* p, cpfill::runtime::EngineRequest* q) {
-  if (p == nullptr) return absl::OkStatus();
-  const int64_t max_tokens = p->max_tokens == 0 ? 1 : p->max_tokens;
-  if (max_tokens < 1 || max_tokens > (int64_t{1} << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat("cpfill_submit_generate: max_tokens is ",
-                                                   p->max_tokens, ", must be in [1, 1048576]"));
+constexpr int64_t kMaxGenerateTokens = int64_t{1} << 20;
+
+// The engine's generation fields from the C struct. The sampling fields are checked by the
+// engine's Submit, which names them.
+absl::Status ApplyParams(const cpfill_generate_params& p, cpfill::runtime::EngineRequest* request) {
+  if (p.struct_size == 0) {
+    return absl::InvalidArgumentError(
+        "cpfill_submit_generate: params->struct_size is 0; fill the params with "
+        "cpfill_generate_params_init first");
   }
-  if (p->stop_token_ids == nullptr && p->num_stop_token_ids > 0) {
+  if (p.struct_size != sizeof(cpfill_generate_params)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cpfill_submit_generate: params->struct_size is ", p.struct_size, "; this libcpfill (",
+        cpfill_version(), ") knows ", sizeof(cpfill_generate_params),
+        ": link the libcpfill whose cpfill.h the program was built with"));
+  }
+  if (p.max_tokens < 1 || p.max_tokens > kMaxGenerateTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("cpfill_submit_generate: max_tokens is ",
+                                                   p.max_tokens, ", must be in [1, ",
+                                                   kMaxGenerateTokens, "]"));
+  }
+  if (p.stop_token_ids == nullptr && p.num_stop_token_ids > 0) {
     return absl::InvalidArgumentError(
         "cpfill_submit_generate: stop_token_ids is NULL with num_stop_token_ids > 0");
   }
-  q->max_tokens = static_cast<int>(max_tokens);
-  q->sampling = {.temperature = p->temperature,
-                 .top_k = p->top_k,
-                 .top_p = p->top_p == 0 ? 1.0 : p->top_p,
-                 .seed = p->seed};
-  q->ignore_eos = p->ignore_eos != 0;
-  q->stop_ids.assign(p->stop_token_ids, p->stop_token_ids + p->num_stop_token_ids);
-  return absl::OkStatus();  // the engine's Submit checks the sampling fields by name
+  request->max_tokens = p.max_tokens;
+  request->sampling = {
+      .temperature = p.temperature, .top_k = p.top_k, .top_p = p.top_p, .seed = p.seed};
+  request->ignore_eos = p.ignore_eos != 0;
+  if (p.num_stop_token_ids > 0) {
+    request->stop_ids.assign(p.stop_token_ids, p.stop_token_ids + p.num_stop_token_ids);
+  }
+  return absl::OkStatus();
 }
 
+// Prefixes the engine's refusals (which name the field) with the call.
+absl::Status Refused(const absl::Status& s, const char* what) {
+  if (!absl::IsInvalidArgument(s)) return s;
+  return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
+}
+
+// A prefill (cpfill_submit: no params) or a generation.
 absl::Status Submit(cpfill_engine* e, const int32_t* tokens, size_t n, const char* session,
                     const cpfill_generate_params* params, cpfill_request** out) {
-  if (absl::Status s = NeedRoot(e, "cpfill_submit"); !s.ok()) return s;
-  if (out == nullptr) return absl::InvalidArgumentError("cpfill_submit: request is NULL");
-  if (tokens == nullptr && n > 0)
-    return absl::InvalidArgumentError("cpfill_submit: tokens is NULL");
+  const char* what = params == nullptr ? "cpfill_submit" : "cpfill_submit_generate";
+  if (absl::Status s = NeedRoot(e, what); !s.ok()) return s;
+  if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, ": request is NULL"));
+  if (tokens == nullptr && n > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": tokens is NULL"));
+  }
   cpfill::runtime::EngineRequest request{.tokens = std::vector<int32_t>(tokens, tokens + n),
                                          .session = session == nullptr ? "" : session};
-  if (absl::Status s = ApplyParams(params, &request); !s.ok()) return s;
   auto r = std::make_unique<cpfill_request>();
+  if (params != nullptr) {
+    if (absl::Status s = ApplyParams(*params, &request); !s.ok()) return s;
+    r->generates = true;
+  }
   request.on_token = [log = r->tokens](const cpfill::runtime::GeneratedToken& t) {
     std::lock_guard lock(log->mu);
     log->ids.push_back(t.token.id);
-    log->finished = !t.finish_reason.empty();
+    if (!t.finish_reason.empty()) log->finish_reason = t.finish_reason;
+    log->grew.notify_all();
   };
+  request.cancelled = r->cancelled;
   auto reply = e->host->engine->Submit(std::move(request));
-  if (!reply.ok()) return reply.status();
-  r->reply = std::move(*reply);
+  if (!reply.ok()) return Refused(reply.status(), what);
+  r->reply = reply->share();
   *out = r.release();
   return absl::OkStatus();
 }
 
-// Collects the answer once it is there; DeadlineExceeded (NOT_READY) until then.
-absl::Status Await(cpfill_request* r, std::optional<double> timeout_s) {
+// OK once the answer is there; DeadlineExceeded (NOT_READY) until then.
+absl::Status Await(const cpfill_request* r, std::optional<double> timeout_s) {
   if (r == nullptr) return absl::InvalidArgumentError("the request is NULL");
-  if (r->done) return absl::OkStatus();
   if (!timeout_s) {
     r->reply.wait();
   } else if (r->reply.wait_for(std::chrono::duration<double>(*timeout_s)) !=
              std::future_status::ready) {
     return absl::DeadlineExceededError("the request has not finished");
   }
-  r->done = r->reply.get();
-  if (r->done->ok()) {
-    r->algorithm = std::string(cpfill::parallel::RingAlgorithmName((*r->done)->algorithm));
-  }
   return absl::OkStatus();
 }
+
+bool Failed(const cpfill_request* r) { return Await(r, 0.0).ok() && !r->reply.get().ok(); }
 
 absl::Status Result(cpfill_request* r, cpfill_result* out) {
   if (out == nullptr) return absl::InvalidArgumentError("cpfill_request_result: result is NULL");
   if (absl::Status s = Await(r, 0.0); !s.ok()) return s;
-  if (!r->done->ok()) return r->done->status();
-  const cpfill::runtime::EngineResult& x = **r->done;
+  const absl::StatusOr<cpfill::runtime::EngineResult>& done = r->reply.get();
+  if (!done.ok()) return done.status();
+  const cpfill::runtime::EngineResult& x = *done;
+  std::call_once(r->named, [&] {
+    r->algorithm = std::string(cpfill::parallel::RingAlgorithmName(x.algorithm));
+  });
   *out = cpfill_result{.first_token = x.first_token,
                        .logits = x.logits.data(),
                        .vocab_size = static_cast<int64_t>(x.logits.size()),
@@ -209,22 +256,54 @@ absl::Status Result(cpfill_request* r, cpfill_result* out) {
   return absl::OkStatus();
 }
 
-absl::Status Tokens(cpfill_request* r, int32_t* ids, size_t capacity, size_t* count,
-                    int* finished) {
+absl::Status Tokens(const cpfill_request* r, size_t from, int32_t* ids, size_t capacity,
+                    size_t* count, int* finished) {
   if (r == nullptr || count == nullptr || finished == nullptr) {
     return absl::InvalidArgumentError("cpfill_request_tokens: request, count or finished is NULL");
   }
   if (ids == nullptr && capacity > 0) {
     return absl::InvalidArgumentError("cpfill_request_tokens: ids is NULL with capacity > 0");
   }
-  // A request that failed gives no tokens; it is finished all the same.
-  const bool failed = Await(r, 0.0).ok() && !r->done->ok();
+  const bool failed = Failed(r);  // before the log: a failed request's log has no last token
   std::lock_guard lock(r->tokens->mu);
   const std::vector<int32_t>& have = r->tokens->ids;
-  std::copy_n(have.begin(), std::min(capacity, have.size()), ids);
+  if (from < have.size()) {
+    std::copy_n(have.begin() + static_cast<std::ptrdiff_t>(from),
+                std::min(capacity, have.size() - from), ids);
+  }
   *count = have.size();
-  *finished = r->tokens->finished || failed ? 1 : 0;
+  *finished = !r->tokens->finish_reason.empty() || failed ? 1 : 0;
   return absl::OkStatus();
+}
+
+// The engine wakes the waiter with each token. A request that fails sends none: the reply is
+// checked every kFailureCheck, so a failure ends the wait that soon.
+absl::Status WaitTokens(const cpfill_request* r, size_t count, std::optional<double> timeout_s) {
+  if (r == nullptr) {
+    return absl::InvalidArgumentError("cpfill_request_wait_tokens: request is NULL");
+  }
+  constexpr auto kFailureCheck = std::chrono::milliseconds(5);
+  constexpr double kLongestWaitS = 1e7;  // longer (or NaN) waits as good as for ever
+  const double wait_s = timeout_s && *timeout_s < kLongestWaitS ? *timeout_s : kLongestWaitS;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(wait_s));
+  std::unique_lock lock(r->tokens->mu);
+  for (;;) {
+    if (r->tokens->ids.size() >= count || !r->tokens->finish_reason.empty()) {
+      return absl::OkStatus();
+    }
+    lock.unlock();
+    const bool failed = Failed(r);
+    lock.lock();
+    if (failed) return absl::OkStatus();
+    const auto now = std::chrono::steady_clock::now();
+    if (timeout_s && now >= deadline) {
+      return absl::DeadlineExceededError("cpfill_request_wait_tokens: no new token yet");
+    }
+    const auto until = timeout_s ? std::min(deadline, now + kFailureCheck) : now + kFailureCheck;
+    r->tokens->grew.wait_until(lock, until);
+  }
 }
 
 absl::Status Shutdown(cpfill_engine* e) {
@@ -273,19 +352,52 @@ int cpfill_submit(cpfill_engine* e, const int32_t* tokens, size_t n, const char*
   return Guarded([&] { return Submit(e, tokens, n, session, nullptr, request); });
 }
 
-int cpfill_submit_generate(cpfill_engine* e, const int32_t* tokens, size_t n, const char* session,
-                           const cpfill_generate_params* params, cpfill_request** request) {
-  return Guarded([&] { return Submit(e, tokens, n, session, params, request); });
+void cpfill_generate_params_init(cpfill_generate_params* p) {
+  if (p == nullptr) return;
+  *p = cpfill_generate_params{.struct_size = sizeof(cpfill_generate_params),
+                              .max_tokens = 16,
+                              .temperature = 1.0,
+                              .top_k = 0,
+                              .top_p = 1.0,
+                              .seed = 0,
+                              .ignore_eos = 0,
+                              .stop_token_ids = nullptr,
+                              .num_stop_token_ids = 0};
 }
 
-int cpfill_request_tokens(cpfill_request* r, int32_t* ids, size_t capacity, size_t* count,
-                          int* finished) {
-  return Guarded([&] { return Tokens(r, ids, capacity, count, finished); });
+int cpfill_submit_generate(cpfill_engine* e, const int32_t* tokens, size_t n, const char* session,
+                           const cpfill_generate_params* params, cpfill_request** request) {
+  return Guarded([&] {
+    cpfill_generate_params defaults;
+    cpfill_generate_params_init(&defaults);
+    return Submit(e, tokens, n, session, params != nullptr ? params : &defaults, request);
+  });
+}
+
+int cpfill_request_tokens(cpfill_request* r, size_t from, int32_t* ids, size_t capacity,
+                          size_t* count, int* finished) {
+  return Guarded([&] { return Tokens(r, from, ids, capacity, count, finished); });
+}
+
+int cpfill_request_wait_tokens(cpfill_request* r, size_t count, double timeout_s) {
+  return Guarded([&] {
+    return WaitTokens(r, count, timeout_s < 0 ? std::nullopt : std::optional<double>(timeout_s));
+  });
+}
+
+int cpfill_request_cancel(cpfill_request* r) {
+  return Guarded([&] {
+    if (r == nullptr) return absl::InvalidArgumentError("cpfill_request_cancel: request is NULL");
+    r->cancelled->store(true);
+    return absl::OkStatus();
+  });
 }
 
 const char* cpfill_request_finish_reason(cpfill_request* r) {
-  if (r == nullptr || !Await(r, 0.0).ok() || !r->done->ok()) return nullptr;
-  return (*r->done)->finish_reason.c_str();
+  if (r == nullptr) return nullptr;
+  std::lock_guard lock(r->tokens->mu);
+  // Written once with the last token and never again: the pointer stays valid.
+  return r->tokens->finish_reason.empty() ? nullptr : r->tokens->finish_reason.c_str();
 }
 
 int cpfill_request_poll(cpfill_request* r) {
@@ -301,7 +413,10 @@ int cpfill_request_result(cpfill_request* r, cpfill_result* result) {
   return Guarded([&] { return Result(r, result); });
 }
 
-void cpfill_request_free(cpfill_request* r) { delete r; }
+void cpfill_request_free(cpfill_request* r) {
+  if (r != nullptr && r->generates) r->cancelled->store(true);
+  delete r;
+}
 
 int cpfill_session_end(cpfill_engine* e, const char* session) {
   return Guarded([&] {

@@ -1,4 +1,4 @@
-/* cpfill.h — embedding cpfill as a prefill backend: the C API of libcpfill.so.
+/* cpfill.h — embedding cpfill as a prefill and generation backend: the C API of libcpfill.so.
  *
  * cpfill is a distributed library: every rank of an MPI job (or of a communicator the program
  * passes) creates the engine together. Rank 0 takes requests; every other rank lends its GPUs or
@@ -9,14 +9,24 @@
  *   if (cpfill_engine_create(4, args, NULL, &e) != CPFILL_OK) { puts(cpfill_last_error()); ... }
  *   if (cpfill_engine_rank(e) == 0) {
  *     cpfill_request* r;
- *     cpfill_submit(e, tokens, n, "chat-1", &r);        // non-blocking
+ *     cpfill_submit(e, tokens, n, "chat-1", &r);        // a prefill; non-blocking
  *     cpfill_request_wait(r, -1);                        // or poll with cpfill_request_poll
  *     cpfill_result res;  cpfill_request_result(r, &res); // res.first_token, res.logits, ...
  *     cpfill_request_free(r);
- *     cpfill_generate_params g = {0};  g.max_tokens = 64;    // greedy; or temperature, top_p...
+ *
+ *     cpfill_generate_params g;
+ *     cpfill_generate_params_init(&g);                    // the defaults, then what you need:
+ *     g.max_tokens = 256;  g.temperature = 0;            // greedy
  *     cpfill_submit_generate(e, tokens, n, NULL, &g, &r);
- *     size_t got; int done = 0;                          // stream: poll the tokens so far
- *     while (!done) { cpfill_request_tokens(r, ids, 64, &got, &done); ... }
+ *     size_t have = 0, count = 0;  int done = 0;         // stream the tokens as they come:
+ *     while (!done || have < count) {
+ *       cpfill_request_wait_tokens(r, have + 1, 1.0);    // wakes on a new token or the end
+ *       cpfill_request_tokens(r, have, buf, cap, &count, &done);   // ids from `have` on
+ *       size_t got = count - have < cap ? count - have : cap;
+ *       send(buf, got);  have += got;
+ *     }
+ *     const char* why = cpfill_request_finish_reason(r);  // "stop", "length" or "abort"
+ *     cpfill_request_free(r);                            // (frees and cancels a running one)
  *     cpfill_engine_shutdown(e);                         // drains; releases the other ranks
  *   } else {
  *     cpfill_engine_run(e);                              // returns after rank 0's shutdown
@@ -25,7 +35,22 @@
  *
  * Every function returns a status code; on failure cpfill_last_error() holds a message naming the
  * problem (per thread, until the thread's next failing call). No C++ exception crosses this API.
- * The calls that take a request are thread-safe: submit from as many threads as you like.
+ * Submitting is thread-safe (submit from as many threads as you like), and so are the calls on
+ * one request: one thread may stream its tokens while another waits for it or cancels it; only
+ * cpfill_request_free must come last.
+ *
+ * Streaming generation is poll-based, into buffers the caller owns: the engine appends each token
+ * to the request as it is chosen; cpfill_request_tokens copies any range of them out without
+ * blocking (by index, so a caller keeps only its position), and cpfill_request_wait_tokens
+ * blocks until there are more (or the request ended), so that a thread per stream need not spin;
+ * a single poller thread serving many streams calls cpfill_request_tokens on each instead. A
+ * generation ends at the model's EOS ids (unless ignore_eos), a stop token id, max_tokens, the
+ * model's last position, or cpfill_request_cancel; its tokens stay readable until the request is
+ * freed.
+ *
+ * ABI: symbols are versioned (libcpfill.map): CPFILL_0.1 the prefill API, CPFILL_0.2 generation.
+ * cpfill_result never grows; cpfill_generate_params carries its own size (struct_size), so later
+ * fields can be added without breaking programs built against this header.
  */
 #ifndef CPFILL_H_
 #define CPFILL_H_
@@ -53,7 +78,7 @@ typedef struct cpfill_request cpfill_request;
 
 /* What a finished request returns. Pointers stay valid until cpfill_request_free. */
 typedef struct cpfill_result {
-  int32_t first_token;     /* greedy: the argmax of the last position's logits */
+  int32_t first_token;     /* the first token (cpfill_submit: greedy, the argmax of `logits`) */
   const float* logits;     /* [vocab_size] of the last position */
   int64_t vocab_size;
   int64_t prompt_tokens;   /* this turn's new tokens */
@@ -91,36 +116,52 @@ int cpfill_engine_run(cpfill_engine* engine);
  * batch could run, CPFILL_UNAVAILABLE when the queue is full. */
 int cpfill_submit(cpfill_engine* engine, const int32_t* tokens, size_t n, const char* session,
                   cpfill_request** request);
-/* Generation. A zeroed struct asks for one greedy token (a prefill); set max_tokens for more.
- * temperature 0 is greedy; top_k 0 keeps every token; top_p 0 is taken as 1; seed makes sampling
- * repeat token for token; generation stops at the model's EOS ids (unless ignore_eos), at
- * stop_token_ids, at max_tokens, or at the model's last position. */
+/* Generation. Fill the params with cpfill_generate_params_init (a zeroed struct is refused:
+ * struct_size 0), then set what you need. Sampling is a pure function of (seed, step): a request
+ * with temperature > 0 repeats token for token with the same seed, so give each request its own
+ * seed (from a random source) unless it should repeat. */
 typedef struct cpfill_generate_params {
-  int32_t max_tokens;             /* 1 .. 1048576 (0 is taken as 1) */
-  double temperature;             /* 0 .. 100 */
-  int32_t top_k;                  /* >= 0 */
-  double top_p;                   /* 0 .. 1 */
-  uint64_t seed;
-  int ignore_eos;                 /* 1: generate past EOS */
-  const int32_t* stop_token_ids;  /* may be NULL when num_stop_token_ids is 0 */
-  size_t num_stop_token_ids;
+  size_t struct_size;            /* sizeof(cpfill_generate_params), set by _init */
+  int32_t max_tokens;            /* 1 .. 1048576; default 16. 1: a prefill and its first token */
+  double temperature;            /* 0 .. 100; 0 is greedy; default 1 */
+  int32_t top_k;                 /* >= 0; 0 keeps every token (the default) */
+  double top_p;                  /* (0, 1]; default 1 */
+  uint64_t seed;                 /* default 0 */
+  int ignore_eos;                /* 1: generate past the model's EOS ids; default 0 */
+  const int32_t* stop_token_ids; /* stop at these too; may be NULL when num_stop_token_ids is 0 */
+  size_t num_stop_token_ids;     /* default 0 */
 } cpfill_generate_params;
 
+/* The defaults above (OpenAI's and vLLM's), and struct_size. */
+void cpfill_generate_params_init(cpfill_generate_params* params);
+
 /* Rank 0, any thread, non-blocking: as cpfill_submit, and generates up to params->max_tokens
- * tokens on the sharded KV cache (decode steps interleave with other requests' prefills). A
- * session keeps the generated tokens: its next turn sends only the new ones. NULL params: one
- * greedy token. CPFILL_INVALID_ARGUMENT naming the field for bad params. */
+ * tokens on the sharded KV cache (decode steps interleave with other requests' prefills). NULL
+ * params: the defaults. A session keeps every generated token: its next turn sends only the new
+ * ones. CPFILL_INVALID_ARGUMENT naming the field for bad params (max_tokens outside 1 .. 1048576,
+ * temperature outside 0 .. 100, top_k < 0, top_p outside (0, 1], a stop token outside the
+ * vocabulary, more tokens than the model's positions, an unknown struct_size). The tokens, the
+ * finish reason and cpfill_request_result (first_token, logits of the prompt's last position,
+ * timings) come on the request. */
 int cpfill_submit_generate(cpfill_engine* engine, const int32_t* tokens, size_t n,
                            const char* session, const cpfill_generate_params* params,
                            cpfill_request** request);
-/* The tokens generated so far, while the request runs or after (the first token first): copies
- * up to `capacity` ids into `ids` (NULL with capacity 0 to ask for the count), sets *count to
- * how many there are and *finished to 1 once the last has come. Poll it to stream tokens. */
-int cpfill_request_tokens(cpfill_request* request, int32_t* ids, size_t capacity, size_t* count,
-                          int* finished);
-/* Why a finished generation ended: "stop" (EOS or a stop id), "length" (max_tokens or the model's
- * positions) or "abort"; NULL until it finished or when it failed. Valid until the request is
- * freed. */
+/* The tokens generated so far, while the request runs or after: copies the ids from index `from`
+ * on (the first token is 0), at most `capacity` of them, into `ids` (which may be NULL when
+ * capacity is 0); sets *count to how many have been generated in all, and *finished to 1 once
+ * the last has come or the request failed (then cpfill_request_result gives its error).
+ * Non-blocking. A request of cpfill_submit has its one token here too. */
+int cpfill_request_tokens(cpfill_request* request, size_t from, int32_t* ids, size_t capacity,
+                          size_t* count, int* finished);
+/* Blocks until at least `count` tokens have been generated or the request ended (OK), or until
+ * `timeout_s` passes (CPFILL_NOT_READY); a negative timeout waits for ever. */
+int cpfill_request_wait_tokens(cpfill_request* request, size_t count, double timeout_s);
+/* Ends a generation at its next token (finish reason "abort") and frees its KV; the tokens so far
+ * stay readable. A request still queued is prefilled first. OK also when it has already ended. */
+int cpfill_request_cancel(cpfill_request* request);
+/* Why a generation ended, once its last token has come: "stop" (EOS or a stop token id),
+ * "length" (max_tokens or the model's last position) or "abort" (cancelled); NULL before that
+ * and for a request that failed. Valid until the request is freed. */
 const char* cpfill_request_finish_reason(cpfill_request* request);
 
 /* OK when the request has finished (successfully or not), CPFILL_NOT_READY otherwise. */
@@ -131,7 +172,8 @@ int cpfill_request_wait(cpfill_request* request, double timeout_s);
 /* A finished request's result, or its own error (e.g. CPFILL_RESOURCE_EXHAUSTED: it does not fit
  * the KV cache even with every idle session evicted). CPFILL_NOT_READY if not finished. */
 int cpfill_request_result(cpfill_request* request, cpfill_result* result);
-/* Frees a request; one still running is answered and discarded. NULL is ignored. */
+/* Frees a request; a generation still running is cancelled (as cpfill_request_cancel), a prefill
+ * still running is answered and discarded. NULL is ignored. */
 void cpfill_request_free(cpfill_request* request);
 
 /* Rank 0: forgets a session and frees its KV (after the requests queued before this call).

@@ -39,16 +39,18 @@ absl::Status CudaRingOps::CheckShape(const attention::AttentionShape& shape, int
   return absl::OkStatus();
 }
 
-absl::Status CudaRingOps::SetPositions(std::span<const int32_t> q_pos,
+absl::Status CudaRingOps::SetPositions(int slot, std::span<const int32_t> q_pos,
                                        std::span<const int32_t> kv_pos) {
-  CPFILL_RETURN_IF_ERROR(q_pos_.Reserve(std::max(kMinBytes, q_pos.size_bytes())));
-  CPFILL_RETURN_IF_ERROR(kv_pos_.Reserve(std::max(kMinBytes, kv_pos.size_bytes())));
-  CPFILL_CUDA_CHECK(cudaMemcpyAsync(q_pos_.As<void>(), q_pos.data(), q_pos.size_bytes(),
+  DeviceBuffer& q = q_pos_[slot];
+  DeviceBuffer& kv = kv_pos_[slot];
+  CPFILL_RETURN_IF_ERROR(q.Reserve(std::max(kMinBytes, q_pos.size_bytes())));
+  CPFILL_RETURN_IF_ERROR(kv.Reserve(std::max(kMinBytes, kv_pos.size_bytes())));
+  // From pageable memory: each copy returns once the bytes are staged, so the host spans may go
+  // (as ModelBackend::Upload); stream-ordered after the kernels that read the slot before.
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(q.As<void>(), q_pos.data(), q_pos.size_bytes(),
                                     cudaMemcpyHostToDevice, stream_));
-  CPFILL_CUDA_CHECK(cudaMemcpyAsync(kv_pos_.As<void>(), kv_pos.data(), kv_pos.size_bytes(),
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(kv.As<void>(), kv_pos.data(), kv_pos.size_bytes(),
                                     cudaMemcpyHostToDevice, stream_));
-  // The host vectors may go away once this returns. Set-up, not a ring loop.
-  CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }
 
@@ -107,6 +109,12 @@ absl::Status CudaRingOps::Merge(const attention::AttentionShape& shape, int64_t 
   }
   return attention::cuda::MergePartialsCuda(shape, rows, std::span(po, parts.size()),
                                             std::span(pl, parts.size()), o, nullptr, lse, stream_);
+}
+
+absl::Status CudaRingOps::Finish() {
+  CPFILL_RETURN_IF_ERROR(cp_.Synchronize());
+  DeviceBuffer::FreeRetired();
+  return absl::OkStatus();
 }
 
 absl::Status CudaRingOps::BeginRun(int max_marks) {

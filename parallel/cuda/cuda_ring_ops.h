@@ -20,6 +20,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <memory>
 #include <vector>
 
@@ -43,10 +44,10 @@ class CudaRingOps : public RingOps {
   size_t elem_bytes() const override { return 2; }  // bf16
   // Head dims with a kernel; CP at most kMaxMergeParts (the pass-Q merge takes all parts at once).
   absl::Status CheckShape(const attention::AttentionShape& shape, int cp_size) const override;
-  absl::Status SetPositions(std::span<const int32_t> q_pos,
+  absl::Status SetPositions(int slot, std::span<const int32_t> q_pos,
                             std::span<const int32_t> kv_pos) override;
-  const int32_t* q_positions() const override { return q_pos_.As<int32_t>(); }
-  const int32_t* kv_positions() const override { return kv_pos_.As<int32_t>(); }
+  const int32_t* q_positions(int slot) const override { return q_pos_[slot].As<int32_t>(); }
+  const int32_t* kv_positions(int slot) const override { return kv_pos_[slot].As<int32_t>(); }
   absl::StatusOr<void*> Buffer(int slot, size_t bytes) override;
   absl::Status Copy(void* dst, const void* src, size_t bytes) override;
   absl::Status Fill(void* dst, uint8_t byte, size_t bytes) override;
@@ -57,7 +58,8 @@ class CudaRingOps : public RingOps {
   absl::Status BeginRun(int max_marks) override;
   int Mark() override;  // records the next event on the stream
   double Seconds(int a, int b) const override;
-  absl::Status Finish() override { return cp_.Synchronize(); }
+  // Waits for the run (CP deadline); then the device buffers retired by growths can go.
+  absl::Status Finish() override;
   void PushRange(const char* name) override;  // NVTX
   void PopRange() override;
 
@@ -68,7 +70,7 @@ class CudaRingOps : public RingOps {
 
   NcclCommunicator& cp_;
   cudaStream_t stream_;
-  DeviceBuffer q_pos_, kv_pos_;        // the plan's positions
+  std::array<DeviceBuffer, kPositionSlots> q_pos_, kv_pos_;  // the plans' positions, by slot
   std::vector<DeviceBuffer> buffers_;  // scratch by slot
   DeviceBuffer workspace_;             // the attention kernel's
   std::vector<cudaEvent_t> events_;    // created in BeginRun, reused by every run

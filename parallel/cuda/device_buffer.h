@@ -33,8 +33,12 @@ class DeviceBuffer {
     std::swap(capacity_, o.capacity_);
     return *this;
   }
-  // At least `bytes`; a growth frees the old block first (contents are not kept).
+  // At least `bytes`; contents are not kept across a growth. The old block is retired, not
+  // freed: work already enqueued may still read it.
   absl::Status Reserve(size_t bytes);
+  // Frees every retired block. Call only once the host has waited for all the device's work
+  // (the ring's and the backend's Finish do).
+  static void FreeRetired();
   template <typename T>
   T* As(size_t offset_bytes = 0) const {
     return reinterpret_cast<T*>(static_cast<char*>(data_) + offset_bytes);

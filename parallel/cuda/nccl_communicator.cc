@@ -1,8 +1,10 @@
 #include "parallel/cuda/nccl_communicator.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <thread>
 
@@ -16,7 +18,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Enough for every event a ring run records between two Synchronize() calls (2 per operation).
+// Events reused in turn (2 per operation). Each is waited on right after it is recorded, and a
+// wait holds the record it saw, so reusing one whose work is still queued is safe: a forward
+// enqueued without host waits (hundreds of operations) may wrap around.
 constexpr size_t kEventRing = 256;
 
 #define CPFILL_NCCL_CHECK(call)                                                                 \
@@ -323,7 +327,30 @@ absl::Status CudaStream::Create() {
   return absl::OkStatus();
 }
 
+namespace {
+
+// NCCL's proxy thread (and its socket threads over TCP) run beside the rank's own thread; bound
+// to one core they wait for it: measured on two GPUs of one host over sockets, a CP2 decode
+// step's ring took 2.0x as long and a 128K prefill 2.1x as long as with `--bind-to none`.
+// mpirun binds each rank to one core by default when it starts two or fewer.
+void WarnIfBoundToOneCore(const ProcessGrid& grid) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (grid.world_size < 2 || grid.world_rank != 0 || sched_getaffinity(0, sizeof(set), &set) != 0 ||
+      CPU_COUNT(&set) != 1) {
+    return;
+  }
+  std::fprintf(stderr,
+               "cpfill: warning: world rank 0 may run on one CPU core only (its affinity mask), "
+               "and NCCL's proxy threads share it: communication between hosts (sockets, "
+               "InfiniBand) slows severalfold. Launch with `mpirun --bind-to none`, or give each "
+               "rank several cores (`--map-by ppr:N:node:pe=K`).\n");
+}
+
+}  // namespace
+
 absl::StatusOr<NcclGrid> CreateNcclGrid(const ProcessGrid& grid, CommOptions options) {
+  WarnIfBoundToOneCore(grid);
   NcclGrid out;
   // Step 0: a GPU for every rank, picked by the rank's place on its host.
   const int devices = attention::cuda::DeviceCount();

@@ -161,9 +161,11 @@ class CudaBackend : public ModelBackend {
     return phases_.End(stream_, acc, span);
   }
   double PhasesOriginUnixS() const override { return phases_.origin_unix_s(); }
-  // The TP communicator's Synchronize is the host wait with a deadline (NCCL errors included).
+  // The TP communicator's Synchronize is the host wait with a deadline (NCCL errors included);
+  // after it nothing enqueued can read the buffers that growths retired.
   absl::Status Finish() override {
     CPFILL_RETURN_IF_ERROR(nccl_.tp->Synchronize());
+    DeviceBuffer::FreeRetired();
     phases_.Collect();
     return absl::OkStatus();
   }

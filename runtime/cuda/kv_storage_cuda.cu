@@ -1,7 +1,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -92,12 +91,12 @@ class DeviceKvStorage final : public KvStorage {
   ~DeviceKvStorage() override {
     // In-flight copies may still read the run buffers or the pool.
     cudaStreamSynchronize(stream_);
-    for (cudaEvent_t e : uploaded_) {
-      if (e != nullptr) cudaEventDestroy(e);
+    for (StagingSlot& slot : slots_) {
+      cudaEventDestroy(slot.uploaded);
+      cudaFreeHost(slot.runs);
     }
-    cudaFree(device_runs_);
-    cudaFreeHost(staging_);
     for (DeviceRun* p : retired_staging_) cudaFreeHost(p);
+    cudaFree(device_runs_);
     cudaFree(pool_);
   }
 
@@ -117,8 +116,9 @@ class DeviceKvStorage final : public KvStorage {
                        " bytes are free; lower the KV capacity or memory fraction"));
     }
     CPFILL_CUDA_CHECK(rc);
-    for (cudaEvent_t& e : uploaded_) {
-      CPFILL_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    slots_.reserve(kStagingSlots);
+    while (slots_.size() < static_cast<size_t>(kStagingSlots)) {
+      CPFILL_RETURN_IF_ERROR(AddSlot());
     }
     return absl::OkStatus();
   }
@@ -126,20 +126,15 @@ class DeviceKvStorage final : public KvStorage {
   char* base() const override { return pool_; }
   bool on_device() const override { return true; }
 
+  // The device run list; staging slots grow to it when they are next taken.
   absl::Status ReserveRuns(int64_t runs) override {
     CPFILL_CHECK_ARG(runs >= 0, "KV device storage: cannot reserve ", runs, " runs");
     if (runs <= capacity_runs_) return absl::OkStatus();
     const int64_t capacity = std::max(runs, 2 * capacity_runs_);
-    const size_t slot_bytes = static_cast<size_t>(capacity) * sizeof(DeviceRun);
-    // Uploads still queued may read the old staging block: keep it until the destructor.
-    DeviceRun* staging = nullptr;
-    CPFILL_CUDA_CHECK(cudaMallocHost(&staging, slot_bytes * kStagingSlots));
-    if (staging_ != nullptr) retired_staging_.push_back(staging_);
-    staging_ = staging;
     // Stream-ordered: the old buffer goes after the kernels that read it.
     if (device_runs_ != nullptr) CPFILL_CUDA_CHECK(cudaFreeAsync(device_runs_, stream_));
     device_runs_ = nullptr;
-    CPFILL_CUDA_CHECK(cudaMallocAsync(&device_runs_, slot_bytes, stream_));
+    CPFILL_CUDA_CHECK(cudaMallocAsync(&device_runs_, capacity * sizeof(DeviceRun), stream_));
     capacity_runs_ = capacity;
     return absl::OkStatus();
   }
@@ -156,11 +151,9 @@ class DeviceKvStorage final : public KvStorage {
     CPFILL_CHECK_ARG(pool_ != nullptr, "KV device storage: CopyRuns before Allocate");
     CPFILL_RETURN_IF_ERROR(ReserveRuns(n));
 
-    // Step 1: a staging slot whose previous upload the device has done (normally long ago).
-    const int slot = next_slot_;
-    next_slot_ = (next_slot_ + 1) % kStagingSlots;
-    CPFILL_CUDA_CHECK(cudaEventSynchronize(uploaded_[slot]));
-    DeviceRun* staged = staging_ + slot * capacity_runs_;
+    // Step 1: a staging slot whose previous upload the device has done.
+    CPFILL_ASSIGN_OR_RETURN(StagingSlot * slot, TakeSlot());
+    DeviceRun* staged = slot->runs;
 
     // Step 2: the run list with each run's first chunk.
     int64_t chunks = 0, i = 0;
@@ -173,7 +166,7 @@ class DeviceKvStorage final : public KvStorage {
     // Step 3: upload, mark the slot free again once the upload is done, copy.
     CPFILL_CUDA_CHECK(cudaMemcpyAsync(device_runs_, staged, n * sizeof(DeviceRun),
                                       cudaMemcpyHostToDevice, stream_));
-    CPFILL_CUDA_CHECK(cudaEventRecord(uploaded_[slot], stream_));
+    CPFILL_CUDA_CHECK(cudaEventRecord(slot->uploaded, stream_));
     const CopyParams params{device_runs_, n, chunks};
     const int ctas = static_cast<int>(std::min(chunks, kMaxCopyCtas));
     CopyRunsKernel<<<ctas, kCopyThreads, 0, stream_>>>(params);
@@ -182,15 +175,52 @@ class DeviceKvStorage final : public KvStorage {
   }
 
  private:
+  // One upload's run list in pinned memory; free again once `uploaded` has passed.
+  struct StagingSlot {
+    DeviceRun* runs = nullptr;
+    int64_t capacity = 0;
+    cudaEvent_t uploaded = nullptr;
+  };
+
+  absl::Status AddSlot() {
+    StagingSlot slot;
+    CPFILL_CUDA_CHECK(cudaEventCreateWithFlags(&slot.uploaded, cudaEventDisableTiming));
+    slots_.push_back(slot);
+    return absl::OkStatus();
+  }
+
+  // The next slot whose upload is done, at capacity_runs_. The host never waits for the device
+  // here (it runs a whole forward ahead, and a wait would have no deadline): when every slot's
+  // upload is still queued, a new slot is added; there are at most as many as uploads in flight.
+  absl::StatusOr<StagingSlot*> TakeSlot() {
+    size_t found = slots_.size();
+    for (size_t i = 0; i < slots_.size() && found == slots_.size(); ++i) {
+      const size_t k = (next_slot_ + i) % slots_.size();
+      const cudaError_t e = cudaEventQuery(slots_[k].uploaded);  // never recorded: done
+      if (e == cudaSuccess) found = k;
+      if (e != cudaSuccess && e != cudaErrorNotReady) CPFILL_CUDA_CHECK(e);
+    }
+    if (found == slots_.size()) CPFILL_RETURN_IF_ERROR(AddSlot());
+    next_slot_ = (found + 1) % slots_.size();
+    StagingSlot& slot = slots_[found];
+    if (slot.capacity < capacity_runs_) {
+      // Its upload is done, but freeing pinned memory may wait for the device: keep it.
+      if (slot.runs != nullptr) retired_staging_.push_back(slot.runs);
+      slot.runs = nullptr;
+      CPFILL_CUDA_CHECK(cudaMallocHost(&slot.runs, capacity_runs_ * sizeof(DeviceRun)));
+      slot.capacity = capacity_runs_;
+    }
+    return &slot;
+  }
+
   cudaStream_t stream_;
   char* pool_ = nullptr;
-  // Run lists: kStagingSlots slots of capacity_runs_ runs in pinned memory, one device buffer.
+  // The run list: staging slots in pinned memory, one device buffer of capacity_runs_ runs.
   int64_t capacity_runs_ = 0;
-  DeviceRun* staging_ = nullptr;
+  std::vector<StagingSlot> slots_;
+  size_t next_slot_ = 0;
   std::vector<DeviceRun*> retired_staging_;
   DeviceRun* device_runs_ = nullptr;
-  std::array<cudaEvent_t, kStagingSlots> uploaded_{};
-  int next_slot_ = 0;
 };
 
 }  // namespace

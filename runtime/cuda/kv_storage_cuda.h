@@ -2,8 +2,9 @@
 // the whole pool, and a copy kernel that carries out a batch of copy runs in one launch.
 //
 // CopyRuns is asynchronous on the storage's stream and never waits for the device: the run list
-// is written to a pinned staging slot (one of kStagingSlots, reused in turn; a slot is reused
-// once the device has taken its previous upload, normally long done), uploaded with
+// is written to a pinned staging slot (kStagingSlots to begin with, reused in turn once the
+// device has taken a slot's previous upload; when none has, as when the host runs a forward's
+// layers ahead of the device, a slot is added rather than waited for), uploaded with
 // cudaMemcpyAsync to a device buffer owned by the storage, and read there by the kernel. Stream
 // order keeps the device buffer safe: the next upload runs after the previous kernel. The
 // buffers are sized at KvCache::Create (ReserveRuns) and grown geometrically when a batch needs
@@ -34,7 +35,7 @@
 namespace cpfill::runtime::cuda {
 
 inline constexpr int64_t kCopyChunkBytes = 16 * 1024;
-inline constexpr int kStagingSlots = 4;
+inline constexpr int kStagingSlots = 4;  // made with the pool; more are added as needed
 
 // Device storage on `stream` (not owned; it must outlive the storage). The storage's destructor
 // synchronizes the stream before freeing its memory.

@@ -5,14 +5,19 @@
  * Every rank creates the engine with the flags it was given; rank 0 submits a few prompts and a
  * two-turn session, waits for them, and prints one line per answer:
  *   prompt <i>: first_token <t> prompt_tokens <n> cached_tokens <c> ...
- * then generates 12 greedy tokens after prompt 1, reading them as they come:
- *   generate: tokens <ids> finish length reads <k>
+ * then generates 12 tokens after prompt 1, greedy and sampled, reading them as they come,
+ * cancels a long generation, and has bad generation params refused:
+ *   greedy: tokens <ids> finish length reads <k>
+ *   sampled: tokens <ids> finish length reads <k>
+ *   cancel: tokens <n> of 4000 finish abort
+ *   bad params refused: <message naming the field>      (8 lines)
  * the other ranks lend themselves to the engine until rank 0 shuts it down. Prompt i has
  * kLens[i] tokens, token j being (i * 7919 + j * 31) % vocab, so a test can prefill the same
  * prompts one-shot and compare. Exits 0 when everything behaved as documented, 1 otherwise.
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpfill.h"
 
@@ -33,61 +38,123 @@ static int Check(int status, const char* what) {
 /* Waits for a request and prints its answer; 1 on success. */
 static int Finish(cpfill_request* r, const char* label) {
   cpfill_result res;
-  int ok = Check(cpfill_request_wait(r, -1.0), "wait") &&
-           Check(cpfill_request_result(r, &res), label);
+  int ok =
+      Check(cpfill_request_wait(r, -1.0), "wait") && Check(cpfill_request_result(r, &res), label);
   if (ok) {
-    printf("%s: first_token %d prompt_tokens %lld cached_tokens %lld batch_requests %d "
-           "queue_ms %.2f prefill_ms %.2f algorithm %s\n",
-           label, res.first_token, (long long)res.prompt_tokens, (long long)res.cached_tokens,
-           res.batch_requests, res.queue_s * 1e3, res.prefill_s * 1e3, res.algorithm);
+    printf(
+        "%s: first_token %d prompt_tokens %lld cached_tokens %lld batch_requests %d "
+        "queue_ms %.2f prefill_ms %.2f algorithm %s\n",
+        label, res.first_token, (long long)res.prompt_tokens, (long long)res.cached_tokens,
+        res.batch_requests, res.queue_s * 1e3, res.prefill_s * 1e3, res.algorithm);
   }
   cpfill_request_free(r);
   return ok;
 }
 
-/* Greedy generation of kGenerated tokens after prompt 1, streamed: the tokens so far are read
- * while it runs. Prints "generate: tokens <ids> finish <reason> reads <k>"; then bad params are
- * refused by name. 1 on success. */
+/* Generates kGenerated tokens after prompt 1, streamed: each wait returns when a new token has
+ * come, and only the new ones are copied out. Prints
+ *   <label>: tokens <ids> finish <reason> reads <k>
+ * 1 on success. */
 enum { kGenerated = 12 };
-static int Generate(cpfill_engine* e, int64_t vocab) {
+static int Stream(cpfill_engine* e, int64_t vocab, const char* label,
+                  const cpfill_generate_params* g) {
   int32_t* prompt = Prompt(1, kLens[1], vocab);
-  cpfill_generate_params g = {0};
-  g.max_tokens = kGenerated;
-  g.ignore_eos = 1;
   cpfill_request* r;
-  int ok = Check(cpfill_submit_generate(e, prompt, (size_t)kLens[1], NULL, &g, &r), "generate");
-  if (!ok) {
-    free(prompt);
-    return 0;
-  }
+  int ok = Check(cpfill_submit_generate(e, prompt, (size_t)kLens[1], NULL, g, &r), label);
+  free(prompt);
+  if (!ok) return 0;
   int32_t ids[kGenerated];
-  size_t count = 0;
+  size_t have = 0, count = 0;
   int done = 0, reads = 0;
   while (ok && !done) {
-    cpfill_request_wait(r, 0.002); /* NOT_READY until the last token: only a pause */
-    ok = Check(cpfill_request_tokens(r, ids, kGenerated, &count, &done), "tokens");
+    ok = Check(cpfill_request_wait_tokens(r, have + 1, 60.0), "wait tokens") &&
+         Check(cpfill_request_tokens(r, have, ids + have, kGenerated - have, &count, &done),
+               "tokens");
+    have = count < kGenerated ? count : kGenerated;
     ++reads;
   }
-  ok = ok && Check(cpfill_request_wait(r, -1.0), "wait");
   const char* reason = cpfill_request_finish_reason(r);
   if (ok) {
-    printf("generate: tokens");
-    for (size_t i = 0; i < count && i < kGenerated; ++i) printf(" %d", ids[i]);
+    printf("%s: tokens", label);
+    for (size_t i = 0; i < have; ++i) printf(" %d", ids[i]);
     printf(" finish %s reads %d\n", reason ? reason : "(none)", reads);
   }
   cpfill_request_free(r);
-  /* A negative max_tokens and a top_p above 1 are refused, naming the field. */
-  g.max_tokens = -1;
-  int refused = cpfill_submit_generate(e, prompt, 4, NULL, &g, &r) == CPFILL_INVALID_ARGUMENT;
-  if (refused) printf("bad params refused: %s\n", cpfill_last_error());
-  g.max_tokens = 4;
-  g.top_p = 1.5;
-  refused = refused &&
-            cpfill_submit_generate(e, prompt, 4, NULL, &g, &r) == CPFILL_INVALID_ARGUMENT;
-  if (refused) printf("bad params refused: %s\n", cpfill_last_error());
-  free(prompt);
-  if (!refused) fprintf(stderr, "example: bad generation params were not refused\n");
-  return ok && refused;
+  return ok;
+}
+
+/* Greedy, then sampled with a seed (which a test repeats with `cpfill generate`). */
+static int Generate(cpfill_engine* e, int64_t vocab) {
+  cpfill_generate_params g;
+  cpfill_generate_params_init(&g);
+  g.max_tokens = kGenerated;
+  g.temperature = 0;
+  g.ignore_eos = 1;
+  int ok = Stream(e, vocab, "greedy", &g);
+  g.temperature = 0.9;
+  g.top_k = 50;
+  g.top_p = 0.95;
+  g.seed = 7;
+  return Stream(e, vocab, "sampled", &g) && ok;
+}
+
+/* A long generation cancelled after its first tokens ends at once with finish reason "abort".
+ * Prints "cancel: tokens <n> of <max> finish <reason>"; 1 on success. */
+static int CancelLong(cpfill_engine* e) {
+  const int32_t prompt[4] = {1, 2, 3, 4};
+  cpfill_generate_params g;
+  cpfill_generate_params_init(&g);
+  g.max_tokens = 4000;
+  g.ignore_eos = 1;
+  g.seed = 5;
+  cpfill_request* r;
+  if (!Check(cpfill_submit_generate(e, prompt, 4, NULL, &g, &r), "generate")) return 0;
+  size_t count = 0;
+  int done = 0;
+  /* More tokens than it will ever have: the wait times out while it runs, and returns at once
+   * once it has ended. */
+  const size_t never = (size_t)g.max_tokens + 1;
+  int ok = Check(cpfill_request_wait_tokens(r, 3, 60.0), "wait tokens") &&
+           cpfill_request_wait_tokens(r, never, 0.01) == CPFILL_NOT_READY &&
+           Check(cpfill_request_cancel(r), "cancel") &&
+           Check(cpfill_request_wait_tokens(r, never, -1.0), "wait tokens after the end") &&
+           Check(cpfill_request_wait(r, 60.0), "wait") &&
+           Check(cpfill_request_tokens(r, 0, NULL, 0, &count, &done), "tokens");
+  const char* reason = cpfill_request_finish_reason(r);
+  if (ok)
+    printf("cancel: tokens %zu of %d finish %s\n", count, g.max_tokens, reason ? reason : "(none)");
+  cpfill_request_free(r);
+  return ok && done && reason != NULL;
+}
+
+/* Bad params are refused at once, each message naming its field. Prints one line each:
+ *   bad params refused: <message>
+ * 1 when every one was refused. */
+enum { kBadParams = 8 };
+static int RefuseBadParams(cpfill_engine* e) {
+  const int32_t prompt[4] = {1, 2, 3, 4};
+  cpfill_generate_params bad[kBadParams];
+  for (int k = 0; k < kBadParams; ++k) cpfill_generate_params_init(&bad[k]);
+  memset(&bad[0], 0, sizeof bad[0]); /* never initialized: struct_size 0 */
+  bad[1].max_tokens = 0;
+  bad[2].max_tokens = -1;
+  bad[3].top_p = 1.5;
+  bad[4].top_p = 0;
+  bad[5].temperature = -1;
+  bad[6].top_k = -1;
+  bad[7].num_stop_token_ids = 2; /* with stop_token_ids NULL */
+  int refused = 0;
+  for (int k = 0; k < kBadParams; ++k) {
+    cpfill_request* r = NULL;
+    if (cpfill_submit_generate(e, prompt, 4, NULL, &bad[k], &r) == CPFILL_INVALID_ARGUMENT) {
+      printf("bad params refused: %s\n", cpfill_last_error());
+      ++refused;
+    } else {
+      fprintf(stderr, "example: bad generation params %d were not refused\n", k);
+      cpfill_request_free(r);
+    }
+  }
+  return refused == kBadParams;
 }
 
 /* Rank 0: three prompts submitted together (one fused batch), then a session of two turns. */
@@ -125,13 +192,14 @@ static int Serve(cpfill_engine* e) {
     printf("refused as expected: %s\n", cpfill_last_error());
   }
   ok = Check(cpfill_session_end(e, "chat"), "session end") && ok;
-  return Generate(e, vocab) && ok;
+  ok = Generate(e, vocab) && ok;
+  ok = CancelLong(e) && ok;
+  return RefuseBadParams(e) && ok;
 }
 
 int main(int argc, char** argv) {
   cpfill_engine* e = NULL;
-  if (!Check(cpfill_engine_create(argc - 1, (const char* const*)(argv + 1), NULL, &e),
-             "create")) {
+  if (!Check(cpfill_engine_create(argc - 1, (const char* const*)(argv + 1), NULL, &e), "create")) {
     return 2;
   }
   int ok;

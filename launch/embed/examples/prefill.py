@@ -7,8 +7,14 @@
 Every rank creates the engine; rank 0 submits the same prompts as the C example (prompt i has
 LENS[i] tokens, token j = (i * 7919 + j * 31) % vocab) from several threads at once, as an
 asyncio or threaded server would, plus a two-turn session; it prints one line per answer and
-the top-5 logits of the first prompt. The other ranks run the worker loop until rank 0 shuts
-the engine down. Exits 0 when everything behaved as documented.
+the top-5 logits of the first prompt. Then it generates after prompt 1 from two threads at once,
+greedy and sampled with a seed, each streaming its tokens as they come (while a third thread
+waits for the greedy one to finish), and has bad generation params refused:
+    greedy: tokens <ids> finish length reads <k>
+    sampled: tokens <ids> finish length reads <k>
+    bad params refused: <message naming the field>
+The other ranks run the worker loop until rank 0 shuts the engine down. Exits 0 when everything
+behaved as documented.
 """
 import ctypes
 import sys
@@ -16,6 +22,7 @@ import threading
 
 LENS = [300, 77, 1000]
 TURN2 = 50
+GENERATED = 12
 OK, INVALID_ARGUMENT, NOT_READY = 0, 1, 6
 
 
@@ -25,6 +32,14 @@ class Result(ctypes.Structure):
                 ("cached_tokens", ctypes.c_int64), ("recomputed", ctypes.c_int),
                 ("batch_requests", ctypes.c_int), ("queue_s", ctypes.c_double),
                 ("prefill_s", ctypes.c_double), ("algorithm", ctypes.c_char_p)]
+
+
+class GenerateParams(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("max_tokens", ctypes.c_int32),
+                ("temperature", ctypes.c_double), ("top_k", ctypes.c_int32),
+                ("top_p", ctypes.c_double), ("seed", ctypes.c_uint64), ("ignore_eos", ctypes.c_int),
+                ("stop_token_ids", ctypes.POINTER(ctypes.c_int32)),
+                ("num_stop_token_ids", ctypes.c_size_t)]
 
 
 class CpfillError(RuntimeError):
@@ -46,6 +61,17 @@ def load(path):
         "cpfill_engine_run": (ctypes.c_int, [P]),
         "cpfill_submit": (ctypes.c_int, [P, ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
                                          ctypes.c_char_p, ctypes.POINTER(P)]),
+        "cpfill_generate_params_init": (None, [ctypes.POINTER(GenerateParams)]),
+        "cpfill_submit_generate": (ctypes.c_int, [P, ctypes.POINTER(ctypes.c_int32),
+                                                  ctypes.c_size_t, ctypes.c_char_p,
+                                                  ctypes.POINTER(GenerateParams),
+                                                  ctypes.POINTER(P)]),
+        "cpfill_request_tokens": (ctypes.c_int, [P, ctypes.c_size_t,
+                                                 ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t,
+                                                 ctypes.POINTER(ctypes.c_size_t),
+                                                 ctypes.POINTER(ctypes.c_int)]),
+        "cpfill_request_wait_tokens": (ctypes.c_int, [P, ctypes.c_size_t, ctypes.c_double]),
+        "cpfill_request_finish_reason": (ctypes.c_char_p, [P]),
         "cpfill_request_wait": (ctypes.c_int, [P, ctypes.c_double]),
         "cpfill_request_result": (ctypes.c_int, [P, ctypes.POINTER(Result)]),
         "cpfill_request_free": (None, [P]),
@@ -93,6 +119,44 @@ class Engine:
             self.lib.cpfill_request_free(req)
 
 
+    def params(self, **fields):
+        """cpfill_generate_params: the library's defaults, then `fields`."""
+        p = GenerateParams()
+        self.lib.cpfill_generate_params_init(ctypes.byref(p))
+        for name, value in fields.items():
+            setattr(p, name, value)
+        return p
+
+    def submit_generate(self, tokens, params, session=None):
+        ids = (ctypes.c_int32 * len(tokens))(*tokens)
+        req = ctypes.c_void_p()
+        self.check(self.lib.cpfill_submit_generate(self.handle, ids, len(tokens),
+                                                   session.encode() if session else None,
+                                                   ctypes.byref(params), ctypes.byref(req)),
+                   "submit_generate")
+        return req
+
+    def stream(self, req, on_tokens, capacity=64):
+        """Calls on_tokens(new_ids) as tokens come; returns the finish reason. Each wait returns
+        on a new token (or the end), and only the new ids are copied out."""
+        buf = (ctypes.c_int32 * capacity)()
+        have, count, done = 0, ctypes.c_size_t(), ctypes.c_int(0)
+        while not done.value:
+            self.check(self.lib.cpfill_request_wait_tokens(req, have + 1, 60.0), "wait_tokens")
+            while True:  # more may have come than the buffer holds
+                self.check(self.lib.cpfill_request_tokens(req, have, buf, capacity,
+                                                          ctypes.byref(count), ctypes.byref(done)),
+                           "tokens")
+                new = buf[:min(count.value - have, capacity)]
+                if new:
+                    on_tokens(new)
+                have += len(new)
+                if have == count.value:
+                    break
+        reason = self.lib.cpfill_request_finish_reason(req)
+        return reason.decode() if reason else None
+
+
 def prompt(i, n, vocab):
     return [(i * 7919 + j * 31) % vocab for j in range(n)]
 
@@ -124,7 +188,62 @@ def serve(engine):
         if e.code != INVALID_ARGUMENT:
             return False
     engine.check(engine.lib.cpfill_session_end(engine.handle, b"chat"), "session end")
-    return True
+    return generate(engine) and refuse_bad_params(engine)
+
+
+def generate(engine):
+    """Two generations after prompt 1 at once, each streamed on its own thread; a third thread
+    waits for the greedy one while it streams (calls on one request may overlap)."""
+    runs = {"greedy": engine.params(max_tokens=GENERATED, temperature=0.0, ignore_eos=1),
+            "sampled": engine.params(max_tokens=GENERATED, temperature=0.9, top_k=50, top_p=0.95,
+                                     seed=7, ignore_eos=1)}
+    lines, errors = {}, []
+    reqs = {label: engine.submit_generate(prompt(1, LENS[1], engine.vocab), p)
+            for label, p in runs.items()}
+
+    def consume(label):
+        try:
+            pieces = []
+            reason = engine.stream(reqs[label], pieces.append)
+            ids = [t for piece in pieces for t in piece]
+            lines[label] = (f"{label}: tokens {' '.join(map(str, ids))} finish {reason} "
+                            f"reads {len(pieces)}")
+        except CpfillError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(label,)) for label in runs]
+    threads.append(threading.Thread(
+        target=lambda: engine.check(engine.lib.cpfill_request_wait(reqs["greedy"], -1.0), "wait")))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for req in reqs.values():
+        engine.lib.cpfill_request_free(req)
+    for label in runs:
+        if label in lines:
+            print(lines[label], flush=True)
+    for e in errors:
+        print(f"example: {e}", file=sys.stderr)
+    return not errors and len(lines) == len(runs)
+
+
+def refuse_bad_params(engine):
+    """Each bad field is refused at once with CPFILL_INVALID_ARGUMENT, the message naming it."""
+    bad = [GenerateParams(),  # never initialized: struct_size 0
+           engine.params(max_tokens=0), engine.params(max_tokens=-1), engine.params(top_p=1.5),
+           engine.params(top_p=0.0), engine.params(temperature=-1.0), engine.params(top_k=-1),
+           engine.params(num_stop_token_ids=2)]  # with stop_token_ids NULL
+    ok = True
+    for p in bad:
+        try:
+            engine.lib.cpfill_request_free(engine.submit_generate([1, 2, 3, 4], p))
+            print("example: bad generation params were not refused", file=sys.stderr)
+            ok = False
+        except CpfillError as e:
+            print(f"bad params refused: {engine.lib.cpfill_last_error().decode()}", flush=True)
+            ok = ok and e.code == INVALID_ARGUMENT
+    return ok
 
 
 def main():
