@@ -1,4 +1,4 @@
-// cpfill/base/random.h — counter-based random numbers: any element of a synthetic tensor can be
+// cpfill/base/random.h — stable hashes and counter-based random numbers: any element of a synthetic tensor can be
 // generated from (seed, stream, index) alone, so every rank makes exactly its own shard of a batch
 // and a single-rank reference makes the whole batch, bit-identical, with no communication.
 //
@@ -6,8 +6,20 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 namespace cpfill {
+
+// FNV-1a, 64 bits: a hash of bytes that every process and build agrees on (std::hash does not
+// promise that): synthetic weights' tensor names, the KV hand-off's compatibility hash.
+inline uint64_t Fnv1a64(std::string_view bytes) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (const char c : bytes) {
+    hash ^= static_cast<unsigned char>(c);
+    hash *= 0x100000001b3ull;
+  }
+  return hash;
+}
 
 // SplitMix64 finaliser: a bijective mix with full avalanche, the usual counter-based generator.
 inline uint64_t Mix64(uint64_t x) {

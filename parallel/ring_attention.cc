@@ -682,6 +682,7 @@ absl::Status RingAttention::Run(RingAlgorithm algorithm, const void* q, const vo
     }
   }
   t->total_s = SecondsSince(t0);
+  options_.paged_kv = nullptr;  // the caller's, valid during the call only (`wait` is kept)
   return status;
 }
 

@@ -347,18 +347,33 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
 
   if (r.kv_in_place) CPFILL_RETURN_IF_ERROR(UploadBlockTables(r));
 
-  CPFILL_RETURN_IF_ERROR(be.BeginPhase());
-  CPFILL_RETURN_IF_ERROR(be.Embed(r.ids, be.weights().embedding, &r.x));
-  CPFILL_RETURN_IF_ERROR(be.EndPhase(
-      &t.embed_s, options_.record_spans ? AddSpan(t, "embedding", "compute") : nullptr));
-  for (int l = 0; l < c.num_layers; ++l) {
-    CPFILL_RETURN_IF_ERROR(Layer(l, r, t));
-    if (progress) progress(l);
+  if (absl::Status s = EnqueueLayers(r, t, progress); !s.ok()) {
+    // The layers before the failure are enqueued and may still write the KV blocks that the
+    // caller's roll-back frees: wait for them (each wait has its deadline) before returning.
+    r.ring->Finish().IgnoreError();
+    be.Finish().IgnoreError();
+    return s;
   }
   // The one host wait of the forward: the rings' (CP, with its deadline), then the backend's.
   CPFILL_RETURN_IF_ERROR(r.ring->Finish());
   CPFILL_RETURN_IF_ERROR(be.Finish());
   t.spans_origin_unix_s = be.PhasesOriginUnixS();
+  return absl::OkStatus();
+}
+
+// The embedding and every layer, enqueued on the backend without a host wait; `progress(l)`
+// once layer l is enqueued.
+absl::Status LlamaModel::EnqueueLayers(Running& r, PrefillTimings& t,
+                                       const std::function<void(int)>& progress) {
+  ModelBackend& be = *backend_;
+  CPFILL_RETURN_IF_ERROR(be.BeginPhase());
+  CPFILL_RETURN_IF_ERROR(be.Embed(r.ids, be.weights().embedding, &r.x));
+  CPFILL_RETURN_IF_ERROR(be.EndPhase(
+      &t.embed_s, options_.record_spans ? AddSpan(t, "embedding", "compute") : nullptr));
+  for (int l = 0; l < config_.num_layers; ++l) {
+    CPFILL_RETURN_IF_ERROR(Layer(l, r, t));
+    if (progress) progress(l);
+  }
   return absl::OkStatus();
 }
 
@@ -388,6 +403,27 @@ absl::Status LlamaModel::UploadBlockTables(Running& r) {
       backend_->Scratch(kBlockTable, ElemType::kI32, std::max(entries, kv_->num_blocks()), 1));
   r.block_table.rows = entries;
   return entries == 0 ? absl::OkStatus() : backend_->Upload(table.data(), &r.block_table);
+}
+
+// Layer l's attention over the CP ring, enqueued without a host wait (Forward waits once): K/V
+// from the rows gathered out of the cache, or read in place from this layer's pools through the
+// block tables (decode steps).
+absl::Status LlamaModel::AttentionRing(int l, Running& r) {
+  parallel::RunOptions run{.wait = false};
+  const void* k = r.k_all.data;
+  const void* v = r.v_all.data;
+  const attention::PagedKv paged{.table = r.block_table.As<int32_t>(),
+                                 .block_tokens = kv_->spec().block_tokens,
+                                 .block_stride_bytes = kv_->spec().block_bytes(),
+                                 .seq_kv_begin = r.seq_kv_begin,
+                                 .seq_table_begin = r.seq_table_begin};
+  if (r.kv_in_place) {
+    k = kv_->BlockAddress(l, 0, 0);
+    v = kv_->BlockAddress(l, 1, 0);
+    run.paged_kv = &paged;
+  }
+  return r.ring->Run(r.algorithms, r.q.data, k, v, r.attn.As<float>(), r.lse.As<float>(), nullptr,
+                     nullptr, run);
 }
 
 // One decoder layer on this rank's rows, each phase timed on its own.
@@ -433,23 +469,7 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
   }));
   const bool convert = be.compute_type() != ElemType::kF32;
   CPFILL_RETURN_IF_ERROR(phase(t.attention_s, "attention ring", [&]() -> absl::Status {
-    // Enqueued without a host wait (Forward waits once); K/V from the gathered rows, or from
-    // this layer's pools through the block tables.
-    parallel::RunOptions run{.wait = false};
-    const void* k = r.k_all.data;
-    const void* v = r.v_all.data;
-    const attention::PagedKv paged{.table = r.block_table.As<int32_t>(),
-                                   .block_tokens = kv_->spec().block_tokens,
-                                   .block_stride_bytes = kv_->spec().block_bytes(),
-                                   .seq_kv_begin = r.seq_kv_begin,
-                                   .seq_table_begin = r.seq_table_begin};
-    if (r.kv_in_place) {
-      k = kv_->BlockAddress(l, 0, 0);
-      v = kv_->BlockAddress(l, 1, 0);
-      run.paged_kv = &paged;
-    }
-    CPFILL_RETURN_IF_ERROR(r.ring->Run(r.algorithms, r.q.data, k, v, r.attn.As<float>(),
-                                       r.lse.As<float>(), nullptr, nullptr, run));
+    CPFILL_RETURN_IF_ERROR(AttentionRing(l, r));
     return convert ? be.Convert(r.attn, &r.attn_compute) : absl::OkStatus();
   }));
   CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, "o proj", [&] {

@@ -51,7 +51,8 @@ class LlamaModel {
   // Collective over the world. InvalidArgument for token ids outside the vocabulary or
   // malformed requests; ResourceExhausted (on every rank, before any work) when the batch does
   // not fit the KV cache of some rank. On any error the KV cache and the sessions are as they
-  // were. `progress(layer)` runs after each layer.
+  // were. `progress(layer)` runs once each layer is issued (on a GPU, enqueued: the device may
+  // still be running it; the call returns after all of them have run).
   absl::StatusOr<std::vector<SequenceOutput>> Prefill(const std::vector<PrefillRequest>& batch,
                                                       PrefillTimings* timings,
                                                       const std::function<void(int)>& progress);
@@ -105,7 +106,10 @@ class LlamaModel {
   void RollBackKv(const Running& r);
   absl::Status UploadBlockTables(Running& r);
   absl::Status Forward(Running& r, PrefillTimings& t, const std::function<void(int)>& progress);
+  absl::Status EnqueueLayers(Running& r, PrefillTimings& t,
+                             const std::function<void(int)>& progress);
   absl::Status Layer(int layer, Running& r, PrefillTimings& t);
+  absl::Status AttentionRing(int layer, Running& r);
   absl::StatusOr<std::vector<SequenceOutput>> LastLogits(const Running& r, PrefillTimings& t);
   void Commit(const std::vector<PrefillRequest>& batch, const Running& r);
 

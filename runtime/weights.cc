@@ -295,17 +295,6 @@ void TieLmHead(const ModelConfig& config, ModelWeights& w) {
   w.lm_head.assign(begin, begin + rows * d);
 }
 
-// A stable 64-bit hash of a tensor name (FNV-1a): synthetic weights must not depend on the
-// standard library's std::hash.
-uint64_t NameHash(std::string_view name) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const char c : name) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
 // Runs fn(row) for every row on this rank's share of the host's cores: making or converting the
 // weights of a large model row by row on one thread takes minutes (8B: about 80 s).
 void ParallelRows(int64_t rows, const std::function<void(int64_t)>& fn) {
@@ -354,7 +343,7 @@ absl::StatusOr<ModelWeights> SyntheticWeights(const ModelConfig& config, uint64_
   // Uniform on [-a, a] has standard deviation a / sqrt(3).
   const float matrix_scale = static_cast<float>(0.02 * std::sqrt(3.0));
   for (const TensorSpec& t : ModelTensors(config)) {
-    const uint64_t stream = Mix64(NameHash(t.name));
+    const uint64_t stream = Mix64(Fnv1a64(t.name));
     const Block b = SliceOf(t, tp_rank, tp_size);
     std::vector<float>& out = t.In(w);
     out.resize(static_cast<size_t>(b.nrows * b.ncols));

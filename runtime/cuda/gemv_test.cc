@@ -9,10 +9,12 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/knobs.h"
 #include "gtest/gtest.h"
 
 namespace cpfill::runtime::cuda {
@@ -30,15 +32,25 @@ class SmallBatchLinearTest : public ::testing::Test {
       cudaGetLastError();
       GTEST_SKIP() << "no CUDA device visible: the small-batch linear tests need a GPU host";
     }
+    if (!knobs::Bool(knobs::kDecodeGemv)) {
+      GTEST_SKIP() << "CPFILL_DECODE_GEMV=0 turns the small-batch kernel off";
+    }
   }
 };
 
+// Device memory freed when the test leaves, an ASSERT's early return included.
+struct CudaFree {
+  void operator()(void* p) const { cudaFree(p); }
+};
 template <typename T>
-T* ToDevice(const std::vector<T>& host) {
+using DevicePtr = std::unique_ptr<T, CudaFree>;
+
+template <typename T>
+DevicePtr<T> ToDevice(const std::vector<T>& host) {
   void* p = nullptr;
   if (cudaMalloc(&p, std::max<size_t>(16, host.size() * sizeof(T))) != cudaSuccess) return nullptr;
   cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
-  return static_cast<T*>(p);
+  return DevicePtr<T>(static_cast<T*>(p));
 }
 
 // y = x w^T on the GPU against fp64 on the same bf16 numbers. The bound scales with the sum of
@@ -50,21 +62,18 @@ void Check(int64_t tokens, int64_t in, int64_t out, bool y_f32, uint64_t seed) {
   std::vector<Bf16> x(tokens * in), w(out * in);
   for (Bf16& e : x) e = __float2bfloat16(u(rng));
   for (Bf16& e : w) e = __float2bfloat16(u(rng));
-  Bf16* dx = ToDevice(x);
-  Bf16* dw = ToDevice(w);
+  const DevicePtr<Bf16> dx = ToDevice(x), dw = ToDevice(w);
   const size_t y_bytes = tokens * out * (y_f32 ? 4 : 2);
   std::vector<uint8_t> poison(y_bytes, 0xFF);  // NaN in fp32 and in bf16
-  uint8_t* dy = ToDevice(poison);
+  const DevicePtr<uint8_t> dy = ToDevice(poison);
   ASSERT_TRUE(dx && dw && dy) << what;
-  ASSERT_TRUE(SmallBatchLinearApplies(tokens, in, dx, dw, dy)) << what;
-  const absl::Status s = SmallBatchLinear(dx, tokens, in, dw, out, dy, y_f32, nullptr);
+  ASSERT_TRUE(SmallBatchLinearApplies(tokens, in, dx.get(), dw.get(), dy.get())) << what;
+  const absl::Status s =
+      SmallBatchLinear(dx.get(), tokens, in, dw.get(), out, dy.get(), y_f32, nullptr);
   ASSERT_TRUE(s.ok()) << what << ": " << s;
   ASSERT_CUDA(cudaDeviceSynchronize());
   std::vector<uint8_t> y(y_bytes);
-  ASSERT_CUDA(cudaMemcpy(y.data(), dy, y_bytes, cudaMemcpyDeviceToHost));
-  cudaFree(dx);
-  cudaFree(dw);
-  cudaFree(dy);
+  ASSERT_CUDA(cudaMemcpy(y.data(), dy.get(), y_bytes, cudaMemcpyDeviceToHost));
 
   int64_t bad = 0;
   double worst = 0;
@@ -106,14 +115,14 @@ TEST_F(SmallBatchLinearTest, RowsThatEndInsideTheUnrolledStride) {
 
 TEST_F(SmallBatchLinearTest, RefusesWhatItCannotRun) {
   std::vector<Bf16> buf(64);
-  Bf16* d = ToDevice(buf);
+  const DevicePtr<Bf16> owned = ToDevice(buf);
+  Bf16* d = owned.get();
   ASSERT_NE(d, nullptr);
   EXPECT_FALSE(SmallBatchLinearApplies(kSmallBatchMaxTokens + 1, 16, d, d, d));
   EXPECT_FALSE(SmallBatchLinearApplies(1, 12, d, d, d));      // not a multiple of 8
   EXPECT_FALSE(SmallBatchLinearApplies(1, 16, d + 1, d, d));  // x misaligned
   const absl::Status s = SmallBatchLinear(d, 9, 16, d, 2, d, true, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  cudaFree(d);
 }
 
 }  // namespace
