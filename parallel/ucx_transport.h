@@ -37,6 +37,16 @@
 // Over transports that emulate RMA in software (tcp), a get completes only while the *remote*
 // worker is progressed too: the prefill side must call Progress() often enough (or from its own
 // thread) for pulls to move.
+//
+// Known UCX 1.13 hazard (Debian's build, assertions on): a worker that still holds a wire-up reply
+// it has not sent (a peer connected, and this worker was not progressed before it was destroyed,
+// or before the peer's connection failed) aborts the process in an assertion
+// (ucp_request_send_state_ff: "got REP message"). Seen in this file's tests about one run in
+// five until every endpoint they open completes its wire-up; progressing and flushing the worker
+// before destroying it did not help (the reply then fails inside ucp_worker_progress). A prefill
+// server must progress its worker continually (its own thread) so replies leave at once; whether
+// a peer that connects and vanishes within that window can still abort it, and whether newer UCX
+// fixes this, is not yet known.
 #pragma once
 
 #include <atomic>

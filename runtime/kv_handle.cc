@@ -402,21 +402,23 @@ OrderedJson RankJson(const KvRankShard& s) {
   for (const sharding::PositionRun& run : s.positions) {
     positions.push_back({run.begin, run.end()});
   }
-  return {{"tp_rank", s.tp_rank},
-          {"cp_rank", s.cp_rank},
-          {"positions", std::move(positions)},
-          {"blocks", s.blocks},
-          {"pool",
-           {{"bytes", s.pool.bytes},
-            {"num_blocks", s.pool.num_blocks},
-            {"block_stride_bytes", s.pool.block_stride_bytes},
-            {"layer_stride_bytes", s.pool.layer_stride_bytes},
-            {"k_offset_bytes", s.pool.k_offset_bytes},
-            {"v_offset_bytes", s.pool.v_offset_bytes}}},
-          {"ucx",
-           {{"worker_address", absl::Base64Escape(s.transport.worker_address)},
-            {"rkey", absl::Base64Escape(s.transport.rkey)},
-            {"pool_address", absl::StrCat("0x", absl::Hex(s.transport.pool_address))}}}};
+  OrderedJson rank = {{"tp_rank", s.tp_rank},
+                      {"cp_rank", s.cp_rank},
+                      {"positions", std::move(positions)},
+                      {"blocks", s.blocks},
+                      {"pool",
+                       {{"bytes", s.pool.bytes},
+                        {"num_blocks", s.pool.num_blocks},
+                        {"block_stride_bytes", s.pool.block_stride_bytes},
+                        {"layer_stride_bytes", s.pool.layer_stride_bytes},
+                        {"k_offset_bytes", s.pool.k_offset_bytes},
+                        {"v_offset_bytes", s.pool.v_offset_bytes}}}};
+  // No transport yet: no "ucx" at all, so the handle cannot be mistaken for a pullable one.
+  if (s.transport.empty()) return rank;
+  rank["ucx"] = {{"worker_address", absl::Base64Escape(s.transport.worker_address)},
+                 {"rkey", absl::Base64Escape(s.transport.rkey)},
+                 {"pool_address", absl::StrCat("0x", absl::Hex(s.transport.pool_address))}};
+  return rank;
 }
 
 }  // namespace
@@ -482,7 +484,7 @@ std::string KvCompatHash(const KvHandleLayout& l) {
 
 std::string KvHandle::compat_hash() const { return KvCompatHash(layout); }
 
-absl::Status ValidateKvHandle(const KvHandle& handle) {
+absl::Status ValidateKvHandle(const KvHandle& handle, KvTransportCheck transport) {
   CPFILL_RETURN_IF_ERROR(ValidateIds(handle));
   CPFILL_RETURN_IF_ERROR(ValidateLayout(handle.layout));
   const KvHandleLayout& l = handle.layout;
@@ -506,7 +508,9 @@ absl::Status ValidateKvHandle(const KvHandle& handle) {
                                               l.row_bytes() * l.block_tokens,  // <= 2^38
                                               "kv handle: ", Path(path, "pool")));
     CPFILL_RETURN_IF_ERROR(ValidateBlocks(shard, l.block_tokens, path));
-    CPFILL_RETURN_IF_ERROR(ValidateTransport(shard.transport, shard.pool.bytes, path));
+    if (transport == KvTransportCheck::kRequired || !shard.transport.empty()) {
+      CPFILL_RETURN_IF_ERROR(ValidateTransport(shard.transport, shard.pool.bytes, path));
+    }
   }
   return ValidateCoverage(handle);
 }

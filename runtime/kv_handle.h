@@ -116,10 +116,15 @@ absl::Status ValidatePoolLayout(const KvPoolLayout& pool, int num_layers, int64_
 // ucp worker address and the packed rkey of the rank's pool, registered once as a whole (one
 // allocation, kv_cache.h), plus that pool's address in the prefill process (ucp_get_nbx's
 // remote_addr is pool_address + a source offset).
+//
+// "No transport yet" is the empty value (KvRankTransport{}): a handle built in-process before its
+// pools are registered with UCX (LlamaModel::ExportSessionKv; the server fills these fields when
+// --kv-handoff is on). ToJson leaves such a rank's "ucx" out, so ParseKvHandle refuses it.
 struct KvRankTransport {
   std::string worker_address;
   std::string rkey;
   uint64_t pool_address = 0;
+  bool empty() const { return worker_address.empty() && rkey.empty() && pool_address == 0; }
   bool operator==(const KvRankTransport&) const = default;
 };
 
@@ -157,10 +162,14 @@ std::string KvCompatHash(const KvHandleLayout& layout);
 // Value checks of a handle: ranges, the ranks' order, each rank's runs sorted and disjoint and the
 // runs of the CP ranks of every TP rank covering [0, tokens) exactly once, block counts matching
 // the runs, block ids distinct and inside the pool, every block's bytes inside the pool (int64
-// arithmetic checked), transport present. InvalidArgument naming the JSON field.
-absl::Status ValidateKvHandle(const KvHandle& handle);
+// arithmetic checked), transport present (or, with kAbsentAllowed, either present or empty on
+// each rank). InvalidArgument naming the JSON field.
+enum class KvTransportCheck { kRequired, kAbsentAllowed };
+absl::Status ValidateKvHandle(const KvHandle& handle,
+                              KvTransportCheck transport = KvTransportCheck::kRequired);
 
-// The JSON shape above. Assumes a valid handle (ValidateKvHandle).
+// The JSON shape above; a rank without transport (empty) has no "ucx" key. Assumes a valid handle
+// (ValidateKvHandle).
 nlohmann::ordered_json ToJson(const KvHandle& handle);
 
 // The handle in `params` (a kv_transfer_params object): types, the version, base64, the

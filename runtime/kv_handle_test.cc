@@ -351,6 +351,24 @@ TEST(KvHandle, JsonHasTheDocumentedShape) {
   EXPECT_EQ(j["ranks"][0]["ucx"]["worker_address"], "dWNwLXdvcmtlci0wLTA=");
 }
 
+// A handle built before its pools are registered with UCX: valid in-process only when asked, and
+// never published in a form a decode worker would accept.
+TEST(KvHandle, WithoutTransportIsValidOnlyInProcess) {
+  KvHandle h = MakeHandle({});
+  for (KvRankShard& shard : h.ranks) shard.transport = {};
+  EXPECT_TRUE(Mentions(ValidateKvHandle(h), "ranks[0].ucx.worker_address"));
+  EXPECT_TRUE(ValidateKvHandle(h, KvTransportCheck::kAbsentAllowed).ok());
+  const nlohmann::ordered_json j = ToJson(h);
+  EXPECT_FALSE(j["ranks"][0].contains("ucx"));
+  const absl::StatusOr<KvHandle> parsed = ParseKvHandle(Json::parse(j.dump()));
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Mentions(parsed.status(), "\"ranks[0].ucx\" is missing"));
+  // Half a transport is still checked.
+  h.ranks[1].transport.rkey = "k";
+  EXPECT_TRUE(Mentions(ValidateKvHandle(h, KvTransportCheck::kAbsentAllowed),
+                       "ranks[1].ucx.worker_address"));
+}
+
 TEST(KvHandle, IgnoresKeysItDoesNotKnow) {
   const KvHandle h = MakeHandle({});
   Json j = Json::parse(ToJson(h).dump());

@@ -141,6 +141,29 @@ absl::Status LlamaModel::EndSession(const std::string& name) {
   return absl::OkStatus();
 }
 
+std::optional<KvCache::SeqId> LlamaModel::SessionSequence(const std::string& name) const {
+  auto it = sessions_.find(name);
+  if (it == sessions_.end()) return std::nullopt;
+  return it->second.seq;
+}
+
+absl::StatusOr<KvHandle> LlamaModel::ExportSessionKv(const std::string& session,
+                                                     const KvHandleIds& ids) {
+  const int tp_rank = backend_->tp().rank(), cp_rank = backend_->cp().rank();
+  std::optional<KvRankPart> mine;
+  if (auto it = sessions_.find(session); it != sessions_.end()) {
+    // The layout's runs of this CP rank are in the order Forward wrote the rows (each turn's new
+    // runs after the cached ones, sharding::ShardPlan::KvRunsAfter), which is ascending: every
+    // turn and decode step adds positions past all earlier ones.
+    const Session& s = it->second;
+    mine = DescribeRankKv(*kv_, s.seq, s.where.layout.runs[cp_rank][0], tp_rank, cp_rank,
+                          s.where.tokens);
+  }
+  return GatherKvHandle(world_, mine,
+                        KvGeometry(kv_->spec(), backend_->tp().size(), backend_->cp().size()), ids,
+                        session);
+}
+
 // Step 0b: every request's KV rows on this rank get blocks, or the batch is refused on every
 // rank alike before any work.
 absl::Status LlamaModel::ReserveKv(Running& r) {

@@ -34,6 +34,8 @@
 #include "absl/status/statusor.h"
 #include "parallel/communicator.h"
 #include "runtime/kv_cache.h"
+#include "runtime/kv_export.h"
+#include "runtime/kv_handle.h"
 #include "runtime/model_backend.h"
 #include "runtime/model_config.h"
 #include "runtime/prefill_batch.h"
@@ -69,9 +71,22 @@ class LlamaModel {
   // it). NotFound for an unknown name.
   absl::Status EndSession(const std::string& name);
 
+  // The KV hand-off handle of a session (runtime/kv_export.h), collective over the world: every
+  // rank describes its part of the session's KV and every rank returns the same handle, without
+  // transport (the server fills the UCX fields when --kv-handoff is on), or the same error:
+  // NotFound for an unknown session, InvalidArgument for bad ids, Internal for ranks that
+  // disagree. The handle describes the session as it is now: valid until the session changes
+  // (another turn, a decode step, its end).
+  absl::StatusOr<KvHandle> ExportSessionKv(const std::string& session, const KvHandleIds& ids);
+
   // Token rows this rank's KV cache holds for sessions, and the cache's figures.
   int64_t kv_tokens_held() const;
   KvUsage kv_usage() const { return kv_->usage(); }
+  // The rank's KV cache, read-only: its pool (BlockAddress(0, 0, 0), KvPoolLayout::OfKvCache)
+  // is what a KV hand-off exposes; a session's rows are those of its sequence (nullopt for an
+  // unknown session), in the order of its SessionLayout's runs for this CP rank.
+  const KvCache& kv_cache() const { return *kv_; }
+  std::optional<KvCache::SeqId> SessionSequence(const std::string& name) const;
   const ModelConfig& config() const { return config_; }
   ModelBackend& backend() { return *backend_; }
 

@@ -1,10 +1,14 @@
 // Multi-rank tests of whole-model prefill on the `tiny` preset: every TP x CP grid that 4 ranks
 // make equals one rank; a two-turn session (partial prefill on the persistent KV cache) equals
 // one full prefill of the whole prompt; a batch that does not fit the KV capacity is refused on
-// every rank and changes nothing. Run by CTest under mpirun with 4 ranks (and 2, 3 where the grid
-// allows).
+// every rank and changes nothing; a session's exported KV hand-off handle, pulled with memcpy,
+// gives one rank's KV. Run by CTest under mpirun with 4 ranks (and 2, 3 where the grid allows).
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -13,6 +17,8 @@
 #include "parallel/grid.h"
 #include "parallel/self_communicator.h"
 #include "runtime/cpu/cpu_backend.h"
+#include "runtime/kv_handle.h"
+#include "runtime/kv_pull_plan.h"
 #include "runtime/llama_model.h"
 #include "runtime/model_config.h"
 #include "runtime/weights.h"
@@ -318,6 +324,220 @@ TEST(LlamaModel, DecodeStepsEqualOneRankPrefillOfTheWholeSequence) {
   EXPECT_EQ(m.Decode({{.tokens = {1, 2}, .session = "a"}}, 0, nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(m.kv_tokens_held(), held);
+}
+
+// --- The KV hand-off: a session's handle from its sharded KV ---------------------------------
+
+// Every rank's whole KV pool (fp32 on the CPU backend, small for the tiny model) on every rank,
+// and which world rank is each (tp_rank, cp_rank): what a memcpy puller on rank 0 reads.
+struct GatheredPools {
+  int64_t pool_bytes = 0;
+  std::vector<char> bytes;         // world rank r's pool at [r * pool_bytes, (r + 1) * pool_bytes)
+  std::vector<int> world_rank_of;  // [tp_rank * cp_size + cp_rank]
+};
+
+absl::StatusOr<GatheredPools> GatherPools(const parallel::ProcessGrid& grid,
+                                          const runtime::KvCache& kv) {
+  GatheredPools pools;
+  pools.pool_bytes = runtime::KvPoolLayout::OfKvCache(kv.spec(), kv.num_blocks()).bytes;
+  pools.bytes.resize(pools.pool_bytes * grid.world_size);
+  CPFILL_RETURN_IF_ERROR(
+      grid.world->AllGather(kv.BlockAddress(0, 0, 0), pools.pool_bytes, pools.bytes.data()));
+  const int32_t mine[2] = {grid.tp_rank, grid.cp_rank};
+  std::vector<int32_t> all(2 * grid.world_size);
+  CPFILL_RETURN_IF_ERROR(grid.world->AllGather(mine, sizeof(mine), all.data()));
+  pools.world_rank_of.assign(grid.world_size, -1);
+  for (int r = 0; r < grid.world_size; ++r) {
+    pools.world_rank_of[all[2 * r] * grid.cp_size + all[2 * r + 1]] = r;
+  }
+  return pools;
+}
+
+// The KV of `tokens` as one rank computes it in one prefill: [kind][layer][position][kv head][dim]
+// floats, read out of its KvCache's blocks by the session's block table (not through a handle).
+absl::StatusOr<std::vector<float>> OneRankKv(const runtime::ModelConfig& c,
+                                             const runtime::PrefillOptions& options,
+                                             const std::vector<int32_t>& tokens) {
+  parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
+  CPFILL_ASSIGN_OR_RETURN(auto w, runtime::SyntheticWeights(c, 7, 0, 1));
+  CPFILL_ASSIGN_OR_RETURN(auto model,
+                          runtime::cpu::CreateCpuModel(c, std::move(w), tp, cp, world, options));
+  CPFILL_RETURN_IF_ERROR(
+      model->Prefill({{.tokens = tokens, .session = "ref"}}, nullptr, nullptr).status());
+  // One rank holds positions [0, T) as rows [0, T) of the session's sequence (fp32).
+  const std::optional<runtime::KvCache::SeqId> seq = model->SessionSequence("ref");
+  if (!seq) return absl::InternalError("the one-rank model lost its session");
+  const int64_t T = static_cast<int64_t>(tokens.size()), row = c.num_kv_heads * c.head_dim;
+  const runtime::KvCache& kv = model->kv_cache();
+  const std::span<const int32_t> blocks = kv.BlockTable(*seq);
+  const int bt = kv.spec().block_tokens;
+  std::vector<float> out(2 * c.num_layers * T * row);
+  for (int kind = 0; kind < 2; ++kind) {
+    for (int l = 0; l < c.num_layers; ++l) {
+      for (int64_t t = 0; t < T; ++t) {
+        const char* src =
+            kv.BlockAddress(l, kind, blocks[t / bt]) + (t % bt) * row * int64_t{sizeof(float)};
+        std::memcpy(&out[((kind * c.num_layers + l) * T + t) * row], src, row * sizeof(float));
+      }
+    }
+  }
+  return out;
+}
+
+// Runs `plan` with memcpy from the gathered pools into `dst`; every piece bounds-checked.
+std::string RunPull(const runtime::KvPullPlan& plan, const runtime::KvHandle& h,
+                    const GatheredPools& pools, std::vector<char>& dst) {
+  for (const runtime::KvCopyRun& run : plan.runs) {
+    const int world_rank =
+        pools.world_rank_of[run.src_tp_rank * h.layout.cp_size + run.src_cp_rank];
+    const char* pool = pools.bytes.data() + world_rank * pools.pool_bytes;
+    for (int64_t i = 0; i < run.pieces; ++i) {
+      const int64_t src = run.src_offset_bytes + i * run.src_stride_bytes;
+      const int64_t to = run.dst_offset_bytes + i * run.dst_stride_bytes;
+      if (src < 0 || src + run.piece_bytes > pools.pool_bytes || to < 0 ||
+          to + run.piece_bytes > static_cast<int64_t>(dst.size())) {
+        return "a run reads or writes outside its memory";
+      }
+      std::memcpy(dst.data() + to, pool + src, run.piece_bytes);
+    }
+  }
+  return "";
+}
+
+// Decode rank `dst_rank` of `dst_tp`'s contiguous K and V (K then V, each [layer][t][its heads]
+// [dim]) against the one-rank KV: within the logits' fp32 tolerance (1e-3, relative above 1),
+// every element written (the NaN poison fails the comparison). Both sides are rows of
+// (kind, layer, position) in the same order; a destination row is a slice of a one-rank row.
+std::string CompareWithOneRank(const std::vector<char>& dst, const std::vector<float>& one_rank,
+                               const runtime::KvHandleLayout& l, int dst_tp, int dst_rank) {
+  const int64_t T = l.tokens;
+  const int64_t dst_row = int64_t{l.kv_heads / dst_tp} * l.head_dim;
+  const int64_t one_rank_row = int64_t{l.kv_heads} * l.head_dim;
+  std::vector<float> got(dst.size() / sizeof(float));
+  std::memcpy(got.data(), dst.data(), dst.size());
+  for (int64_t row = 0; row < 2 * l.num_layers * T; ++row) {
+    for (int64_t e = 0; e < dst_row; ++e) {
+      const double a = got[row * dst_row + e];
+      const double b = one_rank[row * one_rank_row + dst_rank * dst_row + e];
+      if (!(std::fabs(a - b) <= 1e-3 * std::max(1.0, std::fabs(b)))) {
+        return absl::StrCat(
+            "decode TP", dst_tp, " rank ", dst_rank, ": ", row < l.num_layers * T ? "K" : "V",
+            " of layer ", row / T % l.num_layers, ", position ", row % T, ", head ", e / l.head_dim,
+            ", dim ", e % l.head_dim, " is ", a, ", one rank has ", b);
+      }
+    }
+  }
+  return "";
+}
+
+// On world rank 0: every rank of decode TP1 and TP2 pulls into a NaN-poisoned contiguous
+// destination with memcpy; "" when each equals the one-rank KV.
+std::string PullAndCompare(runtime::KvHandle h, const GatheredPools& pools,
+                           const std::vector<float>& one_rank) {
+  if (h.layout.dtype != runtime::KvDtype::kFloat32) return "the CPU backend's KV is not fp32";
+  // Stand-ins for the UCX fields the server fills with --kv-handoff: the plan does not read them.
+  for (runtime::KvRankShard& shard : h.ranks) shard.transport = {"in-process", "memcpy", 0};
+  for (int dst_tp : {1, 2}) {
+    for (int dst_rank = 0; dst_rank < dst_tp; ++dst_rank) {
+      const int64_t kind_bytes = int64_t{h.layout.num_layers} * h.layout.tokens *
+                                 (h.layout.kv_heads / dst_tp) * h.layout.head_dim * sizeof(float);
+      const runtime::KvPullDestination spec{
+          .tp_size = dst_tp,
+          .tp_rank = dst_rank,
+          .layout = runtime::KvContiguousDestination{.v_offset_bytes = kind_bytes}};
+      absl::StatusOr<runtime::KvPullPlan> plan = runtime::PlanKvPull(h, spec);
+      if (!plan.ok()) return std::string(plan.status().message());
+      if (plan->total_bytes() != 2 * kind_bytes) return "the plan does not cover the KV";
+      std::vector<float> poison(2 * kind_bytes / sizeof(float),
+                                std::numeric_limits<float>::quiet_NaN());
+      std::vector<char> dst(2 * kind_bytes);
+      std::memcpy(dst.data(), poison.data(), dst.size());
+      std::string error = RunPull(*plan, h, pools, dst);
+      if (error.empty()) error = CompareWithOneRank(dst, one_rank, h.layout, dst_tp, dst_rank);
+      if (!error.empty()) return error;
+    }
+  }
+  return "";
+}
+
+// Greedy decode steps of session `name`: each step's token (rank 0's argmax, broadcast) joins
+// `tokens`.
+void DecodeSteps(const parallel::ProcessGrid& grid, runtime::LlamaModel& m, const std::string& name,
+                 int32_t first, int steps, std::vector<int32_t>& tokens) {
+  int32_t next = first;
+  for (int step = 0; step < steps; ++step) {
+    ASSERT_TRUE(grid.world->Broadcast(&next, sizeof(next), 0).ok());
+    tokens.push_back(next);
+    auto out = m.Decode({{.tokens = {next}, .session = name}}, step, nullptr);
+    ASSERT_TRUE(out.ok()) << out.status();
+    next = (*out)[0].first_token;
+  }
+}
+
+// The KV hand-off's handle from real sharded KV: a session of two turns (lengths that do not
+// divide by the blocks or by 2N, blocks interleaved with another session's) and two decode steps
+// on CP2 (np 2) or TP2 x CP2 (np 4), exported on every rank (the same handle everywhere), pulled
+// on rank 0 from every rank's pool into decode TP1 and TP2: the KV of a one-rank prefill of the
+// same tokens. Unknown sessions, bad ids and a session some ranks lack fail alike on every rank.
+TEST(LlamaModel, ExportedKvHandlePullsTheOneRankKv) {
+  auto& mpi = testing::Mpi();
+  const runtime::ModelConfig c = Tiny();
+  const int tp = mpi.world_size() == 4 ? 2 : 1;
+  auto grid = parallel::CreateProcessGrid(mpi, {.tp = tp, .ranks_per_node = tp});
+  ASSERT_TRUE(grid.ok()) << grid.status();
+  auto w = runtime::SyntheticWeights(c, 7, grid->tp_rank, tp);
+  ASSERT_TRUE(w.ok());
+  runtime::PrefillOptions options;
+  options.kv_capacity_tokens = 512;  // per rank: small pools to gather
+  options.kv_block_tokens = 16;
+  auto model =
+      runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
+  ASSERT_TRUE(model.ok()) << model.status();
+  runtime::LlamaModel& m = **model;
+  // Another session's turns before and between the session's, so its blocks are neither first
+  // in the pool nor consecutive.
+  const auto other_turn = [&](int64_t n) {
+    return m.Prefill({{.tokens = Prompt(n, c.vocab_size, 20), .session = "other"}}, nullptr,
+                     nullptr);
+  };
+  ASSERT_TRUE(other_turn(70).ok());
+  std::vector<int32_t> tokens = Prompt(301, c.vocab_size, 21);
+  ASSERT_TRUE(m.Prefill({{.tokens = tokens, .session = "s"}}, nullptr, nullptr).ok());
+  ASSERT_TRUE(other_turn(90).ok());
+  const std::vector<int32_t> turn2 = Prompt(45, c.vocab_size, 22);
+  tokens.insert(tokens.end(), turn2.begin(), turn2.end());
+  auto out = m.Prefill({{.tokens = turn2, .session = "s"}}, nullptr, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  DecodeSteps(*grid, m, "s", (*out)[0].first_token, 2, tokens);
+
+  EXPECT_EQ(m.ExportSessionKv("nobody", {"e", "r"}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(m.ExportSessionKv("s", {"", "r"}).status().code(), absl::StatusCode::kInvalidArgument);
+  auto handle = m.ExportSessionKv("s", {"cpfill-test", "cmpl-1"});
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  EXPECT_EQ(handle->layout.tokens, static_cast<int64_t>(tokens.size()));
+  EXPECT_EQ(handle->layout.tp_size, grid->tp_size);
+  EXPECT_EQ(handle->layout.cp_size, grid->cp_size);
+  auto texts = parallel::AllGatherText(*grid->world, ToJson(*handle).dump());
+  ASSERT_TRUE(texts.ok());
+  for (const std::string& text : *texts) EXPECT_EQ(text, (*texts)[0]) << "handles differ";
+
+  auto pools = GatherPools(*grid, m.kv_cache());
+  ASSERT_TRUE(pools.ok()) << pools.status();
+  std::string error;
+  if (grid->world_rank == 0) {
+    auto one_rank = OneRankKv(c, options, tokens);
+    error = one_rank.ok() ? PullAndCompare(*handle, *pools, *one_rank)
+                          : std::string(one_rank.status().message());
+  }
+  auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << grid->Describe() << ": " << error;
+
+  // A session that only some ranks know (ended on rank 0 alone): the same error on every rank.
+  if (grid->world_rank == 0) {
+    EXPECT_TRUE(m.EndSession("other").ok());
+  }
+  EXPECT_EQ(m.ExportSessionKv("other", {"e", "r"}).status().code(), absl::StatusCode::kInternal);
 }
 
 }  // namespace
