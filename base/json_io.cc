@@ -12,16 +12,13 @@
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include "base/string_view.h"
 
 namespace cpfill::json {
 namespace {
 
 constexpr int kMaxDepth = 256;
 constexpr size_t kShowChars = 200;
-
-// Debian's Abseil is built with its own absl::string_view (ABSL_OPTION_USE_STD_STRING_VIEW 0),
-// which StrCat cannot take from a std::string_view directly.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // nlohmann's what() without its "[json.exception.parse_error.101] parse error at " prefix:
 // "line 1, column 6: syntax error while parsing value - unexpected end of input; ...".

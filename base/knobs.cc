@@ -9,13 +9,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/string_view.h"
 
 namespace cpfill::knobs {
 namespace {
-
-// Debian's Abseil is built with its own absl::string_view (ABSL_OPTION_USE_STD_STRING_VIEW 0),
-// which StrCat, StrSplit and SimpleAtoi cannot take from a std::string_view directly.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // The registry. Defaults are the measured best (bench/RESULTS.md); a knob that stops mattering
 // is removed here, and the compiler then finds every reader.

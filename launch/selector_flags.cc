@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "base/knobs.h"
 #include "base/status.h"
+#include "base/string_view.h"
 
 namespace cpfill::launch {
 namespace {
@@ -18,9 +19,6 @@ namespace {
 // host with more cores per rank computes faster: calibrate it (--fit) or pass --tflops.
 constexpr double kCpuTflops = 0.035;
 constexpr double kCpuGbps = 1.15;
-
-// Debian's Abseil has its own absl::string_view, which StrCat cannot take from std::string_view.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 std::string Show(double x) { return absl::StrFormat("%g", x); }
 

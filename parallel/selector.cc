@@ -41,14 +41,12 @@
 #include "absl/strings/str_format.h"
 #include "base/json_io.h"
 #include "base/status.h"
+#include "base/string_view.h"
 
 namespace cpfill::parallel {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-// Debian's Abseil has its own absl::string_view, which StrCat cannot take from std::string_view.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // Model and request checks shared by every rule; `need_system` adds C and BW.
 absl::Status ValidateInputs(const SelectorInputs& in, bool need_system) {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "base/random.h"
 #include "base/status.h"
+#include "base/string_view.h"
 
 namespace cpfill::parallel {
 
@@ -73,9 +74,6 @@ constexpr size_t kMaxFrameBytes = 64 * 1024;
 constexpr size_t kMemoryKeyPrefixBytes = 16;  // region address, region size
 
 enum class FrameKind : uint16_t { kWorkerAddress = 1, kMemoryKey = 2 };
-
-// Debian's Abseil has its own absl::string_view, which StrCat cannot take from std::string_view.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 const char* FrameKindName(FrameKind kind) {
   return kind == FrameKind::kWorkerAddress ? "worker address" : "memory key";

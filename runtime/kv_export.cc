@@ -3,6 +3,7 @@
 #include "runtime/kv_export.h"
 
 #include <algorithm>
+#include <cstring>
 #include <span>
 #include <utility>
 
@@ -79,21 +80,17 @@ absl::StatusOr<std::optional<KvRankPart>> DecodePart(std::span<const int64_t> wo
   return part;
 }
 
-// Every rank's words on every rank, in world rank order. Step 1: the word counts. Step 2: the
-// words, each rank's padded to the longest (the communicator's all-gather takes equal sizes).
-absl::StatusOr<std::vector<std::vector<int64_t>>> AllGatherWords(parallel::Communicator& world,
-                                                                 std::vector<int64_t> words) {
-  const int ranks = world.size();
-  const int64_t count = static_cast<int64_t>(words.size());
-  std::vector<int64_t> counts(ranks);
-  CPFILL_RETURN_IF_ERROR(world.AllGather(&count, sizeof(count), counts.data()));
-  const int64_t longest = *std::max_element(counts.begin(), counts.end());
-  words.resize(longest);
-  std::vector<int64_t> all(longest * ranks);
-  CPFILL_RETURN_IF_ERROR(world.AllGather(words.data(), longest * sizeof(int64_t), all.data()));
-  std::vector<std::vector<int64_t>> out(ranks);
-  for (int r = 0; r < ranks; ++r) {
-    out[r].assign(all.begin() + r * longest, all.begin() + r * longest + counts[r]);
+// Every rank's words on every rank, in world rank order, through the communicator's gather of
+// variable-length bytes (parallel::AllGatherText).
+absl::StatusOr<std::vector<std::vector<int64_t>>> AllGatherWords(
+    parallel::Communicator& world, const std::vector<int64_t>& words) {
+  const std::string bytes(reinterpret_cast<const char*>(words.data()),
+                          words.size() * sizeof(int64_t));
+  CPFILL_ASSIGN_OR_RETURN(std::vector<std::string> all, parallel::AllGatherText(world, bytes));
+  std::vector<std::vector<int64_t>> out(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
+    out[r].resize(all[r].size() / sizeof(int64_t));
+    std::memcpy(out[r].data(), all[r].data(), out[r].size() * sizeof(int64_t));
   }
   return out;
 }

@@ -15,14 +15,12 @@
 #include "base/json_io.h"
 #include "base/random.h"
 #include "base/status.h"
+#include "base/string_view.h"
 
 namespace cpfill::runtime {
 namespace {
 
 using OrderedJson = nlohmann::ordered_json;
-
-// Debian's Abseil has its own absl::string_view, which StrCat cannot take from std::string_view.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 std::string Path(std::string_view parent, std::string_view key) {
   return parent.empty() ? std::string(key) : absl::StrCat(Sv(parent), ".", Sv(key));

@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "base/json_io.h"
 #include "base/status.h"
+#include "base/string_view.h"
 
 namespace cpfill::runtime {
 
@@ -34,9 +35,6 @@ namespace {
 // The reference refuses headers above 100 MB; so do we (a corrupt length would otherwise make
 // us parse the whole file as JSON).
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
-
-// Debian's Abseil has its own absl::string_view, which StrCat cannot take from std::string_view.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 constexpr DType kAllDTypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kF64, DType::kI32,
                                 DType::kI64, DType::kU8,  DType::kI8,   DType::kBool};

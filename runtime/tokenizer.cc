@@ -31,15 +31,12 @@
 #include "absl/strings/str_format.h"
 #include "base/json_io.h"
 #include "base/status.h"
+#include "base/string_view.h"
 
 namespace cpfill::runtime {
 namespace {
 
 using Json = nlohmann::json;
-
-// Debian's Abseil has its own absl::string_view (ABSL_OPTION_USE_STD_STRING_VIEW 0), which
-// StrCat and its hash maps do not take from a std::string_view directly.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // The decode tables are dense in the token id: a file naming id 2^31 must not make us allocate
 // for it. Published vocabularies stay far below 2^24 tokens (Llama 3: 128,256).

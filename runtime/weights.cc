@@ -23,6 +23,7 @@
 #include "base/knobs.h"
 #include "base/random.h"
 #include "base/status.h"
+#include "base/string_view.h"
 #include "base/thread_pool.h"
 #include "runtime/safetensors.h"
 
@@ -131,8 +132,6 @@ std::vector<TensorSpec> ModelTensors(const ModelConfig& c) {
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
-
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // IEEE binary16 -> binary32, exact for every input (subnormals, infinities, NaN payloads).
 float HalfBitsToFloat(uint16_t h) {
