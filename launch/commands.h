@@ -16,6 +16,7 @@ int RunGenerateCommand(int argc, char** argv);
 int RunExportCommand(int argc, char** argv);
 int RunEnvCommand(int argc, char** argv);
 int RunTokenizeCommand(int argc, char** argv);
+int RunKvPullCommand(int argc, char** argv);
 
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitCheckFailed = 1;

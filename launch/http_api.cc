@@ -284,6 +284,31 @@ size_t CodePoints(std::string_view utf8) {
                        [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
 }
 
+namespace {
+
+// kv_transfer_params {"do_remote_decode": true}: the prefill of a disaggregated deployment (as
+// vLLM's connectors ask it). One prompt, no session; max_tokens 1 unless the client says otherwise
+// (then the engine refuses it by name).
+absl::Status ParseKvTransfer(const nlohmann::json& body, CompletionRequest* r) {
+  const nlohmann::json& kv = *r->kv_transfer_params;
+  const nlohmann::json* remote = kv.is_object() ? json::Find(kv, "do_remote_decode") : nullptr;
+  if (remote == nullptr || remote->is_null()) return absl::OkStatus();
+  CPFILL_CHECK_ARG(remote->is_boolean(),
+                   "\"kv_transfer_params.do_remote_decode\" must be a boolean");
+  r->publish_kv = remote->get<bool>();
+  if (!r->publish_kv) return absl::OkStatus();
+  CPFILL_CHECK_ARG(r->prompts.size() == 1,
+                   "\"kv_transfer_params.do_remote_decode\" takes one prompt, got ",
+                   r->prompts.size());
+  CPFILL_CHECK_ARG(!r->stream, "\"kv_transfer_params.do_remote_decode\" does not stream");
+  if (const nlohmann::json* m = json::Find(body, "max_tokens"); m == nullptr || m->is_null()) {
+    r->max_tokens = 1;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
                                                          const std::string& served_model,
                                                          const runtime::Tokenizer* tokenizer) {
@@ -318,6 +343,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
     CPFILL_CHECK_ARG(kv->is_object() || kv->is_null(),
                      "\"kv_transfer_params\" must be an object or null");
     r.kv_transfer_params = *kv;
+    CPFILL_RETURN_IF_ERROR(ParseKvTransfer(v, &r));
   }
   return r;
 }
@@ -382,7 +408,8 @@ std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& re
                              .max_tokens = request.max_tokens,
                              .sampling = request.sampling,
                              .stop_ids = request.stop_token_ids,
-                             .ignore_eos = request.ignore_eos};
+                             .ignore_eos = request.ignore_eos,
+                             .publish_kv = request.publish_kv};
     // Prompts of one request draw differently, and repeat with the request's seed.
     e.sampling.seed = request.seed.value_or(seed) + i;
     if (!request.stop.empty() && tokenizer != nullptr) e.stop_when = StopWhen(request, tokenizer);
@@ -465,6 +492,13 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
       {"usage", Usage(results)},
       {"cpfill", {{"session", request.session}, {"prompts", std::move(timing)}}}};
   if (request.kv_transfer_params) out["kv_transfer_params"] = *request.kv_transfer_params;
+  // A hand-off: the handle replaces the request's parameters (runtime/kv_handle.h), with the
+  // lease's length beside it.
+  if (!results.empty() && results[0].kv_handle) {
+    nlohmann::ordered_json handle = runtime::ToJson(*results[0].kv_handle);
+    handle["lease_s"] = results[0].kv_lease_s;
+    out["kv_transfer_params"] = std::move(handle);
+  }
   return out;
 }
 
@@ -609,6 +643,17 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
   metric("cpfill:num_sessions", "gauge", "Sessions held.", {{"", double(engine.sessions)}});
   metric("cpfill:kv_cache_usage_ratio", "gauge", "Used share of rank 0's KV cache blocks.",
          {{"", engine.kv_usage_ratio}});
+  metric("cpfill:kv_leases", "gauge", "KV hand-offs held for decode workers (leases).",
+         {{"", double(engine.kv_leases)}});
+  metric("cpfill:kv_leased_tokens", "gauge", "Prompt tokens whose KV the leases hold.",
+         {{"", double(engine.kv_leased_tokens)}});
+  metric("cpfill:kv_staging_usage_ratio", "gauge",
+         "Used share of rank 0's KV hand-off staging pool (0 without staging).",
+         {{"", engine.kv_staging_usage_ratio}});
+  metric("cpfill:kv_leases_ended_total", "counter",
+         "KV leases ended: released by a decode worker or DELETE, or expired.",
+         {{"{reason=\"released\"}", double(engine.kv_leases_released)},
+          {"{reason=\"expired\"}", double(engine.kv_leases_expired)}});
   out += h.ttft.Text("cpfill:time_to_first_token_seconds", "Queue time plus prefill, per prompt.");
   out += h.queue.Text("cpfill:queue_time_seconds", "Time from arrival to the prompt's batch.");
   out += h.batch_tokens.Text("cpfill:batch_tokens", "New tokens of the batch each prompt ran in.");

@@ -29,7 +29,10 @@ struct CompletionRequest {
   std::vector<std::vector<int32_t>> prompts;
   std::string session;  // extension: keep and reuse this conversation's KV
   int logprobs = 0;     // top-k of every generated token (0: none)
-  std::optional<nlohmann::json> kv_transfer_params;  // accepted and echoed
+  // Echoed, unless {"do_remote_decode": true}: then the prompt's KV is kept under a lease and the
+  // response's kv_transfer_params is its hand-off handle (runtime/kv_handle.h; needs --kv-handoff).
+  std::optional<nlohmann::json> kv_transfer_params;
+  bool publish_kv = false;
   int max_tokens = 16;                         // OpenAI's default; 1: prefill and the first token
   bool stream = false, include_usage = false;  // server-sent events; a last chunk with usage
   runtime::SamplingParams sampling{.temperature = 1.0};  // OpenAI's defaults

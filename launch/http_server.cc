@@ -29,6 +29,15 @@ void SetError(const absl::Status& status, httplib::Response& res) {
 // Which replies have come. Read before the stream's events: a prompt that succeeded pushed its
 // last token before its reply came, so a reply that came while its prompt has not finished
 // after those events failed.
+// The ?nonce= of a lease route: the handle's lease_nonce.
+absl::StatusOr<std::string> LeaseNonceParam(const httplib::Request& req) {
+  if (!req.has_param("nonce")) {
+    return absl::InvalidArgumentError(
+        "the lease's nonce is required: ?nonce=<the handle's lease_nonce>");
+  }
+  return req.get_param_value("nonce");
+}
+
 std::vector<bool> ReadyNow(std::vector<runtime::Engine::Reply>& replies) {
   std::vector<bool> ready;
   for (auto& r : replies) {
@@ -228,9 +237,7 @@ void HttpFront::Routes() {
       res.set_content(R"({"status":"ok"})", kJson);
       return;
     }
-    HttpError e = ErrorResponse(health);
-    res.status = e.status;
-    res.set_content(e.body, kJson);
+    SetError(health, res);
   });
   s.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     nlohmann::ordered_json models = {{"object", "list"},
@@ -251,12 +258,28 @@ void HttpFront::Routes() {
     const std::string name = req.matches[1];
     const absl::Status ended = engine_.EndSession(name).get();
     if (!ended.ok()) {
-      HttpError e = ErrorResponse(ended);
-      res.status = e.status;
-      res.set_content(e.body, kJson);
+      SetError(ended, res);
       return;
     }
     res.set_content(JsonText({{"deleted", name}}), kJson);
+  });
+  // KV hand-off leases (runtime/engine.h): a decode worker that cannot send UCX's release message
+  // ends one here, and one that needs longer renews it; both name the handle's lease_nonce
+  // (?nonce=0x...), so that only a holder of the handle can.
+  s.Delete(R"(/v1/kv/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1];
+    absl::StatusOr<std::string> nonce = LeaseNonceParam(req);
+    const absl::Status released = nonce.ok() ? engine_.ReleaseKv(id, *nonce) : nonce.status();
+    if (!released.ok()) return SetError(released, res);
+    res.set_content(JsonText({{"released", id}}), kJson);
+  });
+  s.Post(R"(/v1/kv/([^/]+)/renew)", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1];
+    absl::StatusOr<std::string> nonce = LeaseNonceParam(req);
+    const absl::StatusOr<double> lease_s =
+        nonce.ok() ? engine_.RenewKv(id, *nonce) : absl::StatusOr<double>(nonce.status());
+    if (!lease_s.ok()) return SetError(lease_s.status(), res);
+    res.set_content(JsonText({{"renewed", id}, {"lease_s", *lease_s}}), kJson);
   });
   s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     const ServerCounters counters{.http_ok = ok_,

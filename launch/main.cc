@@ -6,6 +6,7 @@
 //   mpirun -np 4 cpfill calibrate --out fit.json
 //   mpirun -np 4 cpfill prefill --model tiny --tp 2 --prompt-lens 4096,1000 --check
 //   cpfill tokenize --model ckpt --text "Hello world"
+//   cpfill kv-pull --url http://127.0.0.1:8000 --prompt-tokens 512 --model tiny
 //   cpfill env
 #include <cstdio>
 #include <cstring>
@@ -30,7 +31,9 @@ constexpr char kUsage[] =
     "              tokens, TTFT and time per output token; --check against one rank\n"
     "  serve       a long-running prefill and generation service (under mpirun): rank 0\n"
     "              serves HTTP (OpenAI-compatible completions, streaming, sessions, /health,\n"
-    "              /metrics)\n"
+    "              /metrics, KV hand-off to decode workers over UCX with --kv-handoff)\n"
+    "  kv-pull     a stand-in decode worker: pull a request's KV from `serve --kv-handoff`\n"
+    "              over UCX, release it, check it against one rank; bytes, time, GB/s\n"
     "  export      write a preset's synthetic weights as a Hugging Face checkpoint directory\n"
     "  tokenize    encode texts and decode token ids with a checkpoint's tokenizer.json; JSON\n"
     "  env         list the environment variables cpfill reads, their defaults and values\n";
@@ -54,6 +57,7 @@ int main(int argc, char** argv) {
   if (command == "export") return RunExportCommand(argc, argv);
   if (command == "env") return RunEnvCommand(argc, argv);
   if (command == "tokenize") return RunTokenizeCommand(argc, argv);
+  if (command == "kv-pull") return RunKvPullCommand(argc, argv);
   std::fprintf(stderr, "cpfill: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return kExitBadInput;
 }

@@ -7,6 +7,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -21,6 +22,7 @@
 #include "launch/session.h"
 #include "nlohmann/json.hpp"
 #include "runtime/engine.h"
+#include "runtime/kv_handoff.h"
 
 namespace cpfill::launch {
 namespace {
@@ -30,6 +32,11 @@ struct ServeFlags {
   int port = 8000;
   int http_threads = 64;
   bool log_json = false;
+  bool kv_handoff = false;
+  double kv_lease_s = 30;
+  int kv_max_leases = 1024;
+  int64_t kv_staging_tokens = 0;
+  bool kv_handoff_staging = false;
   EngineFlags engine;
   SessionFlags session;
 };
@@ -49,6 +56,24 @@ void DefineFlags(FlagSet& flags, ServeFlags* f) {
       .Within({1, 4096});
   flags.Bool("log-json", &f->log_json,
              "log one JSON object per line (start, each batch, stop) instead of text");
+  flags.Bool("kv-handoff", &f->kv_handoff,
+             "serve KV hand-offs to decode workers over UCX: a completion with "
+             "kv_transfer_params {\"do_remote_decode\": true} keeps its KV under a lease and "
+             "returns its handle (README: the KV hand-off)");
+  flags
+      .Double("kv-lease-s", &f->kv_lease_s,
+              "seconds a hand-off's KV is held unless released first (renewable: POST "
+              "/v1/kv/{id}/renew)")
+      .Within(Range::LeftOpen(0, 86400));
+  flags.Int("kv-max-leases", &f->kv_max_leases, "hand-offs held at once").Within({1, 1 << 20});
+  flags
+      .Int("kv-staging-tokens", &f->kv_staging_tokens,
+           "where UCX cannot read GPU memory, hand-offs are copied to pinned host memory: its "
+           "size per rank in tokens (0: the KV cache's)")
+      .Within({0, kMaxTokens});
+  flags.Bool("kv-handoff-staging", &f->kv_handoff_staging,
+             "stage hand-offs through host memory even where UCX could read the KV cache itself "
+             "(tests; a GPU cache without a CUDA-capable UCX is staged anyway)");
   AddSessionFlags(flags, &f->session);
 }
 
@@ -91,6 +116,13 @@ class ServeLog {
 // broadcast ends every rank once the queue is empty.
 int stop_pipe[2] = {-1, -1};
 
+// "cpfill-" and 16 hex digits from the system's entropy.
+std::string RandomEngineId() {
+  std::random_device device;
+  const uint64_t bits = (uint64_t{device()} << 32) ^ device();
+  return absl::StrCat("cpfill-", absl::Hex(bits, absl::kZeroPad16));
+}
+
 void OnStopSignal(int sig) {
   const char byte = static_cast<char>(sig);
   [[maybe_unused]] ssize_t n = write(stop_pipe[1], &byte, 1);
@@ -116,6 +148,44 @@ int WaitForStopSignal() {
   while (read(stop_pipe[0], &byte, 1) != 1) {
   }
   return byte;
+}
+
+// Every rank, with --kv-handoff: the pool registered with UCX, every rank's reach gathered, the
+// engine told; the engine id drawn on rank 0 so that a handle of an earlier server is refused.
+absl::StatusOr<std::unique_ptr<runtime::KvHandoff>> StartKvHandoff(
+    const ServeFlags& f, EngineHost& host, const parallel::ProcessGrid& grid, ServeLog& log) {
+  runtime::Engine& engine = *host.engine;
+  runtime::KvHandoffOptions options{
+      .max_leases = f.kv_max_leases,
+      .staging_tokens = f.kv_staging_tokens,
+      .force_staging = f.kv_handoff_staging,
+      .on_release =
+          [&engine, &log](const std::string& payload) {
+            if (absl::Status s = engine.ReleaseKvMessage(payload); !s.ok()) {
+              log.Event("kv_release_ignored", {{"reason", s.message()}},
+                        absl::StrCat("KV release ignored: ", s.message()));
+            }
+          },
+      .on_note =
+          [&log](const std::string& note) {
+            log.Event("kv_message_ignored", {{"reason", note}},
+                      absl::StrCat("KV hand-off: ", note));
+          }};
+  CPFILL_ASSIGN_OR_RETURN(auto handoff,
+                          runtime::KvHandoff::Create(host.loaded.model->kv_cache(), *grid.world,
+                                                     {.tp_rank = grid.tp_rank,
+                                                      .tp_size = grid.tp_size,
+                                                      .cp_rank = grid.cp_rank,
+                                                      .cp_size = grid.cp_size},
+                                                     std::move(options)));
+  CPFILL_ASSIGN_OR_RETURN(std::vector<std::string> ids,
+                          parallel::AllGatherText(*grid.world, RandomEngineId()));
+  engine.AttachKvHandoff(handoff.get(), ids[0],
+                         std::chrono::milliseconds(static_cast<int64_t>(f.kv_lease_s * 1e3)));
+  log.Event("kv_handoff", {{"engine_id", ids[0]}, {"transport", handoff->description()}},
+            absl::StrFormat("KV hand-off on (engine %s): %s, leases of %g s", ids[0],
+                            handoff->description(), f.kv_lease_s));
+  return handoff;
 }
 
 // Rank 0: listens, and tells every rank whether it could (collective).
@@ -196,6 +266,13 @@ int Run(int argc, char** argv) {
   auto host = BuildEngineHost(f.engine, flags, session, grid, engine_options);
   if (!host.ok()) return session.Refuse(host.status());
   runtime::Engine& engine = *(*host)->engine;
+  // Declared after the host: unregistered before the KV cache it registered goes.
+  std::unique_ptr<runtime::KvHandoff> handoff;
+  if (f.kv_handoff) {
+    auto started_handoff = StartKvHandoff(f, **host, grid, log);
+    if (!started_handoff.ok()) return session.Refuse(started_handoff.status());
+    handoff = *std::move(started_handoff);
+  }
 
   // Rank 0 listens; every rank learns whether it could.
   std::unique_ptr<HttpFront> front;

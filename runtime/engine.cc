@@ -6,13 +6,15 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "parallel/mixed_ring.h"
+#include "runtime/kv_handoff.h"
 
 namespace cpfill::runtime {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using Clock = Engine::Clock;
 
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -22,6 +24,8 @@ double Since(Clock::time_point t) {
 // with control characters are refused.
 std::string InternalSession(int64_t id) { return absl::StrCat("\x01gen-", id); }
 bool IsInternalSession(const std::string& name) { return !name.empty() && name[0] == '\x01'; }
+// Names the KV of a published request (its lease id is the rest).
+std::string LeaseSession(const std::string& lease_id) { return absl::StrCat("\x01", lease_id); }
 
 // Sums a step's phase times (and its total) into `into`.
 void AddPhases(const PrefillTimings& step, PrefillTimings* into) {
@@ -110,6 +114,10 @@ struct Engine::Pending {
   int64_t positions_left = 0;
   Clock::time_point first_token_at;
   bool started = false;  // its first prefill ran (a preempted one is queued again)
+  // publish_kv: the lease it will hold, picked when first batched.
+  std::string lease_id;
+  int lease_slot = -1;
+  uint64_t lease_nonce = 0;
 };
 
 // What every rank does next. `items` (rank 0 only) are the pendings it answers, in batch order.
@@ -125,6 +133,13 @@ struct Engine::Command {
   uint64_t step = 0;                      // kDecode: the decode step (PlanDecode's offset)
   std::vector<std::string> end_sessions;  // sessions to end, evict or drop first
   std::vector<PrefillRequest> batch;
+  // kPrefill: KV every rank exports and publishes after the batch, under lease word `slot`.
+  struct Publish {
+    std::string kv_name, request_id;
+    uint32_t slot = 0;
+    uint64_t nonce = 0;
+  };
+  std::vector<Publish> publish;
   std::vector<std::unique_ptr<Pending>> items;
 
   std::vector<char> Encode() const {
@@ -138,6 +153,13 @@ struct Engine::Command {
       w.Str(r.session);
       w.Ids(r.tokens);
     }
+    w.U32(static_cast<uint32_t>(publish.size()));
+    for (const Publish& p : publish) {
+      w.Str(p.kv_name);
+      w.Str(p.request_id);
+      w.U32(p.slot);
+      w.U64(p.nonce);
+    }
     return std::move(w.bytes);
   }
   static absl::StatusOr<Command> Decode(const std::vector<char>& bytes) {
@@ -150,6 +172,11 @@ struct Engine::Command {
     for (uint32_t i = 0; ok && i < n; ++i) {
       PrefillRequest& req = c.batch.emplace_back();
       ok = r.Str(&req.session) && r.Ids(&req.tokens);
+    }
+    ok = ok && r.U32(&n);
+    for (uint32_t i = 0; ok && i < n; ++i) {
+      Publish& p = c.publish.emplace_back();
+      ok = r.Str(&p.kv_name) && r.Str(&p.request_id) && r.U32(&p.slot) && r.U64(&p.nonce);
     }
     if (!ok || !r.done()) {
       return absl::InternalError(absl::StrCat("engine: a malformed command of ", bytes.size(),
@@ -198,7 +225,103 @@ absl::Status Engine::Check(const EngineRequest& request) const {
     CPFILL_CHECK_ARG(id >= 0 && id < c.vocab_size, "stop token ", id,
                      " is outside the vocabulary [0, ", c.vocab_size, ")");
   }
+  if (request.publish_kv) {
+    CPFILL_CHECK_ARG(handoff_ != nullptr,
+                     "a KV hand-off (do_remote_decode) was asked of a server started without "
+                     "--kv-handoff");
+    CPFILL_CHECK_ARG(request.max_tokens == 1, "a KV hand-off's request has max_tokens ",
+                     request.max_tokens, "; it must be 1 (the decode worker generates the rest)");
+    CPFILL_CHECK_ARG(request.session.empty(),
+                     "a KV hand-off of a session is not supported (its KV changes with each turn)");
+  }
   return ValidateSampling(request.sampling, c.vocab_size);
+}
+
+void Engine::AttachKvHandoff(KvHandoff* handoff, std::string engine_id,
+                             std::chrono::milliseconds lease) {
+  std::lock_guard lock(mu_);
+  handoff_ = handoff;
+  engine_id_ = std::move(engine_id);
+  lease_length_ = lease;
+  free_lease_slots_.clear();
+  for (int slot = handoff->max_leases() - 1; slot >= 0; --slot) free_lease_slots_.push_back(slot);
+}
+
+absl::Status Engine::ReleaseKv(const std::string& request_id, const std::string& nonce) {
+  std::lock_guard lock(mu_);
+  return ReleaseLocked(request_id, nonce);
+}
+
+absl::Status Engine::ReleaseKvMessage(const std::string& payload) {
+  const std::vector<std::string> parts = absl::StrSplit(payload, '\n');
+  std::lock_guard lock(mu_);
+  if (parts.size() != 3 || parts[0] != engine_id_) {
+    return absl::NotFoundError("a KV release for another engine (a stale or forged handle)");
+  }
+  return ReleaseLocked(parts[1], parts[2]);
+}
+
+absl::StatusOr<std::map<std::string, Engine::Lease>::iterator> Engine::FindLease(
+    const std::string& request_id, const std::string& nonce) {
+  auto it = leases_.find(request_id);
+  if (it == leases_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("no KV lease '", request_id, "' holds (released, expired, or never given)"));
+  }
+  if (nonce != absl::StrCat("0x", absl::Hex(it->second.nonce))) {
+    return absl::NotFoundError(
+        absl::StrCat("KV lease '", request_id, "' has another nonce (a stale or forged handle)"));
+  }
+  return it;
+}
+
+absl::Status Engine::ReleaseLocked(const std::string& request_id, const std::string& nonce) {
+  CPFILL_RETURN_IF_ERROR(FindLease(request_id, nonce).status());
+  EndLease(request_id);
+  ++stats_.kv_leases_released;
+  work_.notify_one();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> Engine::RenewKv(const std::string& request_id, const std::string& nonce) {
+  std::lock_guard lock(mu_);
+  CPFILL_ASSIGN_OR_RETURN(auto it, FindLease(request_id, nonce));
+  it->second.expires = Clock::now() + lease_length_;
+  return std::chrono::duration<double>(lease_length_).count();
+}
+
+void Engine::EndLease(const std::string& id) {
+  auto it = leases_.find(id);
+  drop_next_.push_back(it->second.kv_name);
+  free_lease_slots_.push_back(it->second.slot);
+  leases_.erase(it);
+}
+
+void Engine::ExpireLeases() {
+  const Clock::time_point now = Clock::now();
+  std::vector<std::string> expired;
+  for (const auto& [id, lease] : leases_) {
+    if (lease.expires <= now) expired.push_back(id);
+  }
+  for (const std::string& id : expired) EndLease(id);
+  stats_.kv_leases_expired += static_cast<int64_t>(expired.size());
+}
+
+// A publish keeps its slot, nonce and name across retries (a requeued batch).
+bool Engine::TakeLeaseSlot(Pending& p) {
+  if (p.lease_slot >= 0) return true;
+  if (free_lease_slots_.empty()) return false;
+  p.lease_slot = free_lease_slots_.back();
+  free_lease_slots_.pop_back();
+  p.lease_nonce = next_nonce_++;
+  p.lease_id = absl::StrCat("kv-", next_id_++);
+  p.kv_name = LeaseSession(p.lease_id);
+  return true;
+}
+
+void Engine::ReturnLeaseSlot(Pending& p) {
+  if (p.lease_slot >= 0) free_lease_slots_.push_back(p.lease_slot);
+  p.lease_slot = -1;
 }
 
 absl::StatusOr<Engine::Reply> Engine::Submit(EngineRequest request) {
@@ -234,6 +357,13 @@ std::future<absl::Status> Engine::EndSession(std::string name) {
   p->end_session = true;
   p->end_name = std::move(name);
   std::future<absl::Status> ended = p->ended.get_future();
+  // The engine's own KV (generations without a session, leased hand-offs) is named with a control
+  // character, which no client's session has: it is not a client's to end.
+  if (std::any_of(p->end_name.begin(), p->end_name.end(),
+                  [](unsigned char ch) { return ch < 0x20 || ch == 0x7f; })) {
+    p->ended.set_value(absl::NotFoundError(absl::StrCat("no session '", p->end_name, "'")));
+    return ended;
+  }
   std::lock_guard lock(mu_);
   if (!root_ || shutdown_) {
     p->ended.set_value(absl::FailedPreconditionError(root_ ? "the engine is shutting down"
@@ -257,6 +387,8 @@ EngineStats Engine::stats() const {
   s.waiting = static_cast<int64_t>(queue_.size());
   s.running = static_cast<int64_t>(running_.size()) + decoding_;
   s.sessions = static_cast<int64_t>(sessions_.size());
+  s.kv_leases = static_cast<int64_t>(leases_.size());
+  for (const auto& [id, lease] : leases_) s.kv_leased_tokens += lease.tokens;
   return s;
 }
 
@@ -301,8 +433,10 @@ absl::Status Engine::Run() {
 absl::StatusOr<Engine::Command> Engine::NextCommand() {
   std::unique_lock lock(mu_);
   if (running_.empty()) {
-    work_.wait_for(lock, options_.heartbeat, [&] { return !queue_.empty() || shutdown_; });
+    work_.wait_for(lock, options_.heartbeat,
+                   [&] { return !queue_.empty() || shutdown_ || !drop_next_.empty(); });
   }
+  ExpireLeases();
   // A session end waits for the generation of that session queued before it.
   const bool blocked = !queue_.empty() && queue_.front()->end_session &&
                        std::any_of(running_.begin(), running_.end(), [&](const auto& p) {
@@ -316,6 +450,10 @@ absl::StatusOr<Engine::Command> Engine::NextCommand() {
   if (!running_.empty()) return DecodeStep();
   Command c;
   c.kind = shutdown_ ? Command::kShutdown : Command::kHeartbeat;
+  if (c.kind == Command::kHeartbeat) {  // ended leases are freed while idle too
+    c.end_sessions = std::move(drop_next_);
+    drop_next_.clear();
+  }
   return c;
 }
 
@@ -346,6 +484,14 @@ Engine::Command Engine::FormBatch() {
     }
     const bool generates = p.request.max_tokens > 1;
     if (generates && generating >= options_.max_running) break;
+    if (p.request.publish_kv && !TakeLeaseSlot(p)) {  // answered now, not batched
+      ++stats_.requests_failed;
+      p.reply.set_value(absl::UnavailableError(absl::StrCat(
+          "all ", handoff_->max_leases(),
+          " KV leases are held (--kv-max-leases); retry when decode workers release some")));
+      it = queue_.erase(it);
+      continue;
+    }
     // What the cache lacks: the session's unfed tokens (all of them once evicted), this turn's,
     // and what a preempted generation had made.
     PrefillRequest r{.session = name};
@@ -366,6 +512,13 @@ Engine::Command Engine::FormBatch() {
       ++generating;
       if (p.kv_name.empty()) p.kv_name = name.empty() ? InternalSession(next_id_++) : name;
       r.session = p.kv_name;
+    }
+    if (p.request.publish_kv) {
+      r.session = p.kv_name;
+      c.publish.push_back({.kv_name = p.kv_name,
+                           .request_id = p.lease_id,
+                           .slot = static_cast<uint32_t>(p.lease_slot),
+                           .nonce = p.lease_nonce});
     }
     if (!name.empty()) taken.insert(name);
     c.batch.push_back(std::move(r));
@@ -394,9 +547,8 @@ Engine::Command Engine::DecodeStep() {
 absl::Status Engine::Execute(Command& command) {
   // A broadcast completes on rank 0 without waiting for anyone (an eager send): the heartbeat
   // ends in a barrier, so rank 0 too learns within the deadline that a rank stopped answering.
+  DropSessions(command.end_sessions);
   if (command.kind == Command::kHeartbeat) return world_.Barrier();
-  // Ending or evicting a session every rank holds: NotFound only means it was gone already.
-  for (const std::string& name : command.end_sessions) (void)model_.EndSession(name);
   if (command.kind == Command::kEndSessions) {
     if (root_) Answer(command, std::vector<SequenceOutput>{}, {}, 0);
     return absl::OkStatus();
@@ -413,12 +565,58 @@ absl::Status Engine::Execute(Command& command) {
       !absl::IsResourceExhausted(out.status()) && !absl::IsNotFound(out.status())) {
     return out.status();
   }
+  std::map<std::string, absl::StatusOr<KvHandle>> handles;
+  if (out.ok()) CPFILL_RETURN_IF_ERROR(PublishKv(command, &handles));
   if (!root_) return absl::OkStatus();
+  published_ = std::move(handles);
   if (command.kind == Command::kDecode) {
     AnswerDecode(command, std::move(out), timings);
   } else {
     Answer(command, std::move(out), timings, Since(start));
   }
+  return absl::OkStatus();
+}
+
+void Engine::UpdateKvUsage() {
+  std::lock_guard lock(mu_);
+  stats_.kv_usage_ratio = model_.kv_usage().usage_ratio();
+  if (handoff_ != nullptr) stats_.kv_staging_usage_ratio = handoff_->staging_usage_ratio();
+}
+
+// Ending or evicting a session every rank holds: NotFound only means it was gone already. A
+// published KV's lease word is cleared first, so no puller takes the freed blocks for its own.
+void Engine::DropSessions(const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
+    if (auto it = lease_slot_of_.find(name); it != lease_slot_of_.end()) {
+      handoff_->Revoke(it->second);
+      handoff_->Forget(name);
+      lease_slot_of_.erase(it);
+    }
+    (void)model_.EndSession(name);
+  }
+  if (root_ && !names.empty()) UpdateKvUsage();
+}
+
+// Every rank alike (ExportSessionKv agrees on its verdict). A request whose export fails gets that
+// error (Answer); a failure of the job's communication ends the job.
+absl::Status Engine::PublishKv(const Command& command,
+                               std::map<std::string, absl::StatusOr<KvHandle>>* handles) {
+  for (const Command::Publish& p : command.publish) {
+    absl::StatusOr<KvHandle> handle =
+        handoff_->Export(model_, p.kv_name, {engine_id_, p.request_id});
+    if (!handle.ok() && !absl::IsNotFound(handle.status()) &&
+        !absl::IsInvalidArgument(handle.status()) && !absl::IsInternal(handle.status()) &&
+        !absl::IsResourceExhausted(handle.status())) {
+      return handle.status();
+    }
+    if (handle.ok()) {
+      handoff_->Publish(static_cast<int>(p.slot), p.nonce);
+      lease_slot_of_[p.kv_name] = static_cast<int>(p.slot);
+      if (root_) handoff_->FillTransport(&*handle, static_cast<int>(p.slot), p.nonce);
+    }
+    handles->emplace(p.kv_name, std::move(handle));
+  }
+  if (root_ && !command.publish.empty()) UpdateKvUsage();
   return absl::OkStatus();
 }
 
@@ -448,6 +646,7 @@ void Engine::Requeue(Command& command, const absl::Status& why) {
   const bool wait = IsKvCacheFull(why) && idle.empty() && !running_.empty();
   if (!wait && idle.empty() && command.items.size() == 1) {
     ++stats_.requests_failed;
+    ReturnLeaseSlot(*command.items.front());
     command.items.front()->reply.set_value(why);
     return;
   }
@@ -501,6 +700,18 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
       p->first_token_at = Clock::now();
       stats_.prompt_tokens += r.prompt_tokens;
       stats_.cached_tokens += r.cached_tokens;
+    }
+    if (p->request.publish_kv) {
+      absl::StatusOr<KvHandle>& handle = published_.at(p->kv_name);
+      if (!handle.ok()) {
+        drop_next_.push_back(p->kv_name);
+        ReturnLeaseSlot(*p);
+        ++stats_.requests_failed;
+        p->reply.set_value(handle.status());
+        continue;
+      }
+      r.kv_handle = std::move(*handle);
+      r.kv_lease_s = std::chrono::duration<double>(lease_length_).count();
     }
     p->positions_left = model_.config().max_position_embeddings - p->cached -
                         static_cast<int64_t>(command.batch[i].tokens.size());
@@ -611,6 +822,12 @@ void Engine::Finish(std::unique_ptr<Pending> p) {
     s.fed = static_cast<int64_t>(s.history.size()) - (generated ? 1 : 0);
     s.evicted = false;
     s.last_used = stats_.batches;
+  } else if (q.publish_kv) {  // held for the decode worker
+    leases_[p->lease_id] = {.kv_name = p->kv_name,
+                            .slot = p->lease_slot,
+                            .nonce = p->lease_nonce,
+                            .expires = Clock::now() + lease_length_,
+                            .tokens = static_cast<int64_t>(q.tokens.size())};
   } else if (!p->kv_name.empty()) {
     drop_next_.push_back(p->kv_name);
   }

@@ -47,11 +47,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "parallel/communicator.h"
+#include "runtime/kv_handle.h"
 #include "runtime/llama_model.h"
 #include "runtime/prefill_batch.h"
 #include "runtime/sampling.h"
@@ -95,6 +97,9 @@ struct EngineRequest {
   // Set by the client (a stream whose reader left, cpfill_request_cancel): generation ends with
   // finish_reason "abort" at its next token.
   std::shared_ptr<std::atomic<bool>> cancelled;
+  // Keep the KV under a lease and return its hand-off handle (EngineResult::kv_handle). Needs
+  // AttachKvHandoff, max_tokens 1 (decode runs elsewhere) and no session.
+  bool publish_kv = false;
 };
 
 struct EngineResult {
@@ -116,6 +121,9 @@ struct EngineResult {
   PrefillTimings timings;  // that batch's
   // The decode steps this request took part in, their phases summed (each step's whole batch).
   PrefillTimings decode_timings;
+  // publish_kv: the handle (transport filled) and the lease's length.
+  std::optional<KvHandle> kv_handle;
+  double kv_lease_s = 0;
 
   std::vector<int32_t> token_ids() const;  // of `tokens`
   double tpot_s() const;  // time per output token after the first (0 for one token)
@@ -127,10 +135,16 @@ struct EngineStats {
   int64_t batches = 0, evictions = 0, waiting = 0, sessions = 0;
   int64_t generation_tokens = 0, decode_steps = 0, preemptions = 0, running = 0;
   double kv_usage_ratio = 0;  // rank 0's KV cache, after the last batch or session end
+  int64_t kv_leases = 0, kv_leased_tokens = 0;  // held now
+  int64_t kv_leases_released = 0, kv_leases_expired = 0;
+  double kv_staging_usage_ratio = 0;  // rank 0's hand-off staging pool (0 without one)
 };
+
+class KvHandoff;
 
 class Engine {
  public:
+  using Clock = std::chrono::steady_clock;
   using Reply = std::future<absl::StatusOr<EngineResult>>;
 
   Engine(LlamaModel& model, parallel::Communicator& world, EngineOptions options);
@@ -151,6 +165,19 @@ class Engine {
   // Rank 0, any thread: forgets a session after the requests queued before it (NotFound for a
   // name the engine does not hold).
   std::future<absl::Status> EndSession(std::string name);
+  // Every rank, before Run: publish_kv requests are taken, their handles carry `engine_id` and
+  // their leases last `lease` (renewed by RenewKv). `handoff` outlives the engine.
+  void AttachKvHandoff(KvHandoff* handoff, std::string engine_id, std::chrono::milliseconds lease);
+  // Rank 0, any thread: ends the lease of hand-off `request_id` whose handle's lease_nonce is
+  // `nonce` ("0x" and hex digits); its KV is freed with the next command. NotFound when no such
+  // lease holds (ended, expired, never given, or another nonce: a stale or forged handle).
+  absl::Status ReleaseKv(const std::string& request_id, const std::string& nonce);
+  // As ReleaseKv, for a release message's payload (KvReleasePayload): NotFound also for another
+  // engine's id.
+  absl::Status ReleaseKvMessage(const std::string& payload);
+  // Rank 0, any thread: the lease lasts `lease` from now; returns that length in seconds. NotFound
+  // as ReleaseKv.
+  absl::StatusOr<double> RenewKv(const std::string& request_id, const std::string& nonce);
   // Rank 0, any thread: takes no more requests; Run() returns on every rank once the queue is
   // drained.
   void Shutdown();
@@ -165,6 +192,14 @@ class Engine {
  private:
   struct Pending;
   struct Command;
+  // A held hand-off (rank 0).
+  struct Lease {
+    std::string kv_name;
+    int slot = 0;
+    uint64_t nonce = 0;
+    Clock::time_point expires;
+    int64_t tokens = 0;
+  };
   struct SessionState {
     std::vector<int32_t> history;  // every token of the conversation so far
     int64_t fed = 0;               // of which the KV cache holds the first `fed`
@@ -187,6 +222,19 @@ class Engine {
   bool NextToken(Pending& p, const std::vector<float>& logits);
   void Finish(std::unique_ptr<Pending> p);
   void Fail(Command& command, const absl::Status& status);
+  void ReturnLeaseSlot(Pending& p);  // rank 0, lock held: a publish that never held
+  bool TakeLeaseSlot(Pending& p);    // rank 0, lock held: false when every slot is held
+  // Rank 0, lock held: the lease of `request_id` if it holds with `nonce`, else NotFound.
+  absl::StatusOr<std::map<std::string, Lease>::iterator> FindLease(const std::string& request_id,
+                                                                   const std::string& nonce);
+  absl::Status ReleaseLocked(const std::string& request_id, const std::string& nonce);
+  void EndLease(const std::string& id);  // rank 0, lock held: frees with the next command
+  void ExpireLeases();                   // rank 0, lock held
+  // Every rank, after a prefill batch: exports and publishes the batch's hand-offs.
+  absl::Status PublishKv(const Command& command,
+                         std::map<std::string, absl::StatusOr<KvHandle>>* handles);
+  void DropSessions(const std::vector<std::string>& names);  // every rank: revoke, then free
+  void UpdateKvUsage();  // rank 0, the loop thread, lock not held: the usage figures of stats_
   std::vector<std::string> IdleSessionsLruFirst(const Command& command) const;
   LlamaModel& model_;
   parallel::Communicator& world_;
@@ -207,6 +255,15 @@ class Engine {
   std::vector<std::string> drop_next_;  // sessions every rank drops with the next command
   std::map<std::string, SessionState> sessions_;
   EngineStats stats_;
+  // KV hand-off: set by AttachKvHandoff.
+  KvHandoff* handoff_ = nullptr;
+  std::string engine_id_;
+  std::chrono::milliseconds lease_length_{30000};
+  std::map<std::string, Lease> leases_;       // rank 0: by request id
+  std::vector<int> free_lease_slots_;         // rank 0
+  uint64_t next_nonce_ = 1;                   // rank 0
+  std::map<std::string, int> lease_slot_of_;  // every rank: published KV name -> lease word
+  std::map<std::string, absl::StatusOr<KvHandle>> published_;  // rank 0: the last batch's
 };
 
 }  // namespace cpfill::runtime

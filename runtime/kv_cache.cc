@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <utility>
@@ -143,10 +144,9 @@ KvCache::KvCache(const KvCacheSpec& spec, int64_t num_blocks, std::unique_ptr<Kv
       storage_(std::move(storage)),
       refcount_(static_cast<size_t>(num_blocks), 0) {
   spec_.capacity_tokens = num_blocks * spec.block_tokens;
-  // Popped from the back: block 0 first, so a fresh pool hands out consecutive blocks and the
-  // copies of a long sequence merge into few runs.
+  // Ascending ids are a min-heap already (TakeBlock takes the lowest free id).
   free_.reserve(static_cast<size_t>(num_blocks));
-  for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
+  for (int64_t b = 0; b < num_blocks; ++b) free_.push_back(static_cast<int32_t>(b));
 }
 
 KvCache::~KvCache() = default;
@@ -192,6 +192,10 @@ bool KvCache::LastBlockNeedsCopy(const Sequence& s) const {
 }
 
 int32_t KvCache::TakeBlock() {
+  // The lowest free id: a sequence's blocks stay ascending and, where the pool has room,
+  // consecutive, so its rows form long runs in memory (a KV hand-off reads a layer of a fresh
+  // sequence in one get instead of one per block) even after other sequences came and went.
+  std::pop_heap(free_.begin(), free_.end(), std::greater<>());
   const int32_t b = free_.back();
   free_.pop_back();
   refcount_[static_cast<size_t>(b)] = 1;
@@ -201,7 +205,10 @@ int32_t KvCache::TakeBlock() {
 void KvCache::Unref(int32_t block) {
   int32_t& r = refcount_[static_cast<size_t>(block)];
   if (r == 2) --shared_blocks_;
-  if (--r == 0) free_.push_back(block);
+  if (--r == 0) {
+    free_.push_back(block);
+    std::push_heap(free_.begin(), free_.end(), std::greater<>());
+  }
 }
 
 void KvCache::AddRun(char* dst, const char* src, int64_t bytes) {

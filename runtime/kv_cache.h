@@ -209,7 +209,7 @@ class KvCache {
   KvCacheSpec spec_;
   int64_t num_blocks_;
   std::unique_ptr<KvStorage> storage_;
-  std::vector<int32_t> free_;      // LIFO of free block ids
+  std::vector<int32_t> free_;      // free block ids, a min-heap: TakeBlock takes the lowest
   std::vector<int32_t> refcount_;  // per block; 0 = free
   int64_t shared_blocks_ = 0;      // blocks with refcount > 1
   std::unordered_map<SeqId, Sequence> seqs_;

@@ -138,7 +138,7 @@ absl::Status ValidateTransport(const KvRankTransport& t, int64_t pool_bytes,
                                const std::string& path) {
   const std::string ucx_path = Path(path, "ucx");
   const std::pair<std::string_view, const std::string*> fields[] = {
-      {"worker_address", &t.worker_address}, {"rkey", &t.rkey}};
+      {"worker_address", &t.worker_address}, {"rkey", &t.rkey}, {"lease_rkey", &t.lease_rkey}};
   for (const auto& [name, bytes] : fields) {
     if (bytes->empty() || bytes->size() > kKvHandleMaxTransportBytes) {
       return FieldError(Path(ucx_path, name),
@@ -149,6 +149,10 @@ absl::Status ValidateTransport(const KvRankTransport& t, int64_t pool_bytes,
   if (t.pool_address > UINT64_MAX - static_cast<uint64_t>(pool_bytes)) {
     return FieldError(Path(ucx_path, "pool_address"),
                       absl::StrCat("plus the pool's ", pool_bytes, " bytes wraps around"));
+  }
+  if (t.lease_address == 0 || t.lease_address % 8 != 0 || t.lease_address > UINT64_MAX - 8) {
+    return FieldError(Path(ucx_path, "lease_address"),
+                      "must be a non-zero address of an aligned 8-byte word");
   }
   return absl::OkStatus();
 }
@@ -364,6 +368,8 @@ absl::StatusOr<KvRankTransport> ReadTransport(const nlohmann::json& obj,
   CPFILL_ASSIGN_OR_RETURN(t.worker_address, Base64Member(*ucx, path, "worker_address"));
   CPFILL_ASSIGN_OR_RETURN(t.rkey, Base64Member(*ucx, path, "rkey"));
   CPFILL_ASSIGN_OR_RETURN(t.pool_address, AddressMember(*ucx, path, "pool_address"));
+  CPFILL_ASSIGN_OR_RETURN(t.lease_rkey, Base64Member(*ucx, path, "lease_rkey"));
+  CPFILL_ASSIGN_OR_RETURN(t.lease_address, AddressMember(*ucx, path, "lease_address"));
   return t;
 }
 
@@ -415,7 +421,9 @@ OrderedJson RankJson(const KvRankShard& s) {
   if (s.transport.empty()) return rank;
   rank["ucx"] = {{"worker_address", absl::Base64Escape(s.transport.worker_address)},
                  {"rkey", absl::Base64Escape(s.transport.rkey)},
-                 {"pool_address", absl::StrCat("0x", absl::Hex(s.transport.pool_address))}};
+                 {"pool_address", absl::StrCat("0x", absl::Hex(s.transport.pool_address))},
+                 {"lease_rkey", absl::Base64Escape(s.transport.lease_rkey)},
+                 {"lease_address", absl::StrCat("0x", absl::Hex(s.transport.lease_address))}};
   return rank;
 }
 
@@ -508,6 +516,9 @@ absl::Status ValidateKvHandle(const KvHandle& handle, KvTransportCheck transport
     CPFILL_RETURN_IF_ERROR(ValidateBlocks(shard, l.block_tokens, path));
     if (transport == KvTransportCheck::kRequired || !shard.transport.empty()) {
       CPFILL_RETURN_IF_ERROR(ValidateTransport(shard.transport, shard.pool.bytes, path));
+      if (handle.lease_nonce == 0) {
+        return FieldError("lease_nonce", "is 0; a published handle's lease nonce is not");
+      }
     }
   }
   return ValidateCoverage(handle);
@@ -516,9 +527,21 @@ absl::Status ValidateKvHandle(const KvHandle& handle, KvTransportCheck transport
 nlohmann::ordered_json ToJson(const KvHandle& handle) {
   OrderedJson ranks = OrderedJson::array();
   for (const KvRankShard& shard : handle.ranks) ranks.push_back(RankJson(shard));
-  return {{"version", kKvHandleVersion},         {"engine_id", handle.engine_id},
-          {"request_id", handle.request_id},     {"compat_hash", handle.compat_hash()},
-          {"layout", LayoutJson(handle.layout)}, {"ranks", std::move(ranks)}};
+  OrderedJson out = {{"version", kKvHandleVersion},
+                     {"engine_id", handle.engine_id},
+                     {"request_id", handle.request_id},
+                     {"compat_hash", handle.compat_hash()}};
+  if (handle.lease_nonce != 0) {
+    out["lease_nonce"] = absl::StrCat("0x", absl::Hex(handle.lease_nonce));
+  }
+  out["layout"] = LayoutJson(handle.layout);
+  out["ranks"] = std::move(ranks);
+  return out;
+}
+
+std::string KvReleasePayload(const KvHandle& handle) {
+  return absl::StrCat(handle.engine_id, "\n", handle.request_id, "\n0x",
+                      absl::Hex(handle.lease_nonce));
 }
 
 absl::StatusOr<KvHandle> ParseKvHandle(const nlohmann::json& params) {
@@ -536,6 +559,7 @@ absl::StatusOr<KvHandle> ParseKvHandle(const nlohmann::json& params) {
   CPFILL_ASSIGN_OR_RETURN(handle.engine_id, StringMember(params, "", "engine_id"));
   CPFILL_ASSIGN_OR_RETURN(handle.request_id, StringMember(params, "", "request_id"));
   CPFILL_ASSIGN_OR_RETURN(std::string compat_hash, StringMember(params, "", "compat_hash"));
+  CPFILL_ASSIGN_OR_RETURN(handle.lease_nonce, AddressMember(params, "", "lease_nonce"));
   CPFILL_ASSIGN_OR_RETURN(const nlohmann::json* layout,
                           TypedMember(params, "", "layout", nlohmann::json::value_t::object));
   CPFILL_ASSIGN_OR_RETURN(handle.layout, ReadLayout(*layout));

@@ -15,6 +15,7 @@
 // own; every listed key is required):
 //   {"version": "cpfill.kv.v1", "engine_id": "cpfill-a1", "request_id": "cmpl-7",
 //    "compat_hash": "8e99ad01a2868416",          // KvCompatHash(layout), 16 hex digits
+//    "lease_nonce": "0x2a",                       // the lease's word while it holds (below)
 //    "layout": {"num_layers": 32, "kv_heads": 8, "kv_heads_per_tp_rank": 4, "head_dim": 128,
 //               "dtype": "bfloat16", "block_tokens": 16, "tokens": 41, "tp_size": 2,
 //               "cp_size": 2},
@@ -24,8 +25,21 @@
 //       "blocks": [7, 3],                        // local row i in blocks[i / block_tokens]
 //       "pool": {"bytes": 67108864, "num_blocks": 64, "block_stride_bytes": 16384,
 //                "layer_stride_bytes": 2097152, "k_offset_bytes": 0, "v_offset_bytes": 1048576},
-//       "ucx": {"worker_address": "<base64>", "rkey": "<base64>", "pool_address": "0x7f3a..."}},
+//       "ucx": {"worker_address": "<base64>", "rkey": "<base64>", "pool_address": "0x7f3a...",
+//               "lease_rkey": "<base64>", "lease_address": "0x55d0..."}},
 //      ...]}
+//
+// The lease word. Each rank keeps one registered 8-byte word per lease (at lease_address, under
+// lease_rkey) that holds lease_nonce while the lease holds and is cleared before the rank frees
+// the blocks (a release, the lease's expiry, DELETE /v1/kv/{request_id}). A puller reads the word
+// after its gets from that rank complete: the nonce there means the blocks it read were the
+// request's throughout; anything else means a stale handle or a lease that ended mid-pull, and the
+// data is void. Nonces are never reused within an engine (engine_id differs across restarts).
+//
+// The release: when every decode rank has pulled, the decode side sends one UCX active message of
+// id kKvReleaseMessageId to ranks[0]'s worker, payload KvReleasePayload(handle); the lease ends
+// at once. Unacknowledged; a release that names no lease holding now (another engine, an ended
+// lease, another nonce) is ignored (the server logs it).
 //
 // A rank's local rows are its positions in order (the packing of sharding/plan.h); row i sits in
 // block blocks[i / block_tokens] at row i % block_tokens. Each row is [kv_heads_per_tp_rank,
@@ -63,6 +77,7 @@ inline constexpr int kKvHandleMaxRanks = 4096;  // tp_size * cp_size
 inline constexpr int64_t kKvHandleMaxTokens = int64_t{1} << 32;
 inline constexpr int kKvHandleMaxIdBytes = 256;               // engine_id, request_id
 inline constexpr int kKvHandleMaxTransportBytes = 64 * 1024;  // decoded worker address, rkey
+inline constexpr uint64_t kKvReleaseMessageId = 0x6b76'0001;  // "kv" 1: see "The release"
 
 std::string_view KvDtypeName(KvDtype dtype);  // "float32", "bfloat16"
 
@@ -124,7 +139,12 @@ struct KvRankTransport {
   std::string worker_address;
   std::string rkey;
   uint64_t pool_address = 0;
-  bool empty() const { return worker_address.empty() && rkey.empty() && pool_address == 0; }
+  std::string lease_rkey;      // the rank's lease words' region
+  uint64_t lease_address = 0;  // this lease's word (8 bytes, aligned)
+  bool empty() const {
+    return worker_address.empty() && rkey.empty() && pool_address == 0 && lease_rkey.empty() &&
+           lease_address == 0;
+  }
   bool operator==(const KvRankTransport&) const = default;
 };
 
@@ -146,6 +166,7 @@ struct KvHandle {
   std::string request_id;
   KvHandleLayout layout;
   std::vector<KvRankShard> ranks;  // [tp_rank * cp_size + cp_rank]
+  uint64_t lease_nonce = 0;        // non-zero once published (transport present)
 
   const KvRankShard& rank(int tp_rank, int cp_rank) const {
     return ranks[tp_rank * layout.cp_size + cp_rank];
@@ -167,6 +188,10 @@ std::string KvCompatHash(const KvHandleLayout& layout);
 enum class KvTransportCheck { kRequired, kAbsentAllowed };
 absl::Status ValidateKvHandle(const KvHandle& handle,
                               KvTransportCheck transport = KvTransportCheck::kRequired);
+
+// The release message's payload: engine_id, request_id and the lease nonce ("0x" and hex digits),
+// separated by newlines.
+std::string KvReleasePayload(const KvHandle& handle);
 
 // The JSON shape above; a rank without transport (empty) has no "ucx" key. Assumes a valid handle
 // (ValidateKvHandle).

@@ -92,10 +92,13 @@ KvHandle MakeHandle(const Geometry& g) {
       shard.pool = KvPoolLayout::OfKvCache(spec, num_blocks);
       shard.transport = {.worker_address = absl::StrCat("ucp-worker-", tp_rank, "-", cp_rank),
                          .rkey = std::string("\x00\xff\x10rkey", 7) + std::to_string(cp_rank),
-                         .pool_address = 0x7f0000000000ULL + (uint64_t{1} << 32) * tp_rank};
+                         .pool_address = 0x7f0000000000ULL + (uint64_t{1} << 32) * tp_rank,
+                         .lease_rkey = absl::StrCat("lease-", tp_rank, "-", cp_rank),
+                         .lease_address = 0x550000001000ULL + 0x100000ULL * cp_rank + 8 * 3};
       h.ranks.push_back(std::move(shard));
     }
   }
+  h.lease_nonce = 0x2a;
   return h;
 }
 
@@ -349,6 +352,9 @@ TEST(KvHandle, JsonHasTheDocumentedShape) {
   EXPECT_EQ(j["ranks"][1]["ucx"]["pool_address"], "0x7f0000000000");
   EXPECT_EQ(j["ranks"][2]["ucx"]["pool_address"], "0x7f0100000000");
   EXPECT_EQ(j["ranks"][0]["ucx"]["worker_address"], "dWNwLXdvcmtlci0wLTA=");
+  EXPECT_EQ(j["lease_nonce"], "0x2a");
+  EXPECT_EQ(j["ranks"][1]["ucx"]["lease_address"], "0x550000101018");
+  EXPECT_EQ(KvReleasePayload(h), "cpfill-test\ncmpl-42\n0x2a");
 }
 
 // A handle built before its pools are registered with UCX: valid in-process only when asked, and
@@ -356,13 +362,15 @@ TEST(KvHandle, JsonHasTheDocumentedShape) {
 TEST(KvHandle, WithoutTransportIsValidOnlyInProcess) {
   KvHandle h = MakeHandle({});
   for (KvRankShard& shard : h.ranks) shard.transport = {};
+  h.lease_nonce = 0;
   EXPECT_TRUE(Mentions(ValidateKvHandle(h), "ranks[0].ucx.worker_address"));
   EXPECT_TRUE(ValidateKvHandle(h, KvTransportCheck::kAbsentAllowed).ok());
   const nlohmann::ordered_json j = ToJson(h);
   EXPECT_FALSE(j["ranks"][0].contains("ucx"));
   const absl::StatusOr<KvHandle> parsed = ParseKvHandle(Json::parse(j.dump()));
   EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(Mentions(parsed.status(), "\"ranks[0].ucx\" is missing"));
+  // Refused before the ranks: an unpublished handle has no lease either.
+  EXPECT_TRUE(Mentions(parsed.status(), "\"lease_nonce\" is missing"));
   // Half a transport is still checked.
   h.ranks[1].transport.rkey = "k";
   EXPECT_TRUE(Mentions(ValidateKvHandle(h, KvTransportCheck::kAbsentAllowed),
@@ -468,6 +476,12 @@ std::vector<Forgery> Forgeries() {
       {"rank not an object", [](Json& j) { j["ranks"][2] = "rank"; }, "\"ranks[2]\""},
       {"tp_rank a string", [](Json& j) { j["ranks"][0]["tp_rank"] = "0"; }, "\"ranks[0].tp_rank\""},
       {"no ucx", [](Json& j) { j["ranks"][3].erase("ucx"); }, "\"ranks[3].ucx\" is missing"},
+      {"no lease nonce", [](Json& j) { j.erase("lease_nonce"); }, "\"lease_nonce\" is missing"},
+      {"lease nonce 0", [](Json& j) { j["lease_nonce"] = "0x0"; }, "\"lease_nonce\" is 0"},
+      {"no lease key", [](Json& j) { j["ranks"][1]["ucx"].erase("lease_rkey"); },
+       "\"ranks[1].ucx.lease_rkey\" is missing"},
+      {"lease word unaligned", [](Json& j) { j["ranks"][2]["ucx"]["lease_address"] = "0x1001"; },
+       "\"ranks[2].ucx.lease_address\""},
       {"run not a pair", [](Json& j) { j["ranks"][0]["positions"][0] = Json::array({1}); },
        "\"ranks[0].positions[0]\""},
       {"run reversed",

@@ -147,17 +147,24 @@ std::optional<KvCache::SeqId> LlamaModel::SessionSequence(const std::string& nam
   return it->second.seq;
 }
 
+std::optional<LlamaModel::SessionKvRows> LlamaModel::SessionRows(const std::string& name) const {
+  auto it = sessions_.find(name);
+  if (it == sessions_.end()) return std::nullopt;
+  // The layout's runs of this CP rank are in the order Forward wrote the rows (each turn's new
+  // runs after the cached ones, sharding::ShardPlan::KvRunsAfter), which is ascending: every
+  // turn and decode step adds positions past all earlier ones.
+  const Session& s = it->second;
+  return SessionKvRows{.seq = s.seq,
+                       .runs_in_row_order = s.where.layout.runs[backend_->cp().rank()][0],
+                       .tokens = s.where.tokens};
+}
+
 absl::StatusOr<KvHandle> LlamaModel::ExportSessionKv(const std::string& session,
                                                      const KvHandleIds& ids) {
   const int tp_rank = backend_->tp().rank(), cp_rank = backend_->cp().rank();
   std::optional<KvRankPart> mine;
-  if (auto it = sessions_.find(session); it != sessions_.end()) {
-    // The layout's runs of this CP rank are in the order Forward wrote the rows (each turn's new
-    // runs after the cached ones, sharding::ShardPlan::KvRunsAfter), which is ascending: every
-    // turn and decode step adds positions past all earlier ones.
-    const Session& s = it->second;
-    mine = DescribeRankKv(*kv_, s.seq, s.where.layout.runs[cp_rank][0], tp_rank, cp_rank,
-                          s.where.tokens);
+  if (std::optional<SessionKvRows> rows = SessionRows(session)) {
+    mine = DescribeRankKv(*kv_, rows->seq, rows->runs_in_row_order, tp_rank, cp_rank, rows->tokens);
   }
   return GatherKvHandle(world_, mine,
                         KvGeometry(kv_->spec(), backend_->tp().size(), backend_->cp().size()), ids,

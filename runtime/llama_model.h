@@ -86,7 +86,19 @@ class LlamaModel {
   // is what a KV hand-off exposes; a session's rows are those of its sequence (nullopt for an
   // unknown session), in the order of its SessionLayout's runs for this CP rank.
   const KvCache& kv_cache() const { return *kv_; }
+  // Checks read a session's rows through it (KvCache::Read keeps scratch); nothing else may change
+  // the cache behind the model's back.
+  KvCache& kv_cache_for_reading() { return *kv_; }
   std::optional<KvCache::SeqId> SessionSequence(const std::string& name) const;
+  // A session's rows on this rank, as a KV hand-off describes them (kv_export.h): its sequence,
+  // the global positions its rows hold in row order (this CP rank's runs) and the session's
+  // tokens over every rank; nullopt for an unknown session.
+  struct SessionKvRows {
+    KvCache::SeqId seq = 0;
+    std::vector<sharding::PositionRun> runs_in_row_order;
+    int64_t tokens = 0;
+  };
+  std::optional<SessionKvRows> SessionRows(const std::string& name) const;
   const ModelConfig& config() const { return config_; }
   ModelBackend& backend() { return *backend_; }
 

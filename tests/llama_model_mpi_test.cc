@@ -436,7 +436,11 @@ std::string PullAndCompare(runtime::KvHandle h, const GatheredPools& pools,
                            const std::vector<float>& one_rank) {
   if (h.layout.dtype != runtime::KvDtype::kFloat32) return "the CPU backend's KV is not fp32";
   // Stand-ins for the UCX fields the server fills with --kv-handoff: the plan does not read them.
-  for (runtime::KvRankShard& shard : h.ranks) shard.transport = {"in-process", "memcpy", 0};
+  for (runtime::KvRankShard& shard : h.ranks) {
+    shard.transport = {
+        .worker_address = "in-process", .rkey = "memcpy", .lease_rkey = "none", .lease_address = 8};
+  }
+  h.lease_nonce = 1;
   for (int dst_tp : {1, 2}) {
     for (int dst_rank = 0; dst_rank < dst_tp; ++dst_rank) {
       const int64_t kind_bytes = int64_t{h.layout.num_layers} * h.layout.tokens *

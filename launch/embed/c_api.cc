@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "launch/embed/c_api_status.h"
 #include "launch/embed/cpfill.h"
 #include "launch/engine_host.h"
 #include "launch/flags.h"
@@ -69,46 +70,8 @@ using cpfill::launch::EngineFlags;
 using cpfill::launch::FlagSet;
 using cpfill::launch::SessionFlags;
 
-thread_local std::string last_error;
-
-int Code(const absl::Status& status) {
-  switch (status.code()) {
-    case absl::StatusCode::kOk:
-      return CPFILL_OK;
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kOutOfRange:
-      return CPFILL_INVALID_ARGUMENT;
-    case absl::StatusCode::kNotFound:
-      return CPFILL_NOT_FOUND;
-    case absl::StatusCode::kResourceExhausted:
-      return CPFILL_RESOURCE_EXHAUSTED;
-    case absl::StatusCode::kUnavailable:
-      return CPFILL_UNAVAILABLE;
-    case absl::StatusCode::kFailedPrecondition:
-      return CPFILL_FAILED_PRECONDITION;
-    case absl::StatusCode::kDeadlineExceeded:
-      return CPFILL_NOT_READY;
-    default:
-      return CPFILL_INTERNAL;
-  }
-}
-
-int Report(const absl::Status& status) {
-  if (!status.ok()) last_error = std::string(status.message());
-  return Code(status);
-}
-
-// Runs `body` (returning absl::Status) with every exception turned into CPFILL_INTERNAL.
-template <typename Body>
-int Guarded(Body body) {
-  try {
-    return Report(body());
-  } catch (const std::exception& e) {
-    return Report(absl::InternalError(std::string("cpfill: unexpected exception: ") + e.what()));
-  } catch (...) {
-    return Report(absl::InternalError("cpfill: unexpected exception"));
-  }
-}
+using cpfill::embed::Guarded;
+using cpfill::embed::Report;
 
 absl::Status NeedRoot(const cpfill_engine* e, const char* what) {
   if (e == nullptr) return absl::InvalidArgumentError(std::string(what) + ": engine is NULL");
@@ -321,7 +284,7 @@ absl::Status Shutdown(cpfill_engine* e) {
 extern "C" {
 
 const char* cpfill_version(void) { return "0.1.0"; }
-const char* cpfill_last_error(void) { return last_error.c_str(); }
+const char* cpfill_last_error(void) { return cpfill::embed::last_error.c_str(); }
 
 int cpfill_engine_create(int argc, const char* const* argv, const void* mpi_comm,
                          cpfill_engine** engine) {

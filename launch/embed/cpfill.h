@@ -48,7 +48,8 @@
  * model's last position, or cpfill_request_cancel; its tokens stay readable until the request is
  * freed.
  *
- * ABI: symbols are versioned (libcpfill.map): CPFILL_0.1 the prefill API, CPFILL_0.2 generation.
+ * ABI: symbols are versioned (libcpfill.map): CPFILL_0.1 the prefill API, CPFILL_0.2 generation,
+ * CPFILL_0.3 the KV hand-off's decode side.
  * cpfill_result never grows; cpfill_generate_params carries its own size (struct_size), so later
  * fields can be added without breaking programs built against this header.
  */
@@ -187,6 +188,88 @@ int cpfill_engine_shutdown(cpfill_engine* engine);
 /* Every rank, after shutdown (rank 0) or run (the others). Finalizes MPI if create started it.
  * NULL is ignored. */
 void cpfill_engine_destroy(cpfill_engine* engine);
+
+/* ---- KV hand-off, decode side (CPFILL_0.3) ------------------------------------------------------
+ *
+ * A decode worker pulls a request's KV from a prefill server (`cpfill serve --kv-handoff`) over
+ * UCX: the server's completion answered with kv_transfer_params, the handle (README: "The KV
+ * hand-off"); the worker parses it, pulls its decode TP rank's part into memory of its own layout,
+ * and once every decode rank has pulled, one of them releases the lease. No MPI, no engine: these
+ * calls stand alone. A puller is used by one thread at a time; handles are immutable.
+ *
+ *   cpfill_kv_handle* h;   cpfill_kv_handle_parse(json_text, json_len, &h);
+ *   cpfill_kv_layout l;    cpfill_kv_handle_layout(h, &l);      // layers, heads, tokens, dtype
+ *   cpfill_kv_puller* p;   cpfill_kv_puller_create("decode rank 0", &p);
+ *   cpfill_kv_destination d;  cpfill_kv_destination_init(&d);
+ *   d.base = buf;  d.bytes = 2 * k_bytes;  d.v_offset_bytes = k_bytes;   // contiguous, TP 1
+ *   cpfill_kv_pull_stats st;
+ *   if (cpfill_kv_pull(p, h, &d, 30.0, &st) != CPFILL_OK) puts(cpfill_last_error());
+ *   cpfill_kv_release(p, h, 5.0);
+ *   cpfill_kv_handle_free(h);  cpfill_kv_puller_destroy(p);
+ */
+typedef struct cpfill_kv_handle cpfill_kv_handle;
+typedef struct cpfill_kv_puller cpfill_kv_puller;
+
+/* A handle's geometry. */
+typedef struct cpfill_kv_layout {
+  int32_t num_layers, kv_heads, head_dim;
+  int32_t dtype_bytes;                    /* 4: float32, 2: bfloat16 */
+  int64_t tokens;                         /* the prompt's positions [0, tokens) */
+  int32_t tp_size, cp_size, block_tokens; /* the prefill's */
+} cpfill_kv_layout;
+
+/* Parses kv_transfer_params (JSON text, `len` bytes) as untrusted input: CPFILL_INVALID_ARGUMENT
+ * naming the field for anything malformed, forged, truncated or of another format version. */
+int cpfill_kv_handle_parse(const char* json, size_t len, cpfill_kv_handle** handle);
+int cpfill_kv_handle_layout(const cpfill_kv_handle* handle, cpfill_kv_layout* layout);
+/* The request id the lease is known by (DELETE /v1/kv/{id}); valid while the handle lives. */
+const char* cpfill_kv_handle_request_id(const cpfill_kv_handle* handle);
+void cpfill_kv_handle_free(cpfill_kv_handle* handle); /* NULL is ignored */
+
+/* One UCX worker (UCX_* environment variables apply). `name` labels it in errors; may be NULL. */
+int cpfill_kv_puller_create(const char* name, cpfill_kv_puller** puller);
+void cpfill_kv_puller_destroy(cpfill_kv_puller* puller); /* NULL is ignored */
+
+/* Where one decode TP rank's part lands: [base, base + bytes), host memory (or GPU memory where
+ * the loaded UCX has a CUDA transport). Elements are of the handle's dtype.
+ *   contiguous (paged 0): K and V each [num_layers][capacity_tokens][kv_heads / tp_size]
+ *     [head_dim], K at k_offset_bytes, V at v_offset_bytes;
+ *   paged (paged 1): blocks of block_tokens rows; block b of layer l, kind k (0 K, 1 V) at
+ *     (k ? v_offset_bytes : k_offset_bytes) + l * layer_stride_bytes + b * block_stride_bytes;
+ *     position t in block block_table[t / block_tokens] at row t % block_tokens. */
+typedef struct cpfill_kv_destination {
+  size_t struct_size;       /* set by _init */
+  int32_t tp_size, tp_rank; /* the decode worker's TP; default 1, 0 */
+  int32_t paged;            /* default 0 */
+  int64_t capacity_tokens;  /* contiguous: the token dimension; 0 (default): the handle's */
+  int64_t k_offset_bytes, v_offset_bytes;
+  int32_t block_tokens;                                       /* paged */
+  int64_t num_blocks, block_stride_bytes, layer_stride_bytes; /* paged: the pool */
+  const int32_t* block_table; /* paged: >= ceil(tokens / block_tokens) distinct ids */
+  size_t block_table_len;
+  void* base;
+  size_t bytes;
+} cpfill_kv_destination;
+void cpfill_kv_destination_init(cpfill_kv_destination* destination);
+
+typedef struct cpfill_kv_pull_stats {
+  int64_t bytes;        /* KV bytes written */
+  int64_t gets;         /* UCX gets issued */
+  int32_t source_ranks; /* prefill ranks read */
+  double seconds;
+} cpfill_kv_pull_stats;
+
+/* Pulls `destination`'s decode rank's part, waiting at most `timeout_s` (progress and every wait
+ * bounded). CPFILL_INVALID_ARGUMENT for a destination that does not fit the handle (naming what);
+ * CPFILL_FAILED_PRECONDITION when the lease no longer holds (released, expired, a stale handle:
+ * the destination's contents are then void); CPFILL_UNAVAILABLE when a prefill rank cannot be
+ * reached or fails; CPFILL_NOT_READY when the timeout passed. `stats` may be NULL. */
+int cpfill_kv_pull(cpfill_kv_puller* puller, const cpfill_kv_handle* handle,
+                   const cpfill_kv_destination* destination, double timeout_s,
+                   cpfill_kv_pull_stats* stats);
+/* Ends the lease (one message to the prefill's first rank; unacknowledged): call once, after every
+ * decode rank has pulled. */
+int cpfill_kv_release(cpfill_kv_puller* puller, const cpfill_kv_handle* handle, double timeout_s);
 
 #ifdef __cplusplus
 }

@@ -56,10 +56,13 @@ BASE_ARGS = {
     # A server runs until stopped: only its refusals are fuzzed (in-range values would serve).
     "serve": ["--model", "tiny", "--layers", "1", "--port", "0", "--backend", "cpu",
               "--threads", "1"],
+    # A stand-in decode worker needs a server: only its refusals are fuzzed (in-range values
+    # would ask this address, where nothing listens, and fail with exit 3).
+    "kv-pull": ["--url", "http://127.0.0.1:9", "--prompt-tokens", "8", "--timeout-s", "1"],
 }
 # `tokenize` reads a tokenizer directory and input files that run_suite writes first (see
 # write_tokenizer); its base invocation is set there.
-NEVER_ENDS = {"serve"}
+NEVER_ENDS = {"serve", "kv-pull"}
 
 # Flags whose in-range extremes are legitimately long jobs (a million repeats, 65536 heads of
 # real attention): their maximum is not run as an "either" case.
