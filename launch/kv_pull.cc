@@ -194,12 +194,12 @@ absl::Status DeviceDestination::CopyTo(std::vector<uint8_t>&) const {
 
 absl::StatusOr<ReferenceKv> ComputeReferenceKv(const runtime::ModelConfig& config,
                                                runtime::ModelWeights weights,
-                                               const std::vector<int32_t>& prompt) {
+                                               const std::vector<int32_t>& prompt, int threads) {
   parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
   const std::vector<runtime::PrefillRequest> batch = {{.tokens = prompt, .session = "reference"}};
   runtime::PrefillOptions options;
   options.kv_block_tokens = 16;
-  options.threads = 0;  // every core
+  options.threads = threads;
   options.kv_capacity_tokens = runtime::KvTokensForBatch(batch, 1, options.kv_block_tokens);
   CPFILL_ASSIGN_OR_RETURN(
       auto model, runtime::cpu::CreateCpuModel(config, std::move(weights), tp, cp, world, options));

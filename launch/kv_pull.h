@@ -76,12 +76,13 @@ class DeviceDestination {
   size_t bytes_;
 };
 
-// The KV of `prompt` on a single-rank fp32 CPU model with `weights` (TP 1): [layer][kind] of
-// [position][kv_head][head_dim] floats.
+// The KV of `prompt` on a single-rank fp32 CPU model with `weights` (TP 1) on `threads` threads
+// (0: every core): [layer][kind] of [position][kv_head][head_dim] floats. The CPU kernels' rounding
+// depends on their thread count: a one-rank server with the same --threads gives the same bits.
 using ReferenceKv = std::vector<std::vector<std::vector<float>>>;
 absl::StatusOr<ReferenceKv> ComputeReferenceKv(const runtime::ModelConfig& config,
                                                runtime::ModelWeights weights,
-                                               const std::vector<int32_t>& prompt);
+                                               const std::vector<int32_t>& prompt, int threads);
 
 struct KvComparison {
   int64_t elements = 0;

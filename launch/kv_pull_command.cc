@@ -38,7 +38,8 @@ struct KvPullArgs {
   std::string url, tokens, layout = "contiguous", model, handle_in, handle_out, json, dump;
   int64_t prompt_tokens = 0, prompt_seed = 1, seed = 1;
   int layers = 0, decode_tp = 1, decode_tp_rank = 0, block_tokens = 16, dst_cuda_device = -1;
-  int pulls = 1;
+  int pulls = 1, reference_threads = 0;
+  bool bit_exact = false;
   double timeout_s = 60, tolerance = 0;
   bool no_release = false, exit_mid_pull = false;
 };
@@ -68,6 +69,14 @@ void DefineFlags(FlagSet& flags, KvPullArgs* a) {
   flags.Int("layers", &a->layers, "with --model: its first K layers (0: all)").Within({0, 1e6});
   flags.Int("seed", &a->seed, "with --model: the seed of synthetic weights")
       .Within(Range::AtLeast(0));
+  flags
+      .Int("reference-threads", &a->reference_threads,
+           "with --model: threads of the one-rank reference (0: every core); the CPU kernels' "
+           "rounding depends on it")
+      .Within({0, 4096});
+  flags.Bool("bit-exact", &a->bit_exact,
+             "with --model: pass only when every element equals the reference bit for bit (a "
+             "one-rank CPU server whose --threads is --reference-threads)");
   flags
       .Double("tolerance", &a->tolerance,
               "largest |difference| allowed, relative to max(1, largest |reference|) (0: 1e-4 "
@@ -143,11 +152,14 @@ absl::StatusOr<KvComparison> Verify(const KvPullArgs& a, const std::vector<int32
                    kv.layout.head_dim, ")");
   CPFILL_ASSIGN_OR_RETURN(runtime::ModelWeights weights,
                           MakeWeights(config, a.model, static_cast<uint64_t>(a.seed), 0, 1));
-  CPFILL_ASSIGN_OR_RETURN(ReferenceKv ref, ComputeReferenceKv(config, std::move(weights), ids));
+  CPFILL_ASSIGN_OR_RETURN(ReferenceKv ref,
+                          ComputeReferenceKv(config, std::move(weights), ids, a.reference_threads));
   const double tolerance = a.tolerance > 0                                 ? a.tolerance
                            : kv.layout.dtype == runtime::KvDtype::kFloat32 ? 1e-4
                                                                            : 3e-2;
-  return CompareKv(kv, ref, tolerance);
+  KvComparison c = CompareKv(kv, ref, tolerance);
+  if (a.bit_exact) c.pass = c.differing == 0;
+  return c;
 }
 
 absl::Status WriteDump(const PulledKv& kv, const std::string& path) {

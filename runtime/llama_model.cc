@@ -141,6 +141,58 @@ absl::Status LlamaModel::EndSession(const std::string& name) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The runs of positions below `end`, in the same order.
+std::vector<sharding::PositionRun> RunsBelow(const std::vector<sharding::PositionRun>& runs,
+                                             int64_t end) {
+  std::vector<sharding::PositionRun> kept;
+  for (const sharding::PositionRun& run : runs) {
+    const int64_t length = std::min(run.end(), end) - run.begin;
+    if (length > 0) kept.push_back({run.begin, length});
+  }
+  return kept;
+}
+
+}  // namespace
+
+absl::Status LlamaModel::ForkSession(const std::string& parent, const std::string& child,
+                                     int64_t prefix_tokens) {
+  auto it = sessions_.find(parent);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no session '", parent, "' to fork"));
+  }
+  const Session& p = it->second;
+  CPFILL_CHECK_ARG(!sessions_.count(child), "session '", child, "' exists already");
+  CPFILL_CHECK_ARG(prefix_tokens >= 1 && prefix_tokens <= p.where.tokens, "a fork of session '",
+                   parent, "' at ", prefix_tokens, " tokens; it has ", p.where.tokens);
+  // This rank's rows of the prefix: its rows are its positions in ascending order, so the prefix
+  // is their first `rows`.
+  const int cp_rank = backend_->cp().rank();
+  const int64_t rows =
+      sharding::TotalLength(RunsBelow(p.where.layout.runs[cp_rank][0], prefix_tokens));
+  const int64_t block_tokens = kv_->spec().block_tokens;
+  int64_t short_blocks = rows % block_tokens != 0 && kv_->free_blocks() == 0 ? 1 : 0;
+  CPFILL_RETURN_IF_ERROR(
+      world_.AllReduce(&short_blocks, 1, parallel::DataType::kInt64, parallel::ReduceOp::kMax));
+  if (short_blocks > 0) {
+    return KvCacheFullError(absl::StrCat("a fork of session '", parent,
+                                         "' needs a free KV block on every rank for its partly "
+                                         "filled last block, and some rank has none"));
+  }
+  const KvCache::SeqId seq = next_seq_++;
+  CPFILL_RETURN_IF_ERROR(kv_->Fork(p.seq, seq, rows));
+  Session forked{
+      .seq = seq,
+      .where = {.tokens = prefix_tokens, .layout = p.where.layout},
+      .tokens = std::vector<int32_t>(p.tokens.begin(), p.tokens.begin() + prefix_tokens)};
+  for (auto& rank_runs : forked.where.layout.runs) {
+    rank_runs[0] = RunsBelow(rank_runs[0], prefix_tokens);
+  }
+  sessions_.emplace(child, std::move(forked));
+  return absl::OkStatus();
+}
+
 std::optional<KvCache::SeqId> LlamaModel::SessionSequence(const std::string& name) const {
   auto it = sessions_.find(name);
   if (it == sessions_.end()) return std::nullopt;

@@ -71,6 +71,17 @@ class LlamaModel {
   // it). NotFound for an unknown name.
   absl::Status EndSession(const std::string& name);
 
+  // A new session `child` whose first `prefix_tokens` tokens are `parent`'s, sharing their KV
+  // blocks on every rank (KvCache::Fork: a partly filled last block is copied); the next turn of
+  // either prefills only its own tokens. The prefix keeps the placement it had over the CP ring,
+  // and each later turn is sharded in 2N chunks of its own, so both stay balanced (the groundwork
+  // of shared prefixes, issue 21). Collective: every rank agrees before anything changes.
+  // NotFound for an unknown parent; InvalidArgument for a child that exists or a prefix outside
+  // [1, parent's tokens]; ResourceExhausted (every rank, nothing changed) when some rank has no
+  // block for the copy.
+  absl::Status ForkSession(const std::string& parent, const std::string& child,
+                           int64_t prefix_tokens);
+
   // The KV hand-off handle of a session (runtime/kv_export.h), collective over the world: every
   // rank describes its part of the session's KV and every rank returns the same handle, without
   // transport (the server fills the UCX fields when --kv-handoff is on), or the same error:

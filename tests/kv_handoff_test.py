@@ -31,6 +31,9 @@ to the server's ranks and to every puller alike, starts `cpfill serve --kv-hando
      sanitized libcpfill.so cannot be loaded into Python);
   8. /health is still 200; SIGTERM to rank 0 ends every rank (exit 0); a pull of a handle of the
      stopped server fails with exit 3 within its --timeout-s 5 plus a margin.
+The staged pass (tcp) copies each hand-off into a small host staging pool first, as a GPU server
+does where UCX cannot read GPU memory, and adds a hand-off the pool cannot take (exit 2). Last, a
+one-rank server's KV must equal a one-rank prefill's bit for bit (same thread count).
 """
 import argparse
 import json
@@ -69,7 +72,7 @@ CPFILL_INVALID_ARGUMENT = 1
 class Server:
     """`cpfill serve --kv-handoff` under mpirun with one pass's UCX environment."""
 
-    def __init__(self, cpfill, tmp, env, extra_flags=()):
+    def __init__(self, cpfill, tmp, env, extra_flags=(), np=4, tp=2):
         self.port_file = os.path.join(tmp, "port")
         self.pid_file = os.path.join(tmp, "pid")
         self.log_path = os.path.join(tmp, "serve.log")
@@ -78,8 +81,8 @@ class Server:
         for name in sorted(k for k in env if k.startswith("UCX_")):
             forward += ["-x", name]
         self.proc = subprocess.Popen(
-            ["mpirun", "--oversubscribe", "-np", "4"] + forward +
-            [cpfill, "serve", "--model", "tiny", "--layers", str(LAYERS), "--tp", "2",
+            ["mpirun", "--oversubscribe", "-np", str(np)] + forward +
+            [cpfill, "serve", "--model", "tiny", "--layers", str(LAYERS), "--tp", str(tp),
              "--host", "127.0.0.1", "--port", "0", "--port-file", self.port_file,
              "--pid-file", self.pid_file, "--kv-handoff", "--kv-lease-s", str(LEASE_S),
              "--kv-capacity-tokens", "4096", "--backend", "cpu", "--threads", "1",
@@ -545,6 +548,26 @@ def run_pass(cpfill, lib, name, tmp, c_api):
     print(f"pass {name}: ok in {time.time() - t0:.1f} s", flush=True)
 
 
+def run_bit_exact_pass(cpfill, tmp):
+    """A one-rank server (one thread): its KV pulled equals a one-thread one-rank prefill bit for
+    bit (the CPU kernels' rounding depends only on the ranks and threads)."""
+    env = {k: v for k, v in MPI_ENV.items() if not k.startswith("UCX_")}
+    env.update(TRANSPORTS["tcp"])
+    print("pass one-rank: bit-exact against a one-rank prefill", flush=True)
+    server = Server(cpfill, tmp, env, np=1, tp=1)
+    try:
+        server.wait_listening()
+        p = Puller(cpfill, env).run(["--url", server.url, "--prompt-tokens", "300",
+                                     "--prompt-seed", "11", "--model", "tiny", "--layers",
+                                     str(LAYERS), "--reference-threads", "1", "--bit-exact",
+                                     "--timeout-s", str(PULL_TIMEOUT_S)])
+        if p.rc != 0 or " 0 of " not in p.out or ": PASS" not in p.out:
+            fail(f"a one-rank server's KV, bit for bit:\n{p.describe()}")
+    finally:
+        server.kill()
+    print("  the pulled KV equals the one-rank prefill's bit for bit", flush=True)
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--capi":
         return capi_child(*sys.argv[2:])
@@ -564,6 +587,9 @@ def main():
         tmp = tempfile.mkdtemp(prefix=f"cpfill-kv-handoff-{name}-")
         run_pass(cpfill, lib, name, tmp, not args.skip_c_api)
         shutil.rmtree(tmp, ignore_errors=True)  # kept (named in the log) when a pass fails
+    tmp = tempfile.mkdtemp(prefix="cpfill-kv-handoff-one-rank-")
+    run_bit_exact_pass(cpfill, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     print("PASS: serve_kv_handoff")
 
 

@@ -149,6 +149,60 @@ TEST(LlamaPrefill, TwoTurnSessionEqualsOneFullPrefill) {
   EXPECT_TRUE(*agreed) << error;
 }
 
+// A forked session (issue 21's groundwork): the fork shares the parent's first tokens' KV blocks
+// on every rank; its next turn, and the parent's, each equal one rank's prefill of the whole
+// conversation. The fork point falls inside the parent's second turn, and inside a block.
+TEST(LlamaPrefill, ForkedSessionContinuesLikeOneFullPrefill) {
+  const runtime::ModelConfig c = Tiny();
+  runtime::PrefillOptions options;
+  options.kv_block_tokens = 16;
+  options.kv_capacity_tokens = 2048;
+  auto made = MakeCpModel(options);
+  ASSERT_TRUE(made.ok()) << made.status();
+  const parallel::ProcessGrid& grid = made->grid;
+  runtime::LlamaModel& m = *made->model;
+  const std::vector<int32_t> doc = Prompt(350, c.vocab_size, 21);
+  const std::vector<int32_t> head(doc.begin(), doc.begin() + 300),
+      tail(doc.begin() + 300, doc.end());
+  ASSERT_TRUE(m.Prefill({{.tokens = head, .session = "doc"}}, nullptr, nullptr).ok());
+  ASSERT_TRUE(m.Prefill({{.tokens = tail, .session = "doc"}}, nullptr, nullptr).ok());
+  const int64_t used_before = m.kv_usage().blocks_used;
+  constexpr int64_t kPrefix = 323;
+  ASSERT_TRUE(m.ForkSession("doc", "q1", kPrefix).ok());
+  EXPECT_GT(m.kv_usage().blocks_shared, 0);
+  EXPECT_LE(m.kv_usage().blocks_used, used_before + 1);  // at most the copied partial block
+  // Refusals change nothing.
+  EXPECT_EQ(m.ForkSession("nope", "q2", 10).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(m.ForkSession("doc", "q1", 10).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.ForkSession("doc", "q2", 351).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.ForkSession("doc", "q2", 0).code(), absl::StatusCode::kInvalidArgument);
+  // The fork and the parent go on in one batch, beside a request without a session.
+  const std::vector<int32_t> question = Prompt(41, c.vocab_size, 22),
+                             more = Prompt(17, c.vocab_size, 23),
+                             other = Prompt(60, c.vocab_size, 24);
+  auto out = m.Prefill({{.tokens = question, .session = "q1"},
+                        {.tokens = more, .session = "doc"},
+                        {.tokens = other}},
+                       nullptr, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::vector<int32_t> forked(doc.begin(), doc.begin() + kPrefix), whole = doc;
+  forked.insert(forked.end(), question.begin(), question.end());
+  whole.insert(whole.end(), more.begin(), more.end());
+  std::string error;
+  if (grid.world_rank == 0) {
+    error = Compare(*out, OneRank(c, {{{.tokens = forked}, {.tokens = whole}, {.tokens = other}}}));
+  }
+  auto agreed = parallel::AllRanksOk(*grid.world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << grid.Describe() << ": " << error;
+  // Ending the parent leaves the fork's shared blocks to the fork.
+  ASSERT_TRUE(m.EndSession("doc").ok());
+  ASSERT_TRUE(
+      m.Prefill({{.tokens = Prompt(5, c.vocab_size, 25), .session = "q1"}}, nullptr, nullptr).ok());
+  ASSERT_TRUE(m.EndSession("q1").ok());
+  EXPECT_EQ(m.kv_usage().blocks_used, 0);
+}
+
 // Per-request selection: in one batch, short follow-ups after long cached contexts run pass-Q
 // and new prompts pass-KV, each its own fused ring, in an order that interleaves them (the
 // model groups them and gives the outputs back in request order); equal to one rank.
