@@ -54,8 +54,6 @@ absl::StatusOr<nlohmann::json> JsonAnswer(const httplib::Result& result, const s
   return body;
 }
 
-size_t ElementBytes(runtime::KvDtype dtype) { return runtime::KvDtypeBytes(dtype); }
-
 }  // namespace
 
 absl::StatusOr<runtime::KvHandle> RequestHandoff(const std::string& url,
@@ -96,7 +94,7 @@ absl::StatusOr<PulledKv> MakeDestination(const runtime::KvHandleLayout& layout,
                    spec.tp_rank, " is outside [0, ", spec.tp_size, ")");
   PulledKv kv{.layout = layout, .spec = spec, .kv_heads_per_rank = layout.kv_heads / spec.tp_size};
   const int64_t row_bytes = int64_t{kv.kv_heads_per_rank} * layout.head_dim *
-                            static_cast<int64_t>(ElementBytes(layout.dtype));
+                            static_cast<int64_t>(runtime::KvDtypeBytes(layout.dtype));
   kv.destination.tp_size = spec.tp_size;
   kv.destination.tp_rank = spec.tp_rank;
   if (!spec.paged) {
@@ -117,23 +115,16 @@ absl::StatusOr<PulledKv> MakeDestination(const runtime::KvHandleLayout& layout,
     std::shuffle(ids.begin(), ids.end(), std::mt19937_64(spec.seed));
     kv.block_table.assign(ids.begin(), ids.begin() + needed);
     kv.bytes.resize(static_cast<size_t>(pool.bytes));
-    kv.destination.layout =
-        runtime::KvPagedDestination{.block_tokens = spec.block_tokens, .pool = pool};
+    kv.destination.layout = runtime::KvPagedDestination{
+        .block_tokens = spec.block_tokens, .pool = pool, .block_table = kv.block_table};
   }
   // Poison: NaN in fp32, 0xFFFF (a NaN) in bf16; a byte the pull misses shows as infinite error.
   std::memset(kv.bytes.data(), 0xFF, kv.bytes.size());
-  RebindDestination(kv);
   return kv;
 }
 
-void RebindDestination(PulledKv& kv) {
-  if (auto* paged = std::get_if<runtime::KvPagedDestination>(&kv.destination.layout)) {
-    paged->block_table = kv.block_table;
-  }
-}
-
 float PulledKv::At(int layer, int kind, int64_t position, int head, int dim) const {
-  const size_t esz = ElementBytes(layout.dtype);
+  const size_t esz = runtime::KvDtypeBytes(layout.dtype);
   const int64_t row_bytes = int64_t{kv_heads_per_rank} * layout.head_dim * esz;
   const int64_t in_row = (int64_t{head} * layout.head_dim + dim) * esz;
   int64_t offset = 0;

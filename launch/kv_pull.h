@@ -48,14 +48,13 @@ struct PulledKv {
   int kv_heads_per_rank = 0;
   std::vector<uint8_t> bytes;
   std::vector<int32_t> block_table;        // paged
-  runtime::KvPullDestination destination;  // borrows block_table: keep PulledKv in place
+  // Borrows block_table's buffer, which moving a PulledKv keeps (copying one does not).
+  runtime::KvPullDestination destination;
   // Element (layer, kind 0 K / 1 V, position, this rank's head, dim) as float.
   float At(int layer, int kind, int64_t position, int head, int dim) const;
 };
 absl::StatusOr<PulledKv> MakeDestination(const runtime::KvHandleLayout& layout,
                                          const DestinationSpec& spec);
-// After a move, the paged destination's table must point at the new vector.
-void RebindDestination(PulledKv& kv);
 
 // GPU memory for a pull into a device (`kv-pull --dst-cuda-device`): poisoned like PulledKv's
 // host bytes, copied back into them for the check. FailedPrecondition in a build without CUDA.

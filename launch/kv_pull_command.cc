@@ -292,7 +292,6 @@ int PullAndCheck(const KvPullArgs& a, const std::vector<int32_t>& ids,
                                       .block_tokens = a.block_tokens});
   if (!made_kv.ok()) return Fail(made_kv.status());
   dst.kv.emplace(*std::move(made_kv));
-  RebindDestination(*dst.kv);  // the paged table's span follows the move
   std::optional<PulledKv>& kv = dst.kv;
   std::unique_ptr<DeviceDestination>& device = dst.device;
   if (a.dst_cuda_device >= 0) {

@@ -24,6 +24,11 @@ double Since(Clock::time_point t) {
 // with control characters are refused.
 std::string InternalSession(int64_t id) { return absl::StrCat("\x01gen-", id); }
 bool IsInternalSession(const std::string& name) { return !name.empty() && name[0] == '\x01'; }
+// Client session names never have one (Check); the engine's own KV names do.
+bool HasControlCharacter(const std::string& name) {
+  return std::any_of(name.begin(), name.end(),
+                     [](unsigned char ch) { return ch < 0x20 || ch == 0x7f; });
+}
 // Names the KV of a published request (its lease id is the rest).
 std::string LeaseSession(const std::string& lease_id) { return absl::StrCat("\x01", lease_id); }
 
@@ -212,9 +217,8 @@ absl::Status Engine::Check(const EngineRequest& request) const {
     CPFILL_CHECK_ARG(request.tokens[i] >= 0 && request.tokens[i] < c.vocab_size, "token ", i,
                      " is ", request.tokens[i], ", outside the vocabulary [0, ", c.vocab_size, ")");
   }
-  for (unsigned char ch : request.session) {
-    CPFILL_CHECK_ARG(ch >= 0x20 && ch != 0x7f, "the session name has a control character");
-  }
+  CPFILL_CHECK_ARG(!HasControlCharacter(request.session),
+                   "the session name has a control character");
   CPFILL_CHECK_ARG(request.max_tokens >= 1, "max_tokens is ", request.max_tokens,
                    ", must be at least 1");
   const int64_t wanted = static_cast<int64_t>(request.tokens.size()) + request.max_tokens - 1;
@@ -359,8 +363,7 @@ std::future<absl::Status> Engine::EndSession(std::string name) {
   std::future<absl::Status> ended = p->ended.get_future();
   // The engine's own KV (generations without a session, leased hand-offs) is named with a control
   // character, which no client's session has: it is not a client's to end.
-  if (std::any_of(p->end_name.begin(), p->end_name.end(),
-                  [](unsigned char ch) { return ch < 0x20 || ch == 0x7f; })) {
+  if (HasControlCharacter(p->end_name)) {
     p->ended.set_value(absl::NotFoundError(absl::StrCat("no session '", p->end_name, "'")));
     return ended;
   }
@@ -548,9 +551,12 @@ absl::Status Engine::Execute(Command& command) {
   // A broadcast completes on rank 0 without waiting for anyone (an eager send): the heartbeat
   // ends in a barrier, so rank 0 too learns within the deadline that a rank stopped answering.
   DropSessions(command.end_sessions);
-  if (command.kind == Command::kHeartbeat) return world_.Barrier();
+  if (command.kind == Command::kHeartbeat) {  // the other kinds' answers update the usage
+    if (root_ && !command.end_sessions.empty()) UpdateKvUsage();
+    return world_.Barrier();
+  }
   if (command.kind == Command::kEndSessions) {
-    if (root_) Answer(command, std::vector<SequenceOutput>{}, {}, 0);
+    if (root_) Answer(command, std::vector<SequenceOutput>{}, {}, 0, nullptr);
     return absl::OkStatus();
   }
   const Clock::time_point start = Clock::now();
@@ -568,17 +574,21 @@ absl::Status Engine::Execute(Command& command) {
   std::map<std::string, absl::StatusOr<KvHandle>> handles;
   if (out.ok()) CPFILL_RETURN_IF_ERROR(PublishKv(command, &handles));
   if (!root_) return absl::OkStatus();
-  published_ = std::move(handles);
   if (command.kind == Command::kDecode) {
     AnswerDecode(command, std::move(out), timings);
   } else {
-    Answer(command, std::move(out), timings, Since(start));
+    Answer(command, std::move(out), timings, Since(start), &handles);
   }
   return absl::OkStatus();
 }
 
 void Engine::UpdateKvUsage() {
   std::lock_guard lock(mu_);
+  UpdateKvUsageLocked();
+}
+
+// On the loop thread, the only one that changes the caches: no race with the engine's steps.
+void Engine::UpdateKvUsageLocked() {
   stats_.kv_usage_ratio = model_.kv_usage().usage_ratio();
   if (handoff_ != nullptr) stats_.kv_staging_usage_ratio = handoff_->staging_usage_ratio();
 }
@@ -594,7 +604,6 @@ void Engine::DropSessions(const std::vector<std::string>& names) {
     }
     (void)model_.EndSession(name);
   }
-  if (root_ && !names.empty()) UpdateKvUsage();
 }
 
 // Every rank alike (ExportSessionKv agrees on its verdict). A request whose export fails gets that
@@ -616,7 +625,6 @@ absl::Status Engine::PublishKv(const Command& command,
     }
     handles->emplace(p.kv_name, std::move(handle));
   }
-  if (root_ && !command.publish.empty()) UpdateKvUsage();
   return absl::OkStatus();
 }
 
@@ -665,9 +673,10 @@ void Engine::Requeue(Command& command, const absl::Status& why) {
 }
 
 void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs,
-                    const PrefillTimings& timings, double seconds) {
+                    const PrefillTimings& timings, double seconds,
+                    std::map<std::string, absl::StatusOr<KvHandle>>* published) {
   std::lock_guard lock(mu_);
-  stats_.kv_usage_ratio = model_.kv_usage().usage_ratio();  // on the loop thread: no race
+  UpdateKvUsageLocked();
   if (command.kind == Command::kEndSessions) {
     Pending& p = *command.items.front();
     const bool held = sessions_.erase(p.end_name) > 0;
@@ -702,7 +711,7 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
       stats_.cached_tokens += r.cached_tokens;
     }
     if (p->request.publish_kv) {
-      absl::StatusOr<KvHandle>& handle = published_.at(p->kv_name);
+      absl::StatusOr<KvHandle>& handle = published->at(p->kv_name);
       if (!handle.ok()) {
         drop_next_.push_back(p->kv_name);
         ReturnLeaseSlot(*p);
@@ -731,7 +740,7 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
 void Engine::AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs,
                           const PrefillTimings& timings) {
   std::lock_guard lock(mu_);
-  stats_.kv_usage_ratio = model_.kv_usage().usage_ratio();
+  UpdateKvUsageLocked();
   decoding_ = 0;
   if (!outputs.ok()) {
     for (auto& p : command.items) running_.push_back(std::move(p));

@@ -212,8 +212,10 @@ class Engine {
   Command FormBatch();                    // rank 0, lock held: the next batch or control op
   Command DecodeStep();                   // rank 0, lock held: a token for each running one
   absl::Status Execute(Command& command);
+  // `published`: the batch's hand-off handles by KV name (PublishKv); null for a session end.
   void Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs,
-              const PrefillTimings& timings, double seconds);
+              const PrefillTimings& timings, double seconds,
+              std::map<std::string, absl::StatusOr<KvHandle>>* published);
   void AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceOutput>> outputs,
                     const PrefillTimings& timings);
   void Requeue(Command& command, const absl::Status& why);
@@ -235,6 +237,7 @@ class Engine {
                          std::map<std::string, absl::StatusOr<KvHandle>>* handles);
   void DropSessions(const std::vector<std::string>& names);  // every rank: revoke, then free
   void UpdateKvUsage();  // rank 0, the loop thread, lock not held: the usage figures of stats_
+  void UpdateKvUsageLocked();  // the same, lock held
   std::vector<std::string> IdleSessionsLruFirst(const Command& command) const;
   LlamaModel& model_;
   parallel::Communicator& world_;
@@ -263,7 +266,6 @@ class Engine {
   std::vector<int> free_lease_slots_;         // rank 0
   uint64_t next_nonce_ = 1;                   // rank 0
   std::map<std::string, int> lease_slot_of_;  // every rank: published KV name -> lease word
-  std::map<std::string, absl::StatusOr<KvHandle>> published_;  // rank 0: the last batch's
 };
 
 }  // namespace cpfill::runtime
