@@ -41,6 +41,10 @@ constexpr KnobSpec kKnobs[] = {
     {kDecodeSplitWaves, KnobType::kInt, "1", "1..16",
      "CUDA decode attention: the key splits aim at this many waves of the split kernel's CTAs "
      "(1: one wave, the fewest and longest splits; more: shorter splits, for measurement)"},
+    {kPrefixRoot, KnobType::kChoice, "auto", "auto|decode|split",
+     "CUDA prefix-batched attention: the shared prefix's level on the decode kernel or split "
+     "along its keys on the prefill kernels (auto: the decode kernel up to 128 packed query "
+     "rows per slice; the others for tests and measurement)"},
     {kRanksPerNode, KnobType::kInt, "0", "0..1000000",
      "ranks per emulated node when --ranks-per-node is not given (0: the ranks of each host)"},
     {kTestExitRank, KnobType::kInt, "-1", "-1..1000000",

@@ -31,7 +31,7 @@ TEST_F(KnobsTest, EveryNameIsDeclaredOnceWithADefaultThatPassesItsOwnCheck) {
   }
   for (std::string_view n :
        {kAttentionKernel, kAttentionVariant, kHopperPingPong, kHopperPersistent, kHopperQBuffers,
-        kHopperMaxCtas, kHopperSchedule, kDecodeKernel, kRanksPerNode, kTestExitRank,
+        kHopperMaxCtas, kHopperSchedule, kDecodeKernel, kPrefixRoot, kRanksPerNode, kTestExitRank,
         kTestStallRank, kLocalRanks, kSlurmStepTasks, kSlurmStepNodes, kNcclP2pDisable,
         kNcclShmDisable, kNcclNet}) {
     EXPECT_TRUE(seen.count(n)) << n;

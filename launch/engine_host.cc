@@ -33,6 +33,9 @@ void AddEngineFlags(FlagSet& flags, EngineFlags* f) {
               "instead of --kv-capacity-tokens: this fraction of the rank's free memory")
       .Within(Range::LeftOpen(0, 1));
   flags.Int("kv-block-tokens", &f->kv_block_tokens, "tokens per KV cache block").Within({16, 256});
+  flags.Bool("no-prefix-cache", &f->no_prefix_cache,
+             "keep no prompt's KV for later requests that start the same way (the prefix cache "
+             "is on by default)");
   flags.String("backend", &f->backend, "auto | cpu | cuda (auto: cuda when every rank sees a GPU)");
   AddSelectorFlags(flags, &f->selector);
 }
@@ -97,6 +100,7 @@ absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f
   options.max_batch_tokens = f.max_batch_tokens;
   options.max_queue = f.max_queue;
   options.max_running = f.max_running;
+  options.prefix_cache = !f.no_prefix_cache;
   // Generation stops at the checkpoint's EOS ids, else at its tokenizer's.
   options.eos_ids = host->config.eos_token_ids;
   if (options.eos_ids.empty() && host->tokenizer && host->tokenizer->eos_id() >= 0) {

@@ -33,6 +33,7 @@ struct EngineFlags {
   int64_t kv_capacity_tokens = 0;
   double kv_memory_fraction = 0;
   int kv_block_tokens = 64;
+  bool no_prefix_cache = false;
   SelectorFlags selector;
 };
 

@@ -142,6 +142,7 @@ nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
           {"ttft_ms", (r.queue_s + r.prefill_s) * 1e3},
           {"prefill_ms", r.prefill_s * 1e3},
           {"batch_requests", r.batch_requests},
+          {"cached_tokens", r.cached_tokens},
           {"phases_ms",
            {{"embedding", t.embed_s * 1e3},
             {"gemms", t.gemm_s * 1e3},
@@ -159,11 +160,15 @@ nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
           {"preemptions", r.preemptions}};
 }
 
-nlohmann::ordered_json Usage(const std::vector<runtime::EngineResult>& results) {
+// `n` choices per prompt: a prompt's tokens count once (its first choice's), as OpenAI's do.
+nlohmann::ordered_json Usage(const std::vector<runtime::EngineResult>& results, int n) {
   int64_t prompt = 0, cached = 0, completion = 0;
-  for (const runtime::EngineResult& r : results) {
-    prompt += r.prompt_tokens;
-    cached += r.cached_tokens;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const runtime::EngineResult& r = results[i];
+    if (i % static_cast<size_t>(n) == 0) {
+      prompt += r.prompt_tokens;
+      cached += r.cached_tokens;
+    }
     completion += static_cast<int64_t>(r.tokens.size());
   }
   return {{"prompt_tokens", prompt},
@@ -192,9 +197,6 @@ absl::StatusOr<bool> BoolField(const nlohmann::json& v, const char* name) {
 
 // Fields cpfill has no feature for, accepted at their neutral values only.
 absl::Status RefuseUnsupported(const nlohmann::json& v) {
-  if (const nlohmann::json* n = json::Find(v, "n"); n != nullptr && !n->is_null()) {
-    CPFILL_CHECK_ARG(json::AsInt64(*n) == 1, "\"n\" is ", json::Show(*n), "; only 1 is supported");
-  }
   for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
     CPFILL_ASSIGN_OR_RETURN(std::optional<double> x, NumberField(v, penalty, -2, 2));
     CPFILL_CHECK_ARG(x.value_or(0) == 0, "\"", penalty, "\" is not supported (only 0)");
@@ -229,9 +231,23 @@ absl::Status ParseStop(const nlohmann::json& v, const runtime::Tokenizer* tokeni
   return absl::OkStatus();
 }
 
+// "n": choices per prompt, all of them within kMaxPromptsPerRequest.
+absl::Status ParseN(const nlohmann::json& v, CompletionRequest* r) {
+  const nlohmann::json* n = json::Find(v, "n");
+  if (n == nullptr || n->is_null()) return absl::OkStatus();
+  const std::optional<int64_t> x = json::AsInt64(*n);
+  const int64_t most = kMaxPromptsPerRequest / static_cast<int64_t>(r->prompts.size());
+  CPFILL_CHECK_ARG(x.has_value() && *x >= 1 && *x <= most, "\"n\" is ", json::Show(*n),
+                   ", must be an integer in [1, ", most, "] (", kMaxPromptsPerRequest,
+                   " choices at most over ", r->prompts.size(), " prompt(s))");
+  r->n = static_cast<int>(*x);
+  return absl::OkStatus();
+}
+
 // max_tokens, streaming, sampling, stop ids and logprobs.
 absl::Status ParseGeneration(const nlohmann::json& v, CompletionRequest* r) {
   CPFILL_RETURN_IF_ERROR(RefuseUnsupported(v));
+  CPFILL_RETURN_IF_ERROR(ParseN(v, r));
   if (const nlohmann::json* m = json::Find(v, "max_tokens"); m != nullptr && !m->is_null()) {
     const std::optional<int64_t> n = json::AsInt64(*m);
     CPFILL_CHECK_ARG(n.has_value() && *n >= 1 && *n <= kMaxTokensPerRequest, "\"max_tokens\" is ",
@@ -300,6 +316,7 @@ absl::Status ParseKvTransfer(const nlohmann::json& body, CompletionRequest* r) {
   CPFILL_CHECK_ARG(r->prompts.size() == 1,
                    "\"kv_transfer_params.do_remote_decode\" takes one prompt, got ",
                    r->prompts.size());
+  CPFILL_CHECK_ARG(r->n == 1, "\"kv_transfer_params.do_remote_decode\" takes \"n\" 1, got ", r->n);
   CPFILL_CHECK_ARG(!r->stream, "\"kv_transfer_params.do_remote_decode\" does not stream");
   if (const nlohmann::json* m = json::Find(body, "max_tokens"); m == nullptr || m->is_null()) {
     r->max_tokens = 1;
@@ -336,7 +353,9 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
     CPFILL_CHECK_ARG(s->is_string() && !s->get_ref<const std::string&>().empty() &&
                          s->get_ref<const std::string&>().size() <= 256,
                      "\"session\" must be a non-empty string of at most 256 bytes");
-    CPFILL_CHECK_ARG(r.prompts.size() == 1, "\"session\" takes one prompt, got ", r.prompts.size());
+    CPFILL_CHECK_ARG(r.prompts.size() == 1 && r.n == 1,
+                     "\"session\" takes one prompt and \"n\" 1, got ", r.prompts.size(),
+                     " prompt(s) and \"n\" ", r.n);
     r.session = s->get<std::string>();
   }
   if (const nlohmann::json* kv = json::Find(v, "kv_transfer_params"); kv != nullptr) {
@@ -402,15 +421,15 @@ std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& re
                                                      uint64_t seed,
                                                      const runtime::Tokenizer* tokenizer) {
   std::vector<runtime::EngineRequest> out;
-  for (size_t i = 0; i < request.prompts.size(); ++i) {
-    runtime::EngineRequest e{.tokens = request.prompts[i],
+  for (size_t i = 0; i < request.choices(); ++i) {
+    runtime::EngineRequest e{.tokens = request.prompts[i / static_cast<size_t>(request.n)],
                              .session = request.session,
                              .max_tokens = request.max_tokens,
                              .sampling = request.sampling,
                              .stop_ids = request.stop_token_ids,
                              .ignore_eos = request.ignore_eos,
                              .publish_kv = request.publish_kv};
-    // Prompts of one request draw differently, and repeat with the request's seed.
+    // Choices of one request draw differently, and repeat with the request's seed.
     e.sampling.seed = request.seed.value_or(seed) + i;
     if (!request.stop.empty() && tokenizer != nullptr) e.stop_when = StopWhen(request, tokenizer);
     out.push_back(std::move(e));
@@ -489,7 +508,7 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
       {"created", created},
       {"model", served_model},
       {"choices", std::move(choices)},
-      {"usage", Usage(results)},
+      {"usage", Usage(results, request.n)},
       {"cpfill", {{"session", request.session}, {"prompts", std::move(timing)}}}};
   if (request.kv_transfer_params) out["kv_transfer_params"] = *request.kv_transfer_params;
   // A hand-off: the handle replaces the request's parameters (runtime/kv_handle.h), with the
@@ -530,13 +549,13 @@ nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::
 
 nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
                                   const std::string& served_model,
-                                  const std::vector<runtime::EngineResult>& results) {
+                                  const std::vector<runtime::EngineResult>& results, int n) {
   return {{"id", id},
           {"object", "text_completion"},
           {"created", created},
           {"model", served_model},
           {"choices", nlohmann::ordered_json::array()},
-          {"usage", Usage(results)}};
+          {"usage", Usage(results, n)}};
 }
 
 std::string JsonText(const nlohmann::ordered_json& value) {
@@ -621,7 +640,8 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
           {"{status=\"http_5xx\"}", double(server.http_server_errors)}});
   metric("cpfill:prompt_tokens_total", "counter", "New prompt tokens prefilled.",
          {{"", double(engine.prompt_tokens)}});
-  metric("cpfill:cached_tokens_total", "counter", "Prompt tokens whose KV a session reused.",
+  metric("cpfill:cached_tokens_total", "counter",
+         "Prompt tokens whose KV a session or the prefix cache gave.",
          {{"", double(engine.cached_tokens)}});
   metric("cpfill:generation_tokens_total", "counter", "Tokens generated (first tokens included).",
          {{"", double(engine.generation_tokens)}});
@@ -654,6 +674,22 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
          "KV leases ended: released by a decode worker or DELETE, or expired.",
          {{"{reason=\"released\"}", double(engine.kv_leases_released)},
           {"{reason=\"expired\"}", double(engine.kv_leases_expired)}});
+  metric("cpfill:prefix_cache_queries_total", "counter",
+         "Prompts looked up in the prefix cache (those without KV of their own).",
+         {{"", double(engine.prefix_queries)}});
+  metric("cpfill:prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix.",
+         {{"", double(engine.prefix_hits)}});
+  metric("cpfill:prefix_cache_hit_tokens_total", "counter",
+         "Prompt tokens whose KV came from the prefix cache.",
+         {{"", double(engine.prefix_hit_tokens)}});
+  metric("cpfill:prefix_cache_entries", "gauge", "Prompts whose KV the prefix cache keeps.",
+         {{"", double(engine.prefix_entries)}});
+  metric("cpfill:prefix_cache_evictions_total", "counter",
+         "Prefix cache entries dropped (least recently used first).",
+         {{"", double(engine.prefix_evictions)}});
+  metric("cpfill:kv_cache_shared_blocks", "gauge",
+         "Rank 0's KV blocks held by more than one sequence (shared prefixes).",
+         {{"", double(engine.kv_blocks_shared)}});
   out += h.ttft.Text("cpfill:time_to_first_token_seconds", "Queue time plus prefill, per prompt.");
   out += h.queue.Text("cpfill:queue_time_seconds", "Time from arrival to the prompt's batch.");
   out += h.batch_tokens.Text("cpfill:batch_tokens", "New tokens of the batch each prompt ran in.");

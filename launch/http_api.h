@@ -27,6 +27,8 @@ struct CompletionRequest {
   // "prompt": [ids], [[ids], ...], "text" or ["text", ...] (text encoded with BOS, as vLLM's
   // completions do by default)
   std::vector<std::vector<int32_t>> prompts;
+  int n = 1;  // choices per prompt: choice i is prompt i / n (the prefix cache prefills it once)
+  size_t choices() const { return prompts.size() * static_cast<size_t>(n); }
   std::string session;  // extension: keep and reuse this conversation's KV
   int logprobs = 0;     // top-k of every generated token (0: none)
   // Echoed, unless {"do_remote_decode": true}: then the prompt's KV is kept under a lease and the
@@ -47,7 +49,7 @@ struct CompletionRequest {
   bool include_stop_str_in_output = false;
 };
 
-// The engine requests of a completion, one per prompt (`seed` when the request names none);
+// The engine requests of a completion, one per choice (`seed` when the request names none);
 // stop strings become each request's stop_when, which decodes its newest tokens with `tokenizer`.
 std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& request,
                                                      uint64_t seed,
@@ -70,17 +72,18 @@ inline constexpr int kMaxLogprobs = 20;
 inline constexpr int kMaxTokensPerRequest = 1 << 20;
 
 // InvalidArgument naming the field for malformed JSON, wrong types, unknown or unsupported
-// fields (penalties, echo, n > 1; text prompts and stop strings when `tokenizer` is null: the
-// model has none), a model name other than `served_model`, or a session with more than one prompt.
+// fields (penalties, echo; text prompts and stop strings when `tokenizer` is null: the model has
+// none), a model name other than `served_model`, more than kMaxPromptsPerRequest choices, or a
+// session with more than one choice.
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
                                                          const std::string& served_model,
                                                          const runtime::Tokenizer* tokenizer);
 
-// The response: choices (one per prompt: every generated token's id and, with a tokenizer, their
+// The response: choices (n per prompt: every generated token's id and, with a tokenizer, their
 // text cut at a stop string; logprobs when asked, of the tokens that text covers; the finish
-// reason), usage (prompt, cached and completion tokens), the echoed kv_transfer_params, and a
-// "cpfill" object with each prompt's queue time, TTFT and its phases, decode time and time per
-// output token, and the selector's choice.
+// reason), usage (prompt and cached tokens once per prompt, completion tokens of every choice), the
+// echoed kv_transfer_params, and a "cpfill" object with each prompt's queue time, TTFT and its
+// phases, decode time and time per output token, and the selector's choice.
 nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                           const std::vector<runtime::EngineResult>& results,
                                           const std::string& id, int64_t created,
@@ -107,7 +110,7 @@ nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::
 // The last chunk when stream_options.include_usage is set: no choices, the usage.
 nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
                                   const std::string& served_model,
-                                  const std::vector<runtime::EngineResult>& results);
+                                  const std::vector<runtime::EngineResult>& results, int n = 1);
 
 // The text of `ids` (special tokens as their text): a character split over tokens decodes to
 // U+FFFD until its last byte comes (EndsSplit).

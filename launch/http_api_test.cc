@@ -60,6 +60,34 @@ TEST(HttpApi, ParsesGenerationFields) {
   EXPECT_FALSE(e[0].stop_when);  // no stop strings: nothing decodes text on the engine's thread
 }
 
+// "n": choices per prompt, prompt-major, each drawing with its own seed; usage counts a prompt's
+// tokens once and every choice's completion.
+TEST(HttpApi, NChoicesPerPrompt) {
+  auto r =
+      ParseCompletionRequest(R"({"prompt": [[1, 2], [3]], "n": 3, "seed": 10})", "tiny", nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->choices(), 6u);
+  const auto e = EngineRequestsOf(*r, 999, nullptr);
+  ASSERT_EQ(e.size(), 6u);
+  for (size_t i = 0; i < e.size(); ++i) {
+    EXPECT_EQ(e[i].tokens, i < 3 ? std::vector<int32_t>({1, 2}) : std::vector<int32_t>({3}));
+    EXPECT_EQ(e[i].sampling.seed, 10 + i);
+  }
+  std::vector<runtime::EngineResult> results(6);
+  for (size_t i = 0; i < results.size(); ++i) {
+    results[i].prompt_tokens = i < 3 ? 2 : 1;
+    results[i].cached_tokens = i % 3 == 0 ? 0 : 1;
+    results[i].tokens.resize(2);
+  }
+  nlohmann::ordered_json u = UsageChunk("cmpl-5", 7, "tiny", results, r->n);
+  EXPECT_EQ(u["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(u["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  EXPECT_EQ(u["usage"]["completion_tokens"], 12);
+  nlohmann::ordered_json c = CompletionResponse(*r, results, "cmpl-5", 7, "tiny", nullptr);
+  ASSERT_EQ(c["choices"].size(), 6u);
+  EXPECT_EQ(c["choices"][5]["index"], 5);
+}
+
 TEST(HttpApi, StopStringsCutTheTextAndHoldBackWhatMayBeginOne) {
   CompletionRequest r;
   r.stop = {"END", "\n\n"};
@@ -217,7 +245,10 @@ TEST(HttpApi, RefusesEachMalformedFieldByName) {
       {R"({"prompt": [1], "model": "other"})", "this server serves \"tiny\""},
       {R"({"prompt": [1], "logprobs": 21})", "\"logprobs\""},
       {R"({"prompt": [1], "stream": "yes"})", "\"stream\""},
-      {R"({"prompt": [1], "n": 2})", "\"n\""},
+      {R"({"prompt": [1], "n": 0})", "\"n\" is 0, must be an integer in [1, 1024]"},
+      {R"({"prompt": [[1], [2]], "n": 513})", "\"n\" is 513, must be an integer in [1, 512]"},
+      {R"({"prompt": [1], "n": 1.5})", "\"n\""},
+      {R"({"prompt": [1], "n": 2, "session": "s"})", "\"n\" 1"},
       {R"({"prompt": [1], "bogus": 1})", "unknown field \"bogus\""},
       {R"({"prompt": [[1], [2]], "session": "s"})", "takes one prompt"},
       {R"({"prompt": [1], "session": ""})", "\"session\""},

@@ -182,8 +182,8 @@ std::string HttpFront::Finale(const CompletionRequest& request, CompletionStream
     results.push_back(std::move(*r));
   }
   if (request.include_usage && results.size() == replies.size()) {
-    out +=
-        ServerSentEvent(JsonText(UsageChunk(stream.id(), UnixSeconds(), served_model_, results)));
+    out += ServerSentEvent(
+        JsonText(UsageChunk(stream.id(), UnixSeconds(), served_model_, results, request.n)));
   }
   return out + "data: [DONE]\n\n";
 }

@@ -19,7 +19,7 @@ CompletionStream::CompletionStream(const CompletionRequest& request, std::string
       served_model_(std::move(served_model)),
       created_(created),
       tokenizer_(tokenizer),
-      choices_(request.prompts.size()) {}
+      choices_(request.choices()) {}
 
 std::function<void(const runtime::GeneratedToken&)> CompletionStream::Sink(int index) {
   return [self = shared_from_this(), index](const runtime::GeneratedToken& t) {

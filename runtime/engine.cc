@@ -23,7 +23,6 @@ double Since(Clock::time_point t) {
 // Names the KV of a generating request without a session. Clients cannot use it: session names
 // with control characters are refused.
 std::string InternalSession(int64_t id) { return absl::StrCat("\x01gen-", id); }
-bool IsInternalSession(const std::string& name) { return !name.empty() && name[0] == '\x01'; }
 // Client session names never have one (Check); the engine's own KV names do.
 bool HasControlCharacter(const std::string& name) {
   return std::any_of(name.begin(), name.end(),
@@ -31,6 +30,12 @@ bool HasControlCharacter(const std::string& name) {
 }
 // Names the KV of a published request (its lease id is the rest).
 std::string LeaseSession(const std::string& lease_id) { return absl::StrCat("\x01", lease_id); }
+// Names a prefix cache entry.
+std::string PrefixEntryName(int64_t id) { return absl::StrCat("\x01pfx-", id); }
+// What the model refuses on every rank alike, changing nothing (the loop goes on).
+bool IsRefusal(const absl::Status& s) {
+  return absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s) || absl::IsNotFound(s);
+}
 
 // Sums a step's phase times (and its total) into `into`.
 void AddPhases(const PrefillTimings& step, PrefillTimings* into) {
@@ -123,6 +128,16 @@ struct Engine::Pending {
   std::string lease_id;
   int lease_slot = -1;
   uint64_t lease_nonce = 0;
+  bool deferred = false;  // it waited a batch once for a request sharing its prefix (PlanPrefix)
+  // Prefix cache, set when batched without KV of its own (PlanPrefix): the tokens its KV holds
+  // after the batch, the entry it forks and how many tokens that gives it, and the entry its KV
+  // becomes ("" none; keep_by_fork: a fork of its KV, else its KV itself).
+  bool looked_up = false;
+  std::vector<int32_t> sequence;
+  std::string fork_from;
+  int64_t reused = 0;
+  std::string keep_as;
+  bool keep_by_fork = false;
 };
 
 // What every rank does next. `items` (rank 0 only) are the pendings it answers, in batch order.
@@ -145,7 +160,33 @@ struct Engine::Command {
     uint64_t nonce = 0;
   };
   std::vector<Publish> publish;
+  // kPrefill: prefix cache forks: `forks` before the batch (a request reuses an entry), `keeps`
+  // after it (a prompt's KV kept as an entry); `kept` (rank 0): the keeps that held.
+  struct Fork {
+    std::string parent, child;
+    uint64_t tokens = 0;
+  };
+  std::vector<Fork> forks, keeps;
+  std::set<std::string> kept;
   std::vector<std::unique_ptr<Pending>> items;
+
+  static void EncodeForks(const std::vector<Fork>& forks, Writer& w) {
+    w.U32(static_cast<uint32_t>(forks.size()));
+    for (const Fork& f : forks) {
+      w.Str(f.parent);
+      w.Str(f.child);
+      w.U64(f.tokens);
+    }
+  }
+  static bool DecodeForks(Reader& r, std::vector<Fork>* forks) {
+    uint32_t n = 0;
+    bool ok = r.U32(&n);
+    for (uint32_t i = 0; ok && i < n; ++i) {
+      Fork& f = forks->emplace_back();
+      ok = r.Str(&f.parent) && r.Str(&f.child) && r.U64(&f.tokens);
+    }
+    return ok;
+  }
 
   std::vector<char> Encode() const {
     Writer w;
@@ -165,6 +206,8 @@ struct Engine::Command {
       w.U32(p.slot);
       w.U64(p.nonce);
     }
+    EncodeForks(forks, w);
+    EncodeForks(keeps, w);
     return std::move(w.bytes);
   }
   static absl::StatusOr<Command> Decode(const std::vector<char>& bytes) {
@@ -183,6 +226,7 @@ struct Engine::Command {
       Publish& p = c.publish.emplace_back();
       ok = r.Str(&p.kv_name) && r.Str(&p.request_id) && r.U32(&p.slot) && r.U64(&p.nonce);
     }
+    ok = ok && DecodeForks(r, &c.forks) && DecodeForks(r, &c.keeps);
     if (!ok || !r.done()) {
       return absl::InternalError(absl::StrCat("engine: a malformed command of ", bytes.size(),
                                               " bytes from world rank 0"));
@@ -203,7 +247,11 @@ double EngineResult::tpot_s() const {
 }
 
 Engine::Engine(LlamaModel& model, parallel::Communicator& world, EngineOptions options)
-    : model_(model), world_(world), options_(options), root_(world.rank() == 0) {}
+    : model_(model),
+      world_(world),
+      options_(options),
+      root_(world.rank() == 0),
+      prefix_(model.kv_cache().spec().block_tokens) {}
 
 Engine::~Engine() = default;
 
@@ -391,6 +439,8 @@ EngineStats Engine::stats() const {
   s.running = static_cast<int64_t>(running_.size()) + decoding_;
   s.sessions = static_cast<int64_t>(sessions_.size());
   s.kv_leases = static_cast<int64_t>(leases_.size());
+  s.prefix_entries = prefix_.entries();
+  s.prefix_tokens = prefix_.tokens();
   for (const auto& [id, lease] : leases_) s.kv_leased_tokens += lease.tokens;
   return s;
 }
@@ -500,6 +550,11 @@ Engine::Command Engine::FormBatch() {
     PrefillRequest r{.session = name};
     p.cached = 0;
     p.recomputed = false;
+    p.looked_up = false;
+    p.reused = 0;
+    p.fork_from.clear();
+    p.keep_as.clear();
+    p.keep_by_fork = false;
     if (auto s = sessions_.find(name); !name.empty() && s != sessions_.end()) {
       const int64_t from = s->second.evicted ? 0 : s->second.fed;
       r.tokens.assign(s->second.history.begin() + from, s->second.history.end());
@@ -508,16 +563,24 @@ Engine::Command Engine::FormBatch() {
     }
     r.tokens.insert(r.tokens.end(), p.request.tokens.begin(), p.request.tokens.end());
     for (const SampledToken& t : p.result.tokens) r.tokens.push_back(t.id);
+    if (generates && p.kv_name.empty()) {
+      p.kv_name = name.empty() ? InternalSession(next_id_++) : name;
+    }
+    if (generates || p.request.publish_kv) r.session = p.kv_name;
+    if (p.cached == 0 && options_.prefix_cache && !PlanPrefix(p, r, c)) {
+      if (!name.empty()) waiting.insert(name);  // its later turns wait for it
+      ++it;
+      continue;
+    }
     const int64_t n = static_cast<int64_t>(r.tokens.size());
     if (!c.batch.empty() && (solo_ > 0 || tokens + n > options_.max_batch_tokens)) break;
     tokens += n;
-    if (generates) {
-      ++generating;
-      if (p.kv_name.empty()) p.kv_name = name.empty() ? InternalSession(next_id_++) : name;
-      r.session = p.kv_name;
+    if (generates) ++generating;
+    if (p.reused > 0) c.forks.push_back({p.fork_from, r.session, static_cast<uint64_t>(p.reused)});
+    if (p.keep_by_fork && !p.keep_as.empty()) {
+      c.keeps.push_back({r.session, p.keep_as, static_cast<uint64_t>(p.sequence.size())});
     }
     if (p.request.publish_kv) {
-      r.session = p.kv_name;
       c.publish.push_back({.kv_name = p.kv_name,
                            .request_id = p.lease_id,
                            .slot = static_cast<uint32_t>(p.lease_slot),
@@ -530,6 +593,53 @@ Engine::Command Engine::FormBatch() {
   }
   if (solo_ > 0) --solo_;
   return c;
+}
+
+bool Engine::PlanPrefix(Pending& p, PrefillRequest& r, const Command& c) {
+  p.looked_up = true;
+  p.sequence = r.tokens;
+  const int64_t size = static_cast<int64_t>(p.sequence.size());
+  std::optional<PrefixIndex::Match> match = prefix_.Longest(p.sequence, size - 1, ++prefix_now_);
+  const int64_t reused = match ? match->tokens : 0;
+  // An earlier request of this batch will hold a block more of this prompt than the cache does.
+  // It waits once: if that request's entry is not kept after all (no block for its copy, or
+  // evicted at once), waiting again could serialize every request of a shared prompt.
+  const int64_t block = prefix_.block_tokens();
+  for (const auto& q : c.items) {
+    if (!p.deferred && !q->keep_as.empty() &&
+        prefix_.SharedBlockTokens(p.sequence, q->sequence) >= reused / block * block + block) {
+      p.deferred = true;
+      return false;
+    }
+  }
+  p.reused = reused;
+  p.fork_from = match ? match->entry : "";
+  p.keep_as = prefix_.NewBlocks(p.sequence) > 0 ? PrefixEntryName(next_id_++) : "";
+  // A request that names its KV (a session, a generation, a hand-off) forks it into the entry;
+  // a prefill without one writes the entry itself, or a scratch copy of its fork.
+  const bool named = !r.session.empty();
+  p.keep_by_fork = named && !p.keep_as.empty();
+  if (!named) {
+    p.kv_name = !p.keep_as.empty() ? p.keep_as : reused > 0 ? InternalSession(next_id_++) : "";
+    r.session = p.kv_name;
+  }
+  r.tokens.erase(r.tokens.begin(), r.tokens.begin() + reused);
+  return true;
+}
+
+void Engine::KeepPrefix(Pending& p, const Command& command) {
+  if (p.keep_as.empty()) return;
+  if (!p.keep_by_fork) p.kv_name.clear();  // its KV is the entry now, not the request's to drop
+  if (!p.keep_by_fork || command.kept.count(p.keep_as)) {
+    prefix_.Add(p.keep_as, std::move(p.sequence), ++prefix_now_);
+  }
+  p.keep_as.clear();
+  while (prefix_.entries() > options_.max_prefix_entries) {
+    const std::string oldest = prefix_.LeastRecentlyUsedFirst().front();
+    prefix_.Remove(oldest);
+    drop_next_.push_back(oldest);
+    ++stats_.prefix_evictions;
+  }
 }
 
 Engine::Command Engine::DecodeStep() {
@@ -561,23 +671,51 @@ absl::Status Engine::Execute(Command& command) {
   }
   const Clock::time_point start = Clock::now();
   PrefillTimings timings;
-  absl::StatusOr<std::vector<SequenceOutput>> out =
-      command.kind == Command::kDecode
-          ? model_.Decode(command.batch, static_cast<int64_t>(command.step), &timings)
-          : model_.Prefill(command.batch, &timings, nullptr);
+  absl::StatusOr<std::vector<SequenceOutput>> out;
+  if (command.kind == Command::kDecode) {
+    out = model_.Decode(command.batch, static_cast<int64_t>(command.step), &timings);
+  } else if (absl::Status forked = ForkPrefixes(command); !forked.ok()) {
+    out = forked;
+  } else {
+    out = model_.Prefill(command.batch, &timings, nullptr);
+    if (!out.ok()) {  // the batch's forks go with it
+      for (const Command::Fork& f : command.forks) (void)model_.EndSession(f.child);
+    }
+  }
   // The model refuses a batch on every rank alike, changing nothing: answered on rank 0, the
   // loop goes on. Anything else is a fault of the job.
-  if (!out.ok() && !absl::IsInvalidArgument(out.status()) &&
-      !absl::IsResourceExhausted(out.status()) && !absl::IsNotFound(out.status())) {
-    return out.status();
-  }
+  if (!out.ok() && !IsRefusal(out.status())) return out.status();
   std::map<std::string, absl::StatusOr<KvHandle>> handles;
+  if (out.ok()) CPFILL_RETURN_IF_ERROR(KeepPrefixes(command));
   if (out.ok()) CPFILL_RETURN_IF_ERROR(PublishKv(command, &handles));
   if (!root_) return absl::OkStatus();
   if (command.kind == Command::kDecode) {
     AnswerDecode(command, std::move(out), timings);
   } else {
     Answer(command, std::move(out), timings, Since(start), &handles);
+  }
+  return absl::OkStatus();
+}
+
+// ForkSession agrees on every rank before it changes anything, so a refusal is every rank's.
+absl::Status Engine::ForkPrefixes(Command& command) {
+  for (size_t i = 0; i < command.forks.size(); ++i) {
+    const Command::Fork& f = command.forks[i];
+    absl::Status s = model_.ForkSession(f.parent, f.child, static_cast<int64_t>(f.tokens));
+    if (!s.ok()) {
+      for (size_t j = 0; j < i; ++j) (void)model_.EndSession(command.forks[j].child);
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A keep the cache has no block for is skipped alike on every rank: the prompt is not cached.
+absl::Status Engine::KeepPrefixes(Command& command) {
+  for (const Command::Fork& k : command.keeps) {
+    absl::Status s = model_.ForkSession(k.parent, k.child, static_cast<int64_t>(k.tokens));
+    if (!s.ok() && !IsRefusal(s)) return s;
+    if (s.ok() && root_) command.kept.insert(k.child);
   }
   return absl::OkStatus();
 }
@@ -589,7 +727,9 @@ void Engine::UpdateKvUsage() {
 
 // On the loop thread, the only one that changes the caches: no race with the engine's steps.
 void Engine::UpdateKvUsageLocked() {
-  stats_.kv_usage_ratio = model_.kv_usage().usage_ratio();
+  const KvUsage usage = model_.kv_usage();
+  stats_.kv_usage_ratio = usage.usage_ratio();
+  stats_.kv_blocks_shared = usage.blocks_shared;
   if (handoff_ != nullptr) stats_.kv_staging_usage_ratio = handoff_->staging_usage_ratio();
 }
 
@@ -613,9 +753,7 @@ absl::Status Engine::PublishKv(const Command& command,
   for (const Command::Publish& p : command.publish) {
     absl::StatusOr<KvHandle> handle =
         handoff_->Export(model_, p.kv_name, {engine_id_, p.request_id});
-    if (!handle.ok() && !absl::IsNotFound(handle.status()) &&
-        !absl::IsInvalidArgument(handle.status()) && !absl::IsInternal(handle.status()) &&
-        !absl::IsResourceExhausted(handle.status())) {
+    if (!handle.ok() && !IsRefusal(handle.status()) && !absl::IsInternal(handle.status())) {
       return handle.status();
     }
     if (handle.ok()) {
@@ -642,29 +780,53 @@ std::vector<std::string> Engine::IdleSessionsLruFirst(const Command& command) co
   return names;
 }
 
+int64_t Engine::BlocksOnlyIn(const std::string& name) const {
+  const std::optional<KvCache::SeqId> seq = model_.SessionSequence(name);
+  if (!seq) return 0;
+  const KvCache& kv = model_.kv_cache();
+  int64_t n = 0;
+  for (const int32_t block : kv.BlockTable(*seq)) n += kv.refcount(block) == 1 ? 1 : 0;
+  return n;
+}
+
+// An entry whose blocks all have other holders (running sequences, other entries) would free
+// nothing: the least recently used entry that frees some goes (judged on rank 0's blocks; the
+// ranks hold balanced shares of every sequence).
+bool Engine::EvictOne(const Command& command) {
+  for (const std::string& entry : prefix_.LeastRecentlyUsedFirst()) {
+    if (BlocksOnlyIn(entry) == 0) continue;
+    prefix_.Remove(entry);
+    drop_next_.push_back(entry);
+    ++stats_.prefix_evictions;
+    return true;
+  }
+  std::vector<std::string> idle = IdleSessionsLruFirst(command);
+  if (idle.empty()) return false;
+  drop_next_.push_back(idle.front());
+  sessions_[idle.front()].evicted = true;
+  ++stats_.evictions;
+  return true;
+}
+
 // A batch that failed changing nothing goes back to the front of the queue, after making room:
-// the KV cache is full, so the least recently used idle session is evicted; with none left,
+// the KV cache is full, so the least recently used prefix entry or idle session is evicted
+// (EvictOne); with none left,
 // for another shortfall (activations: evicting frees none of that memory), or for a request
 // the model refuses, the next batches run one request at a time, and a request alone gets its
 // own error.
 void Engine::Requeue(Command& command, const absl::Status& why) {
-  std::vector<std::string> idle;
-  if (IsKvCacheFull(why)) idle = IdleSessionsLruFirst(command);
+  const bool evicted = IsKvCacheFull(why) && EvictOne(command);
   // Generations hold the rest: the batch waits for one of them to end.
-  const bool wait = IsKvCacheFull(why) && idle.empty() && !running_.empty();
-  if (!wait && idle.empty() && command.items.size() == 1) {
+  const bool wait = IsKvCacheFull(why) && !evicted && !running_.empty();
+  if (!wait && !evicted && command.items.size() == 1) {
     ++stats_.requests_failed;
     ReturnLeaseSlot(*command.items.front());
     command.items.front()->reply.set_value(why);
     return;
   }
-  if (!idle.empty()) {
-    drop_next_.push_back(idle.front());
-    sessions_[idle.front()].evicted = true;
-    ++stats_.evictions;
-  } else if (wait) {
+  if (wait) {
     prefill_waits_ = true;
-  } else {
+  } else if (!evicted) {
     solo_ = static_cast<int>(command.items.size());
   }
   for (auto it = command.items.rbegin(); it != command.items.rend(); ++it) {
@@ -698,7 +860,7 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
     if (first) {  // a preempted generation keeps its first prefill's figures
       p->started = true;
       r.prompt_tokens = static_cast<int64_t>(p->request.tokens.size());
-      r.cached_tokens = p->cached;
+      r.cached_tokens = p->cached + p->reused;
       r.recomputed = p->recomputed;
       r.queue_s = std::max(0.0, Since(p->submitted) - seconds);
       r.prefill_s = seconds;
@@ -709,7 +871,11 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
       p->first_token_at = Clock::now();
       stats_.prompt_tokens += r.prompt_tokens;
       stats_.cached_tokens += r.cached_tokens;
+      stats_.prefix_queries += p->looked_up ? 1 : 0;
+      stats_.prefix_hits += p->reused > 0 ? 1 : 0;
+      stats_.prefix_hit_tokens += p->reused;
     }
+    KeepPrefix(*p, command);
     if (p->request.publish_kv) {
       absl::StatusOr<KvHandle>& handle = published->at(p->kv_name);
       if (!handle.ok()) {
@@ -722,7 +888,7 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
       r.kv_handle = std::move(*handle);
       r.kv_lease_s = std::chrono::duration<double>(lease_length_).count();
     }
-    p->positions_left = model_.config().max_position_embeddings - p->cached -
+    p->positions_left = model_.config().max_position_embeddings - p->cached - p->reused -
                         static_cast<int64_t>(command.batch[i].tokens.size());
     const bool done = NextToken(*p, out.logits);
     if (first) {
@@ -764,20 +930,20 @@ void Engine::AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceO
 // the only one left ends at the capacity ("length"). Another error ends the step's sequences.
 void Engine::MakeRoomToDecode(const Command& command, const absl::Status& why) {
   if (!IsKvCacheFull(why)) {
+    // Their KV holds a turn that did not finish: every rank drops it, and a session's next turn
+    // prefills its history again (not onto the unfinished turn's rows, nor forks onto them).
     for (auto& p : running_) {
-      if (IsInternalSession(p->kv_name)) drop_next_.push_back(p->kv_name);
+      drop_next_.push_back(p->kv_name);
+      if (auto s = sessions_.find(p->request.session); s != sessions_.end()) {
+        s->second.evicted = true;
+      }
       ++stats_.requests_failed;
       p->reply.set_value(why);
     }
     running_.clear();
     return;
   }
-  if (std::vector<std::string> idle = IdleSessionsLruFirst(command); !idle.empty()) {
-    drop_next_.push_back(idle.front());
-    sessions_[idle.front()].evicted = true;
-    ++stats_.evictions;
-    return;
-  }
+  if (EvictOne(command)) return;
   if (running_.size() == 1) {
     running_.front()->result.finish_reason = "length";
     Finish(std::move(running_.front()));

@@ -24,6 +24,15 @@
 // max_tokens 1 they do not (the decoder elsewhere owns them, and the next turn brings them). When
 // a batch does not fit, rank 0 evicts the least recently used idle session and tries again; a
 // later turn of an evicted session prefills its whole history again (reported as recomputed).
+//
+// Prefix cache (issue 21; runtime/prefix_cache.md): a prompt's KV is kept after its request as a
+// prefix entry, indexed on rank 0 by a hash chain of its full blocks (runtime/prefix_index.h). A
+// request without KV of its own (no session, a session's first turn, an evicted one) whose first
+// tokens an entry holds forks that entry on every rank (LlamaModel::ForkSession: the blocks are
+// shared) and prefills only the rest; `cached_tokens` counts the reuse. Requests of one batch
+// that share a block more than the cache holds wait for the next batch, which finds the first
+// one's entry (n samples of one prompt prefill it once). Entries are evicted least recently used
+// first, before idle sessions, when the KV cache is full.
 // When a decode step does not fit and no session is idle, the newest running sequence is
 // preempted: its KV is dropped and it is queued again to prefill its prompt and the tokens it has
 // generated, then goes on (vLLM's recompute preemption). A batch that fails as a whole (a
@@ -56,6 +65,7 @@
 #include "runtime/kv_handle.h"
 #include "runtime/llama_model.h"
 #include "runtime/prefill_batch.h"
+#include "runtime/prefix_index.h"
 #include "runtime/sampling.h"
 
 namespace cpfill::runtime {
@@ -66,6 +76,8 @@ struct EngineOptions {
   int max_running = 256;                      // sequences generating at once (a decode batch)
   std::vector<int32_t> eos_ids;               // generation stops at these (the checkpoint's EOS)
   std::chrono::milliseconds heartbeat{1000};  // rank 0's idle broadcast; below the deadline
+  bool prefix_cache = true;                   // false: --no-prefix-cache
+  int max_prefix_entries = 4096;              // kept prompts; the least recently used go first
   // Rank 0, after each batch (the server's log line): requests, new and cached tokens, the ring
   // algorithm, seconds.
   std::function<void(int, int64_t, int64_t, const std::string&, double)> on_batch;
@@ -108,7 +120,7 @@ struct EngineResult {
   std::vector<SampledToken> tokens;  // generated, first token first
   std::string finish_reason;  // "stop" (a stop id), "length" (max_tokens, positions), "abort"
   int64_t prompt_tokens = 0;  // this turn's new tokens
-  int64_t cached_tokens = 0;  // the session's tokens whose KV was reused
+  int64_t cached_tokens = 0;  // tokens whose KV was reused: the session's, or a cached prefix's
   bool recomputed = false;    // the session had been evicted: its history was prefilled again
   int preemptions = 0;        // times the KV cache filled and this sequence was recomputed
   double queue_s = 0;         // from Submit to the start of the batch that answered it
@@ -138,6 +150,11 @@ struct EngineStats {
   int64_t kv_leases = 0, kv_leased_tokens = 0;  // held now
   int64_t kv_leases_released = 0, kv_leases_expired = 0;
   double kv_staging_usage_ratio = 0;  // rank 0's hand-off staging pool (0 without one)
+  // Prefix cache: requests looked up, those that reused a prefix and the tokens they reused;
+  // entries held and their tokens; entries evicted; rank 0's KV blocks held by more than one
+  // sequence.
+  int64_t prefix_queries = 0, prefix_hits = 0, prefix_hit_tokens = 0;
+  int64_t prefix_entries = 0, prefix_tokens = 0, prefix_evictions = 0, kv_blocks_shared = 0;
 };
 
 class KvHandoff;
@@ -239,6 +256,22 @@ class Engine {
   void UpdateKvUsage();  // rank 0, the loop thread, lock not held: the usage figures of stats_
   void UpdateKvUsageLocked();  // the same, lock held
   std::vector<std::string> IdleSessionsLruFirst(const Command& command) const;
+  // Rank 0, lock held: the KV cache is full. Drops the least recently used prefix entry that
+  // holds blocks no other sequence holds, else evicts the least recently used idle session;
+  // false when there is neither.
+  bool EvictOne(const Command& command);
+  // Rank 0, the loop thread: KV blocks of session `name` on this rank that no other holds.
+  int64_t BlocksOnlyIn(const std::string& name) const;
+  // Rank 0, lock held, FormBatch: the prefix cache's plan for `p`, whose KV holds nothing now
+  // and would hold `r`'s tokens after the batch: the entry it forks (shortening `r`'s tokens)
+  // and whether its KV is kept as an entry. False: wait for the next batch, an earlier request
+  // of this one will hold more of its prefix.
+  bool PlanPrefix(Pending& p, PrefillRequest& r, const Command& c);
+  void KeepPrefix(Pending& p, const Command& command);  // rank 0, lock held, Answer
+  // Every rank: the batch's forks before its prefill (a refusal undoes them) and its kept
+  // prompts after it.
+  absl::Status ForkPrefixes(Command& command);
+  absl::Status KeepPrefixes(Command& command);
   LlamaModel& model_;
   parallel::Communicator& world_;
   const EngineOptions options_;
@@ -257,6 +290,8 @@ class Engine {
   int solo_ = 0;  // next batches run one request at a time (after a batch failed as a whole)
   std::vector<std::string> drop_next_;  // sessions every rank drops with the next command
   std::map<std::string, SessionState> sessions_;
+  PrefixIndex prefix_;      // rank 0
+  int64_t prefix_now_ = 0;  // the prefix index's clock (LRU)
   EngineStats stats_;
   // KV hand-off: set by AttachKvHandoff.
   KvHandoff* handoff_ = nullptr;

@@ -72,7 +72,7 @@ CPFILL_INVALID_ARGUMENT = 1
 class Server:
     """`cpfill serve --kv-handoff` under mpirun with one pass's UCX environment."""
 
-    def __init__(self, cpfill, tmp, env, extra_flags=(), np=4, tp=2):
+    def __init__(self, cpfill, tmp, env, extra_flags=(), np=4, tp=2, prefix_cache=False):
         self.port_file = os.path.join(tmp, "port")
         self.pid_file = os.path.join(tmp, "pid")
         self.log_path = os.path.join(tmp, "serve.log")
@@ -86,7 +86,10 @@ class Server:
              "--host", "127.0.0.1", "--port", "0", "--port-file", self.port_file,
              "--pid-file", self.pid_file, "--kv-handoff", "--kv-lease-s", str(LEASE_S),
              "--kv-capacity-tokens", "4096", "--backend", "cpu", "--threads", "1",
-             "--timeout-s", "60"] + list(extra_flags),
+             # The prefix cache would keep the prompts' KV after their leases end; most passes
+             # check that a lease's KV is freed (usage back at 0).
+             "--timeout-s", "60"] + ([] if prefix_cache else ["--no-prefix-cache"]) +
+            list(extra_flags),
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.port = None
         self.staged = "--kv-handoff-staging" in extra_flags
@@ -109,7 +112,7 @@ class Server:
             fail(f"/metrics: {status} {text[:300]}")
         values = {}
         for line in text.splitlines():
-            if line.startswith("cpfill:kv_"):
+            if line.startswith(("cpfill:kv_", "cpfill:prefix_cache_")):
                 name, value = line.rsplit(" ", 1)
                 values[name] = float(value)
         for name in ("cpfill:kv_leases", "cpfill:kv_leased_tokens", "cpfill:kv_cache_usage_ratio",
@@ -568,6 +571,27 @@ def run_bit_exact_pass(cpfill, tmp):
     print("  the pulled KV equals the one-rank prefill's bit for bit", flush=True)
 
 
+def run_prefix_cache_pass(cpfill, tmp):
+    """With the prefix cache on: the same prompt published twice, the second forked from the
+    first's cached KV (its rows keep the first prefill's layout over the ring), and a prompt that
+    shares its first 256 tokens; every pull verified against one rank."""
+    env = {k: v for k, v in MPI_ENV.items() if not k.startswith("UCX_")}
+    env.update(TRANSPORTS["tcp"])
+    print("pass prefix-cache: hand-offs of forked KV", flush=True)
+    server = Server(cpfill, tmp, env, prefix_cache=True)
+    try:
+        server.wait_listening()
+        puller = Puller(cpfill, env)
+        for what in ("first", "cached"):
+            puller.verified(["--url", server.url] + verify_flags(6, 300), f"the {what} pull")
+        hits = server.metrics()["cpfill:prefix_cache_hits_total"]
+        if hits < 1:
+            fail(f"the second publish of one prompt did not reuse its KV (hits {hits:g})")
+    finally:
+        server.kill()
+    print(f"  pulls of a prompt's KV, then of its cached fork, verified ({hits:g} hit)", flush=True)
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--capi":
         return capi_child(*sys.argv[2:])
@@ -587,6 +611,9 @@ def main():
         tmp = tempfile.mkdtemp(prefix=f"cpfill-kv-handoff-{name}-")
         run_pass(cpfill, lib, name, tmp, not args.skip_c_api)
         shutil.rmtree(tmp, ignore_errors=True)  # kept (named in the log) when a pass fails
+    tmp = tempfile.mkdtemp(prefix="cpfill-kv-handoff-prefix-")
+    run_prefix_cache_pass(cpfill, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp = tempfile.mkdtemp(prefix="cpfill-kv-handoff-one-rank-")
     run_bit_exact_pass(cpfill, tmp)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -11,6 +11,9 @@ Starts the server under mpirun (TP2 x CP2, CPU backend, the tiny preset) and ass
     finish reason on its last chunk, a usage chunk, then [DONE];
   * seeded sampling repeats, another seed differs; stop_token_ids stop generation ("stop");
   * a session's next turn continues after the generated tokens and reuses their KV;
+  * the prefix cache: questions about one document reuse its KV (cached_tokens) and equal one
+    rank's prefills; "n": 4 greedy choices of one prompt are its greedy generation four times,
+    its tokens counted once; /metrics counts the hits;
   * a client that leaves a stream ends its generation (no sequence left running);
   * bad generation requests get 400s naming the field; /metrics counts generated tokens;
   * SIGTERM to rank 0 drains and every rank exits 0.
@@ -188,6 +191,32 @@ def check_session(cpfill, port, tmp):
         fail("DELETE /v1/sessions/g")
 
 
+def check_prefix_cache(cpfill, port, tmp, generations):
+    doc = [(i * 31 + 11) % VOCAB for i in range(200)]
+    asked = []
+    for q in range(3):
+        prompt = doc + [(q * 97 + i) % VOCAB for i in range(5 + q)]
+        r = complete(port, {"prompt": prompt, "max_tokens": 4, "temperature": 0})
+        cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if (q == 0) != (cached == 0) or (q > 0 and cached < 192):
+            fail(f"question {q} about the document reused {cached} tokens")
+        asked.append((prompt, r["choices"][0]["token_ids"]))
+    check_against_prefixes(cpfill, tmp, asked)
+    prompt, tokens = max(generations, key=lambda g: len(g[0]))  # generated before: cached
+    r = complete(port, {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "n": 4})
+    if r["usage"]["prompt_tokens_details"]["cached_tokens"] != len(prompt) - 1:
+        fail(f"n 4: the prompt generated before reused {r['usage']}")
+    if [c["index"] for c in r["choices"]] != [0, 1, 2, 3]:
+        fail(f"n 4: choices {[c['index'] for c in r['choices']]}")
+    if any(c["token_ids"] != tokens for c in r["choices"]):
+        fail(f"n 4: {[c['token_ids'] for c in r['choices']]}, want {tokens} four times")
+    if r["usage"]["prompt_tokens"] != len(prompt) or r["usage"]["completion_tokens"] != 4 * NEW:
+        fail(f"n 4: usage {r['usage']}")
+    if metric(port, "cpfill:prefix_cache_hits_total") < 2:
+        fail("prefix cache hits not counted")
+    metric(port, "cpfill:kv_cache_shared_blocks")
+
+
 def metric(port, name):
     _, text = http(port, "GET", "/metrics")
     for line in text.splitlines():
@@ -220,6 +249,7 @@ def run(cpfill, server, port, tmp):
     check_stream(port, generations)
     check_sampling_and_stop(port, *generations[3])
     check_session(cpfill, port, tmp)
+    check_prefix_cache(cpfill, port, tmp, generations)
     check_client_leaves(port)
     for body, message in [({"prompt": [1], "max_tokens": 131073}, "positions"),
                           ({"prompt": [1], "max_tokens": 4, "stop": ["x"]},
@@ -241,7 +271,7 @@ def run(cpfill, server, port, tmp):
     if server.wait(timeout=60) != 0:
         fail("the server did not exit 0 after SIGTERM")
     print(f"PASS: serve_generates ({checked} greedy tokens against one-rank prefills, a stream, "
-          "seeds, stop ids, a session, an abandoned stream)")
+          "seeds, stop ids, a session, the prefix cache and n, an abandoned stream)")
 
 
 if __name__ == "__main__":

@@ -195,22 +195,25 @@ size_t AttentionWorkspaceBytes(const CudaAttentionArgs& args) {
   return summaries == 0 ? 0 : summaries + kSchedulerCounterBytes;
 }
 
+AttentionParams ShapeView(const CudaAttentionArgs& a) {
+  return AttentionParams{.shape = a.shape,
+                         .q = reinterpret_cast<const float*>(a.q),
+                         .q_pos = a.q_pos,
+                         .q_tokens = a.q_tokens,
+                         .k = reinterpret_cast<const float*>(a.k),
+                         .v = reinterpret_cast<const float*>(a.v),
+                         .k_pos = a.k_pos,
+                         .kv_tokens = a.kv_tokens,
+                         .slices = a.slices,
+                         .num_slices = a.num_slices,
+                         .o = static_cast<float*>(a.o),
+                         .lse = a.lse};
+}
+
 absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
                                   size_t workspace_bytes, cudaStream_t stream) {
-  // Shapes and slice bounds: the CPU contract's validator (it checks pointers for null only).
-  AttentionParams view{.shape = a.shape,
-                       .q = reinterpret_cast<const float*>(a.q),
-                       .q_pos = a.q_pos,
-                       .q_tokens = a.q_tokens,
-                       .k = reinterpret_cast<const float*>(a.k),
-                       .v = reinterpret_cast<const float*>(a.v),
-                       .k_pos = a.k_pos,
-                       .kv_tokens = a.kv_tokens,
-                       .slices = a.slices,
-                       .num_slices = a.num_slices,
-                       .o = static_cast<float*>(a.o),
-                       .lse = a.lse};
-  CPFILL_RETURN_IF_ERROR(ValidateAttentionParams(view));
+  // Shapes and slice bounds: the CPU contract's validator.
+  CPFILL_RETURN_IF_ERROR(ValidateAttentionParams(ShapeView(a)));
   CPFILL_CHECK_ARG(SupportedHeadDim(a.shape.head_dim), "CUDA attention: head_dim ",
                    a.shape.head_dim, " has no compiled kernel (supported: 64, 128)");
   CPFILL_CHECK_ARG(std::isfinite(a.shape.softmax_scale), "softmax_scale must be finite");

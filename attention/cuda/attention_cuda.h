@@ -61,6 +61,10 @@ struct CudaAttentionArgs {
 
 inline constexpr int kSmsForCommunication = 4;
 
+// The CPU contract's view of `a` (attention.h), for its validators: device pointers stand in for
+// host ones (the validators check them for null only).
+AttentionParams ShapeView(const CudaAttentionArgs& a);
+
 // Head dimensions with compiled kernels.
 bool SupportedHeadDim(int head_dim);
 

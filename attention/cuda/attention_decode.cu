@@ -583,7 +583,7 @@ absl::Status LaunchGroup(const DecodeParams& p, int32_t ctas, int32_t pairs, int
 
 }  // namespace
 
-bool DecodeAttentionApplies(const CudaAttentionArgs& a) {
+bool DecodeKernelCanRun(const CudaAttentionArgs& a) {
   static const bool enabled = knobs::Bool(knobs::kDecodeKernel);
   // Paged K/V has no other reader: the knob chooses only for contiguous rows.
   if ((!enabled && a.paged == nullptr) || !SupportedHeadDim(a.shape.head_dim) ||
@@ -592,11 +592,16 @@ bool DecodeAttentionApplies(const CudaAttentionArgs& a) {
     return false;
   }
   bool any_rows = false;
+  for (int64_t i = 0; i < a.num_slices; ++i) any_rows |= a.slices[i].q_len > 0;
+  return any_rows;
+}
+
+bool DecodeAttentionApplies(const CudaAttentionArgs& a) {
+  if (!DecodeKernelCanRun(a)) return false;
   for (int64_t i = 0; i < a.num_slices; ++i) {
     if (a.slices[i].q_len > kMaxDecodeQueryRows) return false;
-    any_rows |= a.slices[i].q_len > 0;
   }
-  return any_rows;
+  return true;
 }
 
 size_t DecodeWorkspaceBytes(const CudaAttentionArgs& a) {

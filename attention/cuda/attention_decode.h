@@ -41,6 +41,10 @@ inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 // compiled (64, 128), Q/K/V are 16-byte aligned, and some slice has query rows while none has
 // more than kMaxDecodeQueryRows.
 bool DecodeAttentionApplies(const CudaAttentionArgs& a);
+// The same without the row limit: the kernel runs any rows per slice, reading each slice's keys
+// once per m16 tile of packed rows (prefix_batched_cuda.h gives it a shared prefix under a few
+// decode rows this way).
+bool DecodeKernelCanRun(const CudaAttentionArgs& a);
 
 // The workspace the decode launch needs: the per-split partial O (fp32) and LSE.
 size_t DecodeWorkspaceBytes(const CudaAttentionArgs& a);

@@ -83,7 +83,7 @@ typedef struct cpfill_result {
   const float* logits;     /* [vocab_size] of the last position */
   int64_t vocab_size;
   int64_t prompt_tokens;   /* this turn's new tokens */
-  int64_t cached_tokens;   /* the session's tokens whose KV was reused */
+  int64_t cached_tokens;   /* tokens whose KV was reused: the session's, or a cached prefix's */
   int recomputed;          /* 1: the session had been evicted and its history was prefilled again */
   int batch_requests;      /* requests in the fused batch that answered this one */
   double queue_s;          /* from submit to the start of that batch */

@@ -1,0 +1,250 @@
+#include "attention/cuda/prefix_batched_cuda.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "attention/cuda/attention_decode.h"
+#include "base/knobs.h"
+#include "base/status.h"
+
+namespace cpfill::attention::cuda {
+namespace {
+
+// The root level (a shared prefix under many sequences' queries) runs one of two ways:
+//   - the split-KV decode kernel: it splits the keys itself, but reads them once per m16 tile of
+//     packed (token x GQA group) rows: cheap for a few rows, costly for many over long keys;
+//   - the prefill kernels, which give one CTA a 128-row folded tile and one KV head and walk all
+//     of its keys (a few CTAs on 132 SMs): so the level is split along its keys into up to
+//     kMaxSplits parts (each at least kMinSplitKeys keys), run in one launch on copies of the
+//     query rows, and the parts merged exactly (MergePartialsCuda, at most kMaxMergeParts a
+//     call: two rounds).
+// A root of at most one folded tile per slice takes the decode kernel, the rest are split: the
+// rule measured on an H100 (bench/RESULTS.md, 2026-11-26). CPFILL_PREFIX_ROOT forces either way.
+constexpr int kFoldedTileRows = 128;
+constexpr int kMaxSplits = kMaxMergeParts * kMaxMergeParts;
+constexpr int64_t kMinSplitKeys = 256;
+constexpr size_t kAlign = 256;
+
+size_t Aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+int SmCount() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 132;
+  }
+  return sms;
+}
+
+CudaAttentionArgs LevelArgs(const CudaAttentionArgs& args, std::span<const SequenceSlice> level,
+                            OutputMode output) {
+  CudaAttentionArgs a = args;
+  a.slices = level.data();
+  a.num_slices = static_cast<int64_t>(level.size());
+  a.output = output;
+  return a;
+}
+
+// True when the root level runs on the decode kernel: it can, every query row is in a root slice
+// (the kernel leaves rows in no slice to its caller), and each slice is at most one folded tile.
+bool RootOnDecodeKernel(const CudaAttentionArgs& args, std::span<const SequenceSlice> root) {
+  const CudaAttentionArgs a = LevelArgs(args, root, OutputMode::kFloat32);
+  if (!internal::DecodeKernelCanRun(a)) return false;
+  int64_t covered = 0, widest = 0;
+  for (const SequenceSlice& s : root) {
+    covered += s.q_len;
+    widest = std::max(widest, s.q_len * args.shape.group_size());
+  }
+  if (covered != args.q_tokens) return false;
+  static const std::string forced = knobs::Choice(knobs::kPrefixRoot);
+  if (forced != "auto") return forced == "decode";
+  return widest <= kFoldedTileRows;
+}
+
+// Key splits for the root level: enough (tile, KV head, split) items for two waves.
+int RootSplits(const CudaAttentionArgs& args, std::span<const SequenceSlice> root) {
+  if (internal::DecodeAttentionApplies(LevelArgs(args, root, OutputMode::kFloat32)) ||
+      RootOnDecodeKernel(args, root)) {
+    return 1;  // the decode kernel splits its keys itself
+  }
+  const int64_t group = args.shape.group_size();
+  int64_t tiles = 0, longest = 0;
+  for (const SequenceSlice& s : root) {
+    if (s.q_len == 0 || s.kv_len == 0) continue;
+    tiles += (s.q_len * group + kFoldedTileRows - 1) / kFoldedTileRows;
+    longest = std::max(longest, s.kv_len);
+  }
+  const int64_t items = std::max<int64_t>(1, tiles * args.shape.num_kv_heads);
+  const int64_t wanted = (2 * SmCount() + items - 1) / items;
+  return static_cast<int>(
+      std::clamp<int64_t>(std::min<int64_t>(wanted, longest / kMinSplitKeys), 1, kMaxSplits));
+}
+
+// The root level split `splits` ways: split s's slices read query rows [s * q_tokens, ...) of
+// the repeated queries and 1/splits of each slice's keys.
+std::vector<SequenceSlice> SplitSlices(std::span<const SequenceSlice> root, int splits,
+                                       int64_t q_tokens) {
+  std::vector<SequenceSlice> out;
+  for (int s = 0; s < splits; ++s) {
+    for (const SequenceSlice& x : root) {
+      const int64_t chunk = (x.kv_len + splits - 1) / splits;
+      const int64_t begin = std::min(x.kv_len, s * chunk);
+      out.push_back({.q_begin = s * q_tokens + x.q_begin,
+                     .q_len = x.q_len,
+                     .kv_begin = x.kv_begin + begin,
+                     .kv_len = std::min(x.kv_len, begin + chunk) - begin});
+    }
+  }
+  return out;
+}
+
+// Where a split root level keeps its pieces in the workspace.
+struct SplitLayout {
+  size_t attention = 0, q = 0, q_pos = 0, o = 0, lse = 0, o_round = 0, lse_round = 0, total = 0;
+};
+
+SplitLayout LayoutOf(const CudaAttentionArgs& args, std::span<const SequenceSlice> split,
+                     int splits) {
+  const size_t rows = static_cast<size_t>(args.q_tokens);
+  const size_t values = rows * args.shape.num_heads * args.shape.head_dim;
+  const size_t heads = rows * args.shape.num_heads;
+  const size_t rounds = (splits + kMaxMergeParts - 1) / kMaxMergeParts;
+  CudaAttentionArgs a = LevelArgs(args, split, OutputMode::kFloat32);
+  a.q_tokens = static_cast<int64_t>(rows) * splits;
+  SplitLayout l;
+  l.q = Aligned(AttentionWorkspaceBytes(a));
+  l.q_pos = l.q + Aligned(splits * values * sizeof(__nv_bfloat16));
+  l.o = l.q_pos + Aligned(splits * rows * sizeof(int32_t));
+  l.lse = l.o + Aligned(splits * values * sizeof(float));
+  l.o_round = l.lse + Aligned(splits * heads * sizeof(float));
+  l.lse_round = l.o_round + Aligned(rounds * values * sizeof(float));
+  l.total = l.lse_round + Aligned(rounds * heads * sizeof(float));
+  return l;
+}
+
+// Copies `bytes` at `p` to fill `copies` * bytes by doubling: log2(copies) copies, not `copies`.
+absl::Status Repeat(void* p, size_t bytes, int copies, cudaStream_t stream) {
+  char* base = static_cast<char*>(p);
+  for (int have = 1; have < copies;) {
+    const int more = std::min(have, copies - have);
+    if (cudaMemcpyAsync(base + have * bytes, base, more * bytes, cudaMemcpyDeviceToDevice,
+                        stream) != cudaSuccess) {
+      return absl::InternalError("prefix-batched attention: copying the queries failed");
+    }
+    have += more;
+  }
+  return absl::OkStatus();
+}
+
+// Merges `parts` fp32 partials laid out back to back into (o, lse): in rounds of at most
+// kMaxMergeParts.
+absl::Status MergeSplits(const CudaAttentionArgs& args, int parts, float* o_parts, float* lse_parts,
+                         float* o_round, float* lse_round, float* o, float* lse,
+                         cudaStream_t stream) {
+  const size_t values = size_t(args.q_tokens) * args.shape.num_heads * args.shape.head_dim;
+  const size_t heads = size_t(args.q_tokens) * args.shape.num_heads;
+  auto merge = [&](float* from_o, float* from_lse, int first, int count, float* to_o,
+                   float* to_lse) {
+    std::vector<const float*> os, ls;
+    for (int i = first; i < first + count; ++i) {
+      os.push_back(from_o + i * values);
+      ls.push_back(from_lse + i * heads);
+    }
+    return MergePartialsCuda(args.shape, args.q_tokens, os, ls, to_o, nullptr, to_lse, stream);
+  };
+  if (parts <= kMaxMergeParts) return merge(o_parts, lse_parts, 0, parts, o, lse);
+  int rounds = 0;
+  for (int first = 0; first < parts; first += kMaxMergeParts, ++rounds) {
+    CPFILL_RETURN_IF_ERROR(merge(o_parts, lse_parts, first, std::min(kMaxMergeParts, parts - first),
+                                 o_round + rounds * values, lse_round + rounds * heads));
+  }
+  return merge(o_round, lse_round, 0, rounds, o, lse);
+}
+
+// The root level split along its keys: queries repeated, one launch, the parts merged into
+// args.o / args.lse.
+absl::Status RunSplitRoot(const CudaAttentionArgs& args, std::span<const SequenceSlice> root,
+                          int splits, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream) {
+  const std::vector<SequenceSlice> split = SplitSlices(root, splits, args.q_tokens);
+  const SplitLayout l = LayoutOf(args, split, splits);
+  CPFILL_CHECK_ARG(workspace_bytes >= l.total, "prefix-batched attention: ", workspace_bytes,
+                   " workspace bytes, ", l.total, " needed (PrefixBatchedWorkspaceBytes)");
+  char* ws = static_cast<char*>(workspace);
+  const size_t q_bytes =
+      size_t(args.q_tokens) * args.shape.num_heads * args.shape.head_dim * sizeof(__nv_bfloat16);
+  auto* q = reinterpret_cast<__nv_bfloat16*>(ws + l.q);
+  auto* q_pos = reinterpret_cast<int32_t*>(ws + l.q_pos);
+  if (cudaMemcpyAsync(q, args.q, q_bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess ||
+      cudaMemcpyAsync(q_pos, args.q_pos, args.q_tokens * sizeof(int32_t), cudaMemcpyDeviceToDevice,
+                      stream) != cudaSuccess) {
+    return absl::InternalError("prefix-batched attention: copying the queries failed");
+  }
+  CPFILL_RETURN_IF_ERROR(Repeat(q, q_bytes, splits, stream));
+  CPFILL_RETURN_IF_ERROR(Repeat(q_pos, args.q_tokens * sizeof(int32_t), splits, stream));
+  CudaAttentionArgs a = LevelArgs(args, split, OutputMode::kFloat32);
+  a.q = q;
+  a.q_pos = q_pos;
+  a.q_tokens = args.q_tokens * splits;
+  a.o = ws + l.o;
+  a.lse = reinterpret_cast<float*>(ws + l.lse);
+  CPFILL_RETURN_IF_ERROR(PartialAttentionCuda(a, workspace, l.q, stream));
+  return MergeSplits(args, splits, reinterpret_cast<float*>(ws + l.o), a.lse,
+                     reinterpret_cast<float*>(ws + l.o_round),
+                     reinterpret_cast<float*>(ws + l.lse_round), static_cast<float*>(args.o),
+                     args.lse, stream);
+}
+
+OutputMode ModeOf(size_t level) {
+  return level == 0 ? OutputMode::kFloat32 : OutputMode::kMergeIntoFloat32;
+}
+
+}  // namespace
+
+size_t PrefixBatchedWorkspaceBytes(const CudaAttentionArgs& args, KvTree levels) {
+  size_t bytes = 0;
+  for (size_t l = 0; l < levels.size(); ++l) {
+    bytes = std::max(bytes, AttentionWorkspaceBytes(LevelArgs(args, levels[l], ModeOf(l))));
+  }
+  if (!levels.empty() && RootOnDecodeKernel(args, levels[0])) {
+    bytes = std::max(
+        bytes, internal::DecodeWorkspaceBytes(LevelArgs(args, levels[0], OutputMode::kFloat32)));
+  } else if (!levels.empty()) {
+    if (const int splits = RootSplits(args, levels[0]); splits > 1) {
+      bytes = std::max(bytes,
+                       LayoutOf(args, SplitSlices(levels[0], splits, args.q_tokens), splits).total);
+    }
+  }
+  return bytes;
+}
+
+absl::Status PrefixBatchedAttentionCuda(const CudaAttentionArgs& args, KvTree levels,
+                                        void* workspace, size_t workspace_bytes,
+                                        cudaStream_t stream) {
+  CPFILL_RETURN_IF_ERROR(ValidateKvTree(ShapeView(args), levels));
+  for (size_t l = 0; l < levels.size(); ++l) {
+    const int splits = l == 0 ? RootSplits(args, levels[0]) : 1;
+    if (splits > 1) {
+      CPFILL_RETURN_IF_ERROR(
+          RunSplitRoot(args, levels[0], splits, workspace, workspace_bytes, stream));
+      continue;
+    }
+    if (l == 0 && RootOnDecodeKernel(args, levels[0])) {
+      // ValidateKvTree checked the shapes and bounds, DecodeKernelCanRun the head dim and the
+      // alignment: what the launch expects of its caller.
+      const CudaAttentionArgs a = LevelArgs(args, levels[0], OutputMode::kFloat32);
+      CPFILL_CHECK_ARG(workspace_bytes >= internal::DecodeWorkspaceBytes(a),
+                       "prefix-batched attention: ", workspace_bytes, " workspace bytes, ",
+                       internal::DecodeWorkspaceBytes(a), " needed");
+      CPFILL_RETURN_IF_ERROR(
+          internal::LaunchDecodeAttention(a, workspace, workspace_bytes, stream));
+      continue;
+    }
+    CPFILL_RETURN_IF_ERROR(PartialAttentionCuda(LevelArgs(args, levels[l], ModeOf(l)), workspace,
+                                                workspace_bytes, stream));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace cpfill::attention::cuda

@@ -1,0 +1,36 @@
+// cpfill/attention/cuda/prefix_batched_cuda.h — attention over a tree of shared KV
+// (attention/prefix_batched.h) on the GPU: one PartialAttentionCuda launch per level, the first
+// writing fp32 (O, LSE), the others merging into it in place (OutputMode::kMergeIntoFloat32), so
+// a shared prefix is read once for all the queries under it and no separate merge pass runs. A
+// level whose slices hold many query rows (a prefix under many sequences) takes the prefill
+// kernels' 128-row tiles; a level of one decode row per sequence takes the split-KV decode
+// kernel, as PartialAttentionCuda dispatches. A root level of few tiles (a long prefix under a
+// few decode rows would be one CTA walking every key) is split along its keys into parts run in
+// one launch on copies of the queries, then merged exactly (MergePartialsCuda).
+//
+//   size_t bytes = PrefixBatchedWorkspaceBytes(args, levels);
+//   CPFILL_RETURN_IF_ERROR(PrefixBatchedAttentionCuda(args, levels, ws, bytes, stream));
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "attention/cuda/attention_cuda.h"
+#include "attention/prefix_batched.h"
+
+namespace cpfill::attention::cuda {
+
+// The workspace one call needs: the largest level's (levels run one after another), or the split
+// root's (its query copies, partials and merge rounds).
+size_t PrefixBatchedWorkspaceBytes(const CudaAttentionArgs& args, KvTree levels);
+
+// args.o (fp32 [q_tokens, num_heads, head_dim]) and args.lse get the attention over the tree;
+// args.slices and args.output are ignored. InvalidArgument as ValidateKvTree and
+// PartialAttentionCuda; never synchronizes.
+absl::Status PrefixBatchedAttentionCuda(const CudaAttentionArgs& args, KvTree levels,
+                                        void* workspace, size_t workspace_bytes,
+                                        cudaStream_t stream);
+
+}  // namespace cpfill::attention::cuda
