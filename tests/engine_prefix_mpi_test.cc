@@ -2,9 +2,9 @@
 // the `tiny` preset: one rank, TP1 x CP2, TP2 x CP2. Requests that share a document reuse its KV
 // (cached_tokens) and each still equals a one-shot prefill on one rank, and the same engine
 // without the cache to float rounding on one rank; prompts submitted together that share a prefix
-// prefill it once; n greedy samples of one prompt equal one rank's generation; a full KV cache
-// evicts entries first and every answer stays right; --no-prefix-cache reuses nothing. Run by CTest
-// under mpirun.
+// prefill it once; n greedy samples of one prompt equal one rank's generation; sessions start
+// from a cached system prompt and continue their own KV; a full KV cache evicts entries first and
+// every answer stays right; --no-prefix-cache reuses nothing. Run by CTest under mpirun.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -166,6 +166,46 @@ TEST(EnginePrefix, ABatchSharingAPrefixPrefillsItOnce) {
     const std::vector<int32_t> greedy = OneRank(c).Greedy(sampled, 6);
     for (size_t i = 5; i < got.size() && error.empty(); ++i) {
       if (got[i]->token_ids() != greedy) error = "sample " + std::to_string(i) + " differs";
+    }
+  }
+  ExpectAgreed(rig, error);
+}
+
+// Two chat sessions whose first turns start with a system prompt that a request without a session
+// left in the cache: each first turn forks it (into the session's own KV), and each second turn
+// continues that KV; every answer equals one rank's prefill of the whole conversation.
+TEST(EnginePrefix, SessionsStartFromACachedSystemPrompt) {
+  const runtime::ModelConfig c = Tiny();
+  Rig rig = MakeRig(c, Options(4096));
+  Engine engine(*rig.model, *rig.grid->world, {});
+  const bool root = rig.grid->world_rank == 0;
+  const std::vector<int32_t> system = Prompt(130, c.vocab_size, 7);
+  std::vector<std::vector<int32_t>> whole = {Join(system, Prompt(4, c.vocab_size, 8))};
+  std::vector<std::vector<EngineRequest>> waves = {{{.tokens = whole[0]}}};
+  for (const char* name : {"a", "b"}) {
+    const std::vector<int32_t> turn1 = Join(system, Prompt(11, c.vocab_size, name[0])),
+                               turn2 = Prompt(6, c.vocab_size, name[0] + 1);
+    whole.push_back(turn1);
+    whole.push_back(Join(turn1, turn2));
+    waves.push_back({{.tokens = turn1, .session = name}});
+    waves.push_back({{.tokens = turn2, .session = name}});
+  }
+  std::vector<absl::StatusOr<EngineResult>> got;
+  ASSERT_TRUE(RunWith(engine, root, [&] { got = Ask(engine, waves); }).ok());
+  std::string error;
+  if (root) {
+    error = CheckAll(c, whole, got);
+    for (size_t i : {1, 3}) {  // first turns: the system prompt from the cache
+      if (error.empty() && got[i]->cached_tokens < 128) {
+        error = "first turn " + std::to_string(i) + " reused " +
+                std::to_string(got[i]->cached_tokens) + " tokens";
+      }
+    }
+    for (size_t i : {2, 4}) {  // second turns: the session's own KV
+      if (error.empty() && got[i]->cached_tokens != static_cast<int64_t>(whole[i - 1].size())) {
+        error = "second turn " + std::to_string(i) + " reused " +
+                std::to_string(got[i]->cached_tokens) + " tokens";
+      }
     }
   }
   ExpectAgreed(rig, error);
