@@ -635,11 +635,14 @@ void Engine::KeepPrefix(Pending& p, const Command& command) {
   }
   p.keep_as.clear();
   while (prefix_.entries() > options_.max_prefix_entries) {
-    const std::string oldest = prefix_.LeastRecentlyUsedFirst().front();
-    prefix_.Remove(oldest);
-    drop_next_.push_back(oldest);
-    ++stats_.prefix_evictions;
+    DropEntry(prefix_.LeastRecentlyUsedFirst().front());
   }
+}
+
+void Engine::DropEntry(const std::string& entry) {
+  prefix_.Remove(entry);
+  drop_next_.push_back(entry);
+  ++stats_.prefix_evictions;
 }
 
 Engine::Command Engine::DecodeStep() {
@@ -795,9 +798,7 @@ int64_t Engine::BlocksOnlyIn(const std::string& name) const {
 bool Engine::EvictOne(const Command& command) {
   for (const std::string& entry : prefix_.LeastRecentlyUsedFirst()) {
     if (BlocksOnlyIn(entry) == 0) continue;
-    prefix_.Remove(entry);
-    drop_next_.push_back(entry);
-    ++stats_.prefix_evictions;
+    DropEntry(entry);
     return true;
   }
   std::vector<std::string> idle = IdleSessionsLruFirst(command);
@@ -810,10 +811,9 @@ bool Engine::EvictOne(const Command& command) {
 
 // A batch that failed changing nothing goes back to the front of the queue, after making room:
 // the KV cache is full, so the least recently used prefix entry or idle session is evicted
-// (EvictOne); with none left,
-// for another shortfall (activations: evicting frees none of that memory), or for a request
-// the model refuses, the next batches run one request at a time, and a request alone gets its
-// own error.
+// (EvictOne); with none left, for another shortfall (activations: evicting frees none of that
+// memory), or for a request the model refuses, the next batches run one request at a time, and a
+// request alone gets its own error.
 void Engine::Requeue(Command& command, const absl::Status& why) {
   const bool evicted = IsKvCacheFull(why) && EvictOne(command);
   // Generations hold the rest: the batch waits for one of them to end.

@@ -268,6 +268,7 @@ class Engine {
   // of this one will hold more of its prefix.
   bool PlanPrefix(Pending& p, PrefillRequest& r, const Command& c);
   void KeepPrefix(Pending& p, const Command& command);  // rank 0, lock held, Answer
+  void DropEntry(const std::string& entry);  // rank 0, lock held: out of the index, then the ranks
   // Every rank: the batch's forks before its prefill (a refusal undoes them) and its kept
   // prompts after it.
   absl::Status ForkPrefixes(Command& command);

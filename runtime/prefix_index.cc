@@ -63,6 +63,7 @@ void PrefixIndex::Add(const std::string& name, std::vector<int32_t> tokens, int6
   Entry e{.keys = Keys(tokens, INT64_MAX), .last_used = now};
   e.tokens = std::move(tokens);
   for (const uint64_t key : e.keys) holders_[key].push_back(name);
+  tokens_ += static_cast<int64_t>(e.tokens.size());
   entries_[name] = std::move(e);
 }
 
@@ -74,6 +75,7 @@ void PrefixIndex::Remove(const std::string& name) {
     names.erase(std::find(names.begin(), names.end(), name));
     if (names.empty()) holders_.erase(key);
   }
+  tokens_ -= static_cast<int64_t>(it->second.tokens.size());
   entries_.erase(it);
 }
 
@@ -84,12 +86,6 @@ std::vector<std::string> PrefixIndex::LeastRecentlyUsedFirst() const {
   std::vector<std::string> names;
   for (auto& [used, name] : by_use) names.push_back(std::move(name));
   return names;
-}
-
-int64_t PrefixIndex::tokens() const {
-  int64_t n = 0;
-  for (const auto& [name, e] : entries_) n += static_cast<int64_t>(e.tokens.size());
-  return n;
 }
 
 }  // namespace cpfill::runtime

@@ -47,7 +47,7 @@ class PrefixIndex {
   std::vector<std::string> LeastRecentlyUsedFirst() const;
 
   int64_t entries() const { return static_cast<int64_t>(entries_.size()); }
-  int64_t tokens() const;  // summed over entries (shared tokens counted in each)
+  int64_t tokens() const { return tokens_; }  // summed over entries (shared ones in each)
   int block_tokens() const { return block_tokens_; }
 
  private:
@@ -61,6 +61,7 @@ class PrefixIndex {
 
   int block_tokens_;
   std::map<std::string, Entry> entries_;
+  int64_t tokens_ = 0;
   // Block key -> the entries holding that prefix, the newest last.
   std::map<uint64_t, std::vector<std::string>> holders_;
 };

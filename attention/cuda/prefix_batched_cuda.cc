@@ -62,12 +62,9 @@ bool RootOnDecodeKernel(const CudaAttentionArgs& args, std::span<const SequenceS
   return widest <= kFoldedTileRows;
 }
 
-// Key splits for the root level: enough (tile, KV head, split) items for two waves.
+// Key splits for a root level the decode kernel does not take: enough (tile, KV head, split)
+// items for two waves.
 int RootSplits(const CudaAttentionArgs& args, std::span<const SequenceSlice> root) {
-  if (internal::DecodeAttentionApplies(LevelArgs(args, root, OutputMode::kFloat32)) ||
-      RootOnDecodeKernel(args, root)) {
-    return 1;  // the decode kernel splits its keys itself
-  }
   const int64_t group = args.shape.group_size();
   int64_t tiles = 0, longest = 0;
   for (const SequenceSlice& s : root) {
@@ -101,7 +98,7 @@ std::vector<SequenceSlice> SplitSlices(std::span<const SequenceSlice> root, int 
 
 // Where a split root level keeps its pieces in the workspace.
 struct SplitLayout {
-  size_t attention = 0, q = 0, q_pos = 0, o = 0, lse = 0, o_round = 0, lse_round = 0, total = 0;
+  size_t q = 0, q_pos = 0, o = 0, lse = 0, o_round = 0, lse_round = 0, total = 0;
 };
 
 SplitLayout LayoutOf(const CudaAttentionArgs& args, std::span<const SequenceSlice> split,
@@ -196,6 +193,55 @@ absl::Status RunSplitRoot(const CudaAttentionArgs& args, std::span<const Sequenc
                      args.lse, stream);
 }
 
+// How the root level runs, decided once per call.
+struct RootPlan {
+  enum Way { kPlain, kDecode, kSplit } way = kPlain;  // kPlain: PartialAttentionCuda's dispatch
+  int splits = 1;
+};
+
+RootPlan PlanRoot(const CudaAttentionArgs& args, std::span<const SequenceSlice> root) {
+  if (RootOnDecodeKernel(args, root)) return {.way = RootPlan::kDecode};
+  // A level of at most 4 rows per slice goes to the decode kernel through the plain launch.
+  if (internal::DecodeAttentionApplies(LevelArgs(args, root, OutputMode::kFloat32))) return {};
+  const int splits = RootSplits(args, root);
+  return splits > 1 ? RootPlan{.way = RootPlan::kSplit, .splits = splits} : RootPlan{};
+}
+
+// The workspace the root level needs beyond its plain launch's.
+size_t RootWorkspaceBytes(const CudaAttentionArgs& args, std::span<const SequenceSlice> root,
+                          const RootPlan& plan) {
+  switch (plan.way) {
+    case RootPlan::kDecode:
+      return internal::DecodeWorkspaceBytes(LevelArgs(args, root, OutputMode::kFloat32));
+    case RootPlan::kSplit:
+      return LayoutOf(args, SplitSlices(root, plan.splits, args.q_tokens), plan.splits).total;
+    case RootPlan::kPlain:
+      break;
+  }
+  return 0;
+}
+
+// The root level into fresh fp32 (O, LSE), as planned.
+absl::Status RunRoot(const CudaAttentionArgs& args, std::span<const SequenceSlice> root,
+                     const RootPlan& plan, void* workspace, size_t workspace_bytes,
+                     cudaStream_t stream) {
+  const CudaAttentionArgs a = LevelArgs(args, root, OutputMode::kFloat32);
+  switch (plan.way) {
+    case RootPlan::kSplit:
+      return RunSplitRoot(args, root, plan.splits, workspace, workspace_bytes, stream);
+    case RootPlan::kDecode:
+      // ValidateKvTree checked the shapes and bounds, DecodeKernelCanRun the head dim and the
+      // alignment: what the launch expects of its caller.
+      CPFILL_CHECK_ARG(workspace_bytes >= internal::DecodeWorkspaceBytes(a),
+                       "prefix-batched attention: ", workspace_bytes, " workspace bytes, ",
+                       internal::DecodeWorkspaceBytes(a), " needed");
+      return internal::LaunchDecodeAttention(a, workspace, workspace_bytes, stream);
+    case RootPlan::kPlain:
+      break;
+  }
+  return PartialAttentionCuda(a, workspace, workspace_bytes, stream);
+}
+
 OutputMode ModeOf(size_t level) {
   return level == 0 ? OutputMode::kFloat32 : OutputMode::kMergeIntoFloat32;
 }
@@ -207,14 +253,8 @@ size_t PrefixBatchedWorkspaceBytes(const CudaAttentionArgs& args, KvTree levels)
   for (size_t l = 0; l < levels.size(); ++l) {
     bytes = std::max(bytes, AttentionWorkspaceBytes(LevelArgs(args, levels[l], ModeOf(l))));
   }
-  if (!levels.empty() && RootOnDecodeKernel(args, levels[0])) {
-    bytes = std::max(
-        bytes, internal::DecodeWorkspaceBytes(LevelArgs(args, levels[0], OutputMode::kFloat32)));
-  } else if (!levels.empty()) {
-    if (const int splits = RootSplits(args, levels[0]); splits > 1) {
-      bytes = std::max(bytes,
-                       LayoutOf(args, SplitSlices(levels[0], splits, args.q_tokens), splits).total);
-    }
+  if (!levels.empty()) {
+    bytes = std::max(bytes, RootWorkspaceBytes(args, levels[0], PlanRoot(args, levels[0])));
   }
   return bytes;
 }
@@ -223,24 +263,9 @@ absl::Status PrefixBatchedAttentionCuda(const CudaAttentionArgs& args, KvTree le
                                         void* workspace, size_t workspace_bytes,
                                         cudaStream_t stream) {
   CPFILL_RETURN_IF_ERROR(ValidateKvTree(ShapeView(args), levels));
-  for (size_t l = 0; l < levels.size(); ++l) {
-    const int splits = l == 0 ? RootSplits(args, levels[0]) : 1;
-    if (splits > 1) {
-      CPFILL_RETURN_IF_ERROR(
-          RunSplitRoot(args, levels[0], splits, workspace, workspace_bytes, stream));
-      continue;
-    }
-    if (l == 0 && RootOnDecodeKernel(args, levels[0])) {
-      // ValidateKvTree checked the shapes and bounds, DecodeKernelCanRun the head dim and the
-      // alignment: what the launch expects of its caller.
-      const CudaAttentionArgs a = LevelArgs(args, levels[0], OutputMode::kFloat32);
-      CPFILL_CHECK_ARG(workspace_bytes >= internal::DecodeWorkspaceBytes(a),
-                       "prefix-batched attention: ", workspace_bytes, " workspace bytes, ",
-                       internal::DecodeWorkspaceBytes(a), " needed");
-      CPFILL_RETURN_IF_ERROR(
-          internal::LaunchDecodeAttention(a, workspace, workspace_bytes, stream));
-      continue;
-    }
+  CPFILL_RETURN_IF_ERROR(
+      RunRoot(args, levels[0], PlanRoot(args, levels[0]), workspace, workspace_bytes, stream));
+  for (size_t l = 1; l < levels.size(); ++l) {
     CPFILL_RETURN_IF_ERROR(PartialAttentionCuda(LevelArgs(args, levels[l], ModeOf(l)), workspace,
                                                 workspace_bytes, stream));
   }
