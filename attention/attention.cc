@@ -34,8 +34,10 @@ constexpr int64_t kMergeRowsPerItem = 16;
 
 int64_t PagedKv::TableBegin(int64_t kv_begin) const {
   const auto it = std::upper_bound(seq_kv_begin.begin(), seq_kv_begin.end(), kv_begin);
-  if (it == seq_kv_begin.begin() || *(it - 1) != kv_begin) return -1;
-  return seq_table_begin[(it - seq_kv_begin.begin()) - 1];
+  if (it == seq_kv_begin.begin() || block_tokens <= 0) return -1;
+  const int64_t into = kv_begin - *(it - 1);
+  if (into % block_tokens != 0) return -1;
+  return seq_table_begin[(it - seq_kv_begin.begin()) - 1] + into / block_tokens;
 }
 
 absl::Status PagedKv::Validate(int64_t row_bytes, const SequenceSlice* slices,
@@ -53,7 +55,7 @@ absl::Status PagedKv::Validate(int64_t row_bytes, const SequenceSlice* slices,
     if (slices[i].kv_len == 0 || slices[i].q_len == 0) continue;
     CPFILL_CHECK_ARG(TableBegin(slices[i].kv_begin) >= 0, "paged K/V: slice ", i,
                      "'s keys start at local row ", slices[i].kv_begin,
-                     ", where no sequence of the block table starts");
+                     ", where neither a sequence of the block table nor one of its blocks starts");
   }
   return absl::OkStatus();
 }

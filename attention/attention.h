@@ -73,9 +73,11 @@ struct AttentionParams {
 };
 
 // K/V read in place from a block pool (a KV cache, runtime/kv_cache.h) instead of contiguous
-// rows: the keys of a slice whose kv_begin is a sequence's first local row lie in that
-// sequence's blocks, key r of the slice in block table[table_begin + r / block_tokens], row
-// r % block_tokens, where block b starts at k (or v) + b * block_stride_bytes and rows are
+// rows: the keys of a slice whose kv_begin is a sequence's first local row, or a block boundary
+// inside its rows, lie in that sequence's blocks, key r of the slice in block
+// table[table_begin + r / block_tokens], row r % block_tokens (table_begin: the sequence's first
+// entry plus the blocks before kv_begin), where block b starts at k (or v) + b *
+// block_stride_bytes and rows are
 // [num_kv_heads, head_dim] each. k/v of the call then point at the pools' block 0; k_pos stays
 // one position per local row. This saves copying every cached row out of its blocks on each
 // layer of each decode step (the gather cost 11.9 of a 36 ms step at 128K on an H100).
@@ -87,13 +89,19 @@ struct PagedKv {
   // first entry in `table`.
   std::span<const int64_t> seq_kv_begin;
   std::span<const int64_t> seq_table_begin;
+  // Optional: `table` in host memory. With it the caller lets the kernels' callers batch the
+  // queries of sequences whose tables start with the same blocks (a shared prefix, issue 21:
+  // prefix_batched.h FindSharedBlocks); empty, every sequence reads its own keys.
+  std::span<const int32_t> host_table;
 
   // The table entry where the keys starting at local row `kv_begin` begin: that of the last
-  // sequence that starts there (sequences with no rows share the next one's begin); -1 when no
-  // sequence starts there.
+  // sequence that starts at or before it (sequences with no rows share the next one's begin),
+  // plus the whole blocks between; -1 when kv_begin is before every sequence or not on a block
+  // boundary of the sequence it falls in.
   int64_t TableBegin(int64_t kv_begin) const;
   // InvalidArgument unless the geometry is positive, a row of `row_bytes` fits a block's
-  // stride, the spans match and ascend, and every slice with keys starts at a sequence.
+  // stride, the spans match and ascend, and every slice with keys starts at a sequence or a
+  // block boundary inside one.
   absl::Status Validate(int64_t row_bytes, const SequenceSlice* slices, int64_t num_slices) const;
 };
 

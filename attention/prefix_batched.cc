@@ -13,7 +13,72 @@ bool Overlap(int64_t a_begin, int64_t a_len, int64_t b_begin, int64_t b_len) {
   return a_len > 0 && b_len > 0 && a_begin < b_begin + b_len && b_begin < a_begin + a_len;
 }
 
+// Leading block ids two tables (from entries a and b) have in common, at most `limit`.
+int64_t CommonBlocks(std::span<const int32_t> table, int64_t a, int64_t b, int64_t limit) {
+  const auto first = table.begin() + a;
+  return std::mismatch(first, first + limit, table.begin() + b).first - first;
+}
+
 }  // namespace
+
+SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const SequenceSlice> slices,
+                                 const PagedKv& paged, const SharedBlockRule& rule) {
+  SharedBlockTree tree;
+  const int64_t group = shape.group_size();
+  const int64_t entries = static_cast<int64_t>(paged.host_table.size());
+  // Where a slice's blocks start in the table, and how many whole blocks of keys it has there
+  // (0: it can join no root).
+  auto blocks_of = [&](const SequenceSlice& s, int64_t* table_begin) -> int64_t {
+    *table_begin = paged.TableBegin(s.kv_begin);
+    if (entries == 0 || s.q_len == 0 || *table_begin < 0) return 0;
+    return std::min(s.kv_len / paged.block_tokens, entries - *table_begin);
+  };
+  size_t i = 0;
+  while (i < slices.size()) {
+    const SequenceSlice& head = slices[i];
+    int64_t head_table = 0;
+    int64_t common = blocks_of(head, &head_table);
+    size_t end = i + 1;
+    for (; common > 0 && end < slices.size(); ++end) {
+      const SequenceSlice& next = slices[end];
+      if ((next.q_begin + next.q_len - head.q_begin) * group > rule.max_root_rows) break;
+      // Members' rows ascend; rows between them see no key only under a causal mask (position
+      // -1 sees none).
+      const SequenceSlice& prev = slices[end - 1];
+      const int64_t prev_end = prev.q_begin + prev.q_len;
+      if (next.q_begin < prev_end || (!shape.causal && next.q_begin != prev_end)) break;
+      int64_t next_table = 0;
+      const int64_t next_blocks = blocks_of(next, &next_table);
+      const int64_t shared =
+          CommonBlocks(paged.host_table, head_table, next_table, std::min(common, next_blocks));
+      if (shared == 0) break;
+      common = shared;
+    }
+    const int64_t members = static_cast<int64_t>(end - i);
+    const int64_t rows = slices[end - 1].q_begin + slices[end - 1].q_len - head.q_begin;
+    const int64_t reads = (rows * group + rule.rows_per_read - 1) / rule.rows_per_read;
+    if (members < 2 || reads >= members) {
+      tree.first.push_back(head);
+      ++i;
+      continue;
+    }
+    const int64_t shared_rows = common * paged.block_tokens;
+    tree.first.push_back(
+        {.q_begin = head.q_begin, .q_len = rows, .kv_begin = head.kv_begin, .kv_len = shared_rows});
+    for (size_t m = i; m < end; ++m) {
+      const SequenceSlice& s = slices[m];
+      if (s.kv_len == shared_rows) continue;
+      tree.second.push_back({.q_begin = s.q_begin,
+                             .q_len = s.q_len,
+                             .kv_begin = s.kv_begin + shared_rows,
+                             .kv_len = s.kv_len - shared_rows});
+    }
+    tree.counts +=
+        {.roots = 1, .sequences = members, .key_rows_saved = (members - 1) * shared_rows};
+    i = end;
+  }
+  return tree;
+}
 
 absl::Status ValidateKvTree(const AttentionParams& p, KvTree levels) {
   CPFILL_CHECK_ARG(!levels.empty(), "a KV tree needs at least one level");

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <span>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "attention/attention.h"
@@ -40,5 +41,52 @@ absl::Status ValidateKvTree(const AttentionParams& p, KvTree levels);
 // sizes (unused with one level). CPU kernel (PartialAttentionCpu) per level, then MergeInto.
 absl::Status PrefixBatchedAttentionCpu(const AttentionParams& p, KvTree levels, float* o_part,
                                        float* lse_part, ThreadPool* pool);
+
+// Prefix-batched attention in a decode step (issue 21): the step's keys are a KV cache's blocks
+// (PagedKv with its host_table), and sequences forked from one prompt start with the same block
+// ids. A run of consecutive slices whose tables share leading blocks becomes one root slice over
+// the run's query rows (from its first row to its last: rows between that belong to no slice,
+// a pass-Q message's padding at position -1, see no key) against the shared rows, read once
+// through the first sequence's table; each member keeps its own rows after them.
+struct SharedBlockRule {
+  // Packed (query row x query heads of a KV head) rows one read of a key tile serves: a root
+  // pays when it reads the shared keys fewer times than its members would, each on its own
+  // (the CUDA decode kernel: an m16 tile).
+  int rows_per_read = 16;
+  // Packed rows under one root at most (the decode kernel's cost grows with them); a longer run
+  // is cut into several roots.
+  int max_root_rows = 128;
+};
+
+// What prefix batching did: roots run, the sequences under them, and the key rows read once for
+// several sequences instead of once each (summed over calls; one head).
+struct PrefixBatchCounts {
+  int64_t roots = 0;
+  int64_t sequences = 0;
+  int64_t key_rows_saved = 0;
+  PrefixBatchCounts& operator+=(const PrefixBatchCounts& o) {
+    roots += o.roots;
+    sequences += o.sequences;
+    key_rows_saved += o.key_rows_saved;
+    return *this;
+  }
+  PrefixBatchCounts operator-(const PrefixBatchCounts& o) const {
+    return {.roots = roots - o.roots,
+            .sequences = sequences - o.sequences,
+            .key_rows_saved = key_rows_saved - o.key_rows_saved};
+  }
+};
+
+// The call as two levels: `first` holds the roots and every slice under none, whole; `second`
+// the members' own rows (those with keys past the shared ones). No root (counts.roots == 0):
+// `first` is `slices` and `second` is empty. Run `first` as the call would have run, then merge
+// `second` into it. Slices must ascend by q_begin (a ring step's do); `paged` must hold its
+// host_table (else no root).
+struct SharedBlockTree {
+  std::vector<SequenceSlice> first, second;
+  PrefixBatchCounts counts;
+};
+SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const SequenceSlice> slices,
+                                 const PagedKv& paged, const SharedBlockRule& rule = {});
 
 }  // namespace cpfill::attention

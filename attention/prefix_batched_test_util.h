@@ -8,7 +8,10 @@
 //   ExpectOutputsMatch(shape, t.pb.q_tokens, o, lse, t.ref_o, t.ref_lse);
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <numeric>
+#include <random>
 #include <span>
 #include <vector>
 
@@ -114,6 +117,102 @@ inline TreeProblem MakeTreeProblem(const AttentionShape& shape, const TreeSpec& 
       q += s.queries;
     }
   }
+  return t;
+}
+
+// A decode step over a KV cache's blocks as a ring step sees it (FindSharedBlocks' input): one
+// query row per sequence every `q_stride` rows (the rows between are a pass-Q message's padding,
+// position -1, in no slice), each sequence's keys the same `shared_blocks` blocks of prefix rows
+// then `own_rows` of its own, in a shuffled block pool (NaN in every row no sequence holds). The
+// first `sharing` sequences hold the prefix in the same blocks (forks of one prompt); the others
+// in copies of their own (prefilled apart): same keys, different block ids.
+struct SharedBlocksSpec {
+  int block_tokens = 16;
+  int64_t shared_blocks = 3;
+  std::vector<int64_t> own_rows;  // one per sequence
+  int sharing = 0;
+  int64_t q_stride = 1;
+};
+
+struct SharedBlocksProblem {
+  Problem pb;  // the step's queries and positions; k/v each sequence's rows contiguous, at its
+               // kv_begin; slices one per sequence
+  std::vector<float> pool_k, pool_v;  // [blocks][block_tokens][kv_heads * head_dim]
+  std::vector<int32_t> table;
+  std::vector<int64_t> seq_kv_begin, seq_table_begin;
+  int block_tokens = 0;
+  std::vector<double> ref_o, ref_lse;
+
+  // The pool's view; `table_memory` holds `table` where the kernel reads it, and the host copy is
+  // given only when `batch` (FindSharedBlocks may group sequences).
+  PagedKv Paged(const int32_t* table_memory, int64_t elem_bytes, bool batch) const {
+    const int64_t row = int64_t{pb.shape.num_kv_heads} * pb.shape.head_dim;
+    return {.table = table_memory,
+            .block_tokens = block_tokens,
+            .block_stride_bytes = block_tokens * row * elem_bytes,
+            .seq_kv_begin = seq_kv_begin,
+            .seq_table_begin = seq_table_begin,
+            .host_table = batch ? std::span<const int32_t>(table) : std::span<const int32_t>()};
+  }
+};
+
+inline SharedBlocksProblem MakeSharedBlocksProblem(const AttentionShape& shape,
+                                                   const SharedBlocksSpec& spec, uint64_t seed,
+                                                   float (*round)(float) = nullptr) {
+  const int64_t bt = spec.block_tokens, n = static_cast<int64_t>(spec.own_rows.size());
+  const int64_t prefix = spec.shared_blocks * bt;
+  int64_t kv_tokens = 0;
+  for (int64_t own : spec.own_rows) kv_tokens += prefix + own;
+  SharedBlocksProblem t;
+  t.block_tokens = spec.block_tokens;
+  t.pb = MakeProblem(shape, n * spec.q_stride, kv_tokens, seed);
+  if (round != nullptr) {
+    for (std::vector<float>* x : {&t.pb.q, &t.pb.k, &t.pb.v}) {
+      for (float& e : *x) e = round(e);
+    }
+  }
+  const int64_t row = int64_t{shape.num_kv_heads} * shape.head_dim;
+  // The blocks: the shared prefix's once, then every sequence's own (and its prefix copy).
+  int64_t blocks = spec.shared_blocks + 2;  // two spare blocks nobody holds
+  for (int64_t i = 0; i < n; ++i) {
+    blocks += (i < spec.sharing ? 0 : spec.shared_blocks) + (spec.own_rows[i] + bt - 1) / bt;
+  }
+  std::vector<int32_t> ids(blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
+  t.pool_k.assign(blocks * bt * row, kNaN);
+  t.pool_v.assign(t.pool_k.size(), kNaN);
+  size_t next = 0;
+  const std::vector<int32_t> shared_ids(ids.begin(), ids.begin() + spec.shared_blocks);
+  next += spec.shared_blocks;
+  std::fill(t.pb.q_pos.begin(), t.pb.q_pos.end(), kPadPosition);
+  t.pb.slices.clear();
+  int64_t kv = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = prefix + spec.own_rows[i];
+    // The prefix's keys are the first sequence's rows: every sequence repeats them.
+    if (i > 0) {
+      std::copy_n(t.pb.k.begin(), prefix * row, t.pb.k.begin() + kv * row);
+      std::copy_n(t.pb.v.begin(), prefix * row, t.pb.v.begin() + kv * row);
+    }
+    for (int64_t r = 0; r < len; ++r) t.pb.k_pos[kv + r] = static_cast<int32_t>(r);
+    t.pb.q_pos[i * spec.q_stride] = static_cast<int32_t>(len);
+    t.pb.slices.push_back(
+        {.q_begin = i * spec.q_stride, .q_len = 1, .kv_begin = kv, .kv_len = len});
+    t.seq_kv_begin.push_back(kv);
+    t.seq_table_begin.push_back(static_cast<int64_t>(t.table.size()));
+    for (int64_t r = 0; r < len; r += bt) {
+      const bool shared = r < prefix && i < spec.sharing;
+      t.table.push_back(shared ? shared_ids[r / bt] : ids[next++]);
+      const int64_t rows = std::min(bt, len - r);
+      std::copy_n(t.pb.k.begin() + (kv + r) * row, rows * row,
+                  t.pool_k.begin() + t.table.back() * bt * row);
+      std::copy_n(t.pb.v.begin() + (kv + r) * row, rows * row,
+                  t.pool_v.begin() + t.table.back() * bt * row);
+    }
+    kv += len;
+  }
+  ReferenceAttention(t.pb.Params(), &t.ref_o, &t.ref_lse);
   return t;
 }
 

@@ -36,6 +36,9 @@ void AddEngineFlags(FlagSet& flags, EngineFlags* f) {
   flags.Bool("no-prefix-cache", &f->no_prefix_cache,
              "keep no prompt's KV for later requests that start the same way (the prefix cache "
              "is on by default)");
+  flags.Bool("no-prefix-batching", &f->no_prefix_batching,
+             "decode steps read a shared prompt's KV once per sequence instead of once for all "
+             "the sequences that share it (prefix-batched attention is on by default)");
   flags.String("backend", &f->backend, "auto | cpu | cuda (auto: cuda when every rank sees a GPU)");
   AddSelectorFlags(flags, &f->selector);
 }
@@ -59,6 +62,7 @@ runtime::PrefillOptions OptionsFrom(const EngineFlags& f, const SelectorChoice& 
   o.kv_memory_fraction =
       f.kv_capacity_tokens == 0 && f.kv_memory_fraction == 0 ? 0.5 : f.kv_memory_fraction;
   o.kv_block_tokens = f.kv_block_tokens;
+  o.prefix_batched_decode = !f.no_prefix_batching;
   o.threads = threads;
   return o;
 }

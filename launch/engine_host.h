@@ -34,6 +34,7 @@ struct EngineFlags {
   double kv_memory_fraction = 0;
   int kv_block_tokens = 64;
   bool no_prefix_cache = false;
+  bool no_prefix_batching = false;
   SelectorFlags selector;
 };
 

@@ -14,6 +14,7 @@
 #include "launch/commands.h"
 #include "launch/engine_host.h"
 #include "launch/flags.h"
+#include "launch/http_api.h"
 #include "launch/model_setup.h"
 #include "launch/prefill_check.h"
 #include "launch/session.h"
@@ -185,14 +186,7 @@ nlohmann::ordered_json Report(const GenerateFlags& f, const EngineHost& host,
                     {"ttft_ms", (r.queue_s + r.prefill_s) * 1e3},
                     {"tpot_ms", r.tpot_s() * 1e3},
                     {"decode_ms", r.decode_s * 1e3},
-                    {"decode_step_phases_ms",
-                     {{"model", r.decode_timings.total_s * 1e3},
-                      {"gemms", r.decode_timings.gemm_s * 1e3},
-                      {"attention_ring", r.decode_timings.attention_s * 1e3},
-                      {"all_reduce", r.decode_timings.allreduce_s * 1e3},
-                      {"kv_cache", r.decode_timings.kv_s * 1e3},
-                      {"lm_head", r.decode_timings.lm_head_s * 1e3},
-                      {"other", (r.decode_timings.other_s + r.decode_timings.embed_s) * 1e3}}},
+                    {"decode_step_phases_ms", DecodePhasesMs(r.decode_timings)},
                     {"preemptions", r.preemptions}});
   }
   return {{"command", "generate"},

@@ -156,6 +156,7 @@ nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
           {"batch_rings", t.rings},
           {"recomputed_session", r.recomputed},
           {"decode_ms", r.decode_s * 1e3},
+          {"decode_step_phases_ms", DecodePhasesMs(r.decode_timings)},
           {"tpot_ms", r.tpot_s() * 1e3},
           {"preemptions", r.preemptions}};
 }
@@ -288,6 +289,16 @@ absl::Status ParseGeneration(const nlohmann::json& v, CompletionRequest* r) {
 }
 
 }  // namespace
+
+nlohmann::ordered_json DecodePhasesMs(const runtime::PrefillTimings& d) {
+  return {{"model", d.total_s * 1e3},
+          {"gemms", d.gemm_s * 1e3},
+          {"attention_ring", d.attention_s * 1e3},
+          {"all_reduce", d.allreduce_s * 1e3},
+          {"kv_cache", d.kv_s * 1e3},
+          {"lm_head", d.lm_head_s * 1e3},
+          {"other", (d.other_s + d.embed_s) * 1e3}};
+}
 
 bool EndsSplit(std::string_view text) {
   constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
@@ -687,6 +698,10 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
   metric("cpfill:prefix_cache_evictions_total", "counter",
          "Prefix cache entries dropped (least recently used first).",
          {{"", double(engine.prefix_evictions)}});
+  metric("cpfill:prefix_batched_key_rows_total", "counter",
+         "KV rows a decode step read once for several sequences instead of once each, over "
+         "layers and ring steps (rank 0).",
+         {{"", double(engine.prefix_batched_key_rows)}});
   metric("cpfill:kv_cache_shared_blocks", "gauge",
          "Rank 0's KV blocks held by more than one sequence (shared prefixes).",
          {{"", double(engine.kv_blocks_shared)}});

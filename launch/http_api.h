@@ -84,6 +84,11 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
 // reason), usage (prompt and cached tokens once per prompt, completion tokens of every choice), the
 // echoed kv_transfer_params, and a "cpfill" object with each prompt's queue time, TTFT and its
 // phases, decode time and time per output token, and the selector's choice.
+// The model's share of a generation's decode steps, by phase, summed over its steps (ms): what
+// `cpfill generate --json` and the server's "cpfill" timing report; the decode time beyond
+// "model" is the engine's (sampling, scheduling).
+nlohmann::ordered_json DecodePhasesMs(const runtime::PrefillTimings& d);
+
 nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                           const std::vector<runtime::EngineResult>& results,
                                           const std::string& id, int64_t created,

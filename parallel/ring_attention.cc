@@ -90,17 +90,32 @@ absl::Status CpuRingOps::Attend(const RingStepArgs& a) {
                     .num_slices = static_cast<int64_t>(a.slices.size()),
                     .o = a.o,
                     .lse = a.lse};
-  if (a.paged_kv != nullptr) CPFILL_RETURN_IF_ERROR(GatherPaged(a, &p));
-  if (!a.fold_into_output) return attend_(p);
+  if (a.paged_kv == nullptr) return AttendSlices(p, a.slices, a.fold_into_output);
+  CPFILL_RETURN_IF_ERROR(GatherPaged(a, &p));
+  const attention::SharedBlockTree tree =
+      attention::FindSharedBlocks(a.shape, a.slices, *a.paged_kv);
+  if (tree.counts.roots == 0) return AttendSlices(p, a.slices, a.fold_into_output);
+  prefix_batch_counts_ += tree.counts;
+  CPFILL_RETURN_IF_ERROR(AttendSlices(p, tree.first, a.fold_into_output));
+  return AttendSlices(p, tree.second, /*fold=*/true);
+}
+
+absl::Status CpuRingOps::AttendSlices(AttentionParams p, std::span<const SequenceSlice> slices,
+                                      bool fold) {
+  p.slices = slices.data();
+  p.num_slices = static_cast<int64_t>(slices.size());
+  if (!fold) return attend_(p);
   // Merging an empty result changes nothing.
-  if (a.slices.empty()) return absl::OkStatus();
-  const size_t o_floats = static_cast<size_t>(a.q_tokens) * a.shape.num_heads * a.shape.head_dim;
-  const size_t bytes = (o_floats + static_cast<size_t>(a.q_tokens) * a.shape.num_heads) * 4;
+  if (slices.empty()) return absl::OkStatus();
+  const size_t o_floats = static_cast<size_t>(p.q_tokens) * p.shape.num_heads * p.shape.head_dim;
+  const size_t bytes = (o_floats + static_cast<size_t>(p.q_tokens) * p.shape.num_heads) * 4;
   if (step_out_.size() < bytes) step_out_.Resize(bytes);
+  float* o = p.o;
+  float* lse = p.lse;
   p.o = step_out_.As<float>(0);
   p.lse = p.o + o_floats;
   CPFILL_RETURN_IF_ERROR(attend_(p));
-  return attention::MergeInto(a.shape, a.q_tokens, a.o, a.lse, p.o, p.lse, pool_);
+  return attention::MergeInto(p.shape, p.q_tokens, o, lse, p.o, p.lse, pool_);
 }
 
 absl::Status CpuRingOps::GatherPaged(const RingStepArgs& a, AttentionParams* p) {

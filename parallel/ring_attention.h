@@ -37,6 +37,7 @@
 
 #include "absl/status/statusor.h"
 #include "attention/attention.h"
+#include "attention/prefix_batched.h"
 #include "base/host_buffer.h"
 #include "base/thread_pool.h"
 #include "parallel/communicator.h"
@@ -136,6 +137,13 @@ class RingOps {
   virtual void PushRange(const char* name) {}
   virtual void PopRange() {}
 
+  // Prefix batching so far (paged K/V whose sequences share leading blocks,
+  // attention/prefix_batched.h FindSharedBlocks): every backend's Attend does it.
+  const attention::PrefixBatchCounts& prefix_batch_counts() const { return prefix_batch_counts_; }
+
+ protected:
+  attention::PrefixBatchCounts prefix_batch_counts_;
+
  private:
   friend class RingAttention;
   std::array<const RingAttention*, kPositionSlots> positions_of_{};  // whose plan each slot holds
@@ -164,7 +172,8 @@ class CpuRingOps : public RingOps {
   absl::Status Copy(void* dst, const void* src, size_t bytes) override;
   absl::Status Fill(void* dst, uint8_t byte, size_t bytes) override;
   // fold_into_output: attention into a scratch block, then attention::MergeInto. Paged K/V:
-  // the slices' rows are copied out of their blocks first (the CPU kernel reads rows in order).
+  // the slices' rows are copied out of their blocks first (the CPU kernel reads rows in order),
+  // and sequences that share leading blocks attend to them as one root (FindSharedBlocks).
   absl::Status Attend(const RingStepArgs& args) override;
   absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
                      std::span<const attention::PartialView> parts, float* o, float* lse) override;
@@ -181,6 +190,9 @@ class CpuRingOps : public RingOps {
   std::vector<HostBuffer> buffers_;  // by slot
   // Paged K/V's rows for the CPU kernel, at their local rows (a step's slices only).
   absl::Status GatherPaged(const RingStepArgs& a, attention::AttentionParams* p);
+  // p over `slices`: into p.o / p.lse, or merged into them (`fold`).
+  absl::Status AttendSlices(attention::AttentionParams p,
+                            std::span<const attention::SequenceSlice> slices, bool fold);
 
   HostBuffer step_out_;           // a folded step's [O | LSE] before the merge
   HostBuffer paged_k_, paged_v_;  // GatherPaged's rows

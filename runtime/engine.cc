@@ -1,8 +1,11 @@
 #include "runtime/engine.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstring>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +38,13 @@ std::string PrefixEntryName(int64_t id) { return absl::StrCat("\x01pfx-", id); }
 // What the model refuses on every rank alike, changing nothing (the loop goes on).
 bool IsRefusal(const absl::Status& s) {
   return absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s) || absl::IsNotFound(s);
+}
+
+// Cores this process may run on: its affinity mask, else the machine's.
+int UsableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::thread::hardware_concurrency());
 }
 
 // Sums a step's phase times (and its total) into `into`.
@@ -251,7 +261,11 @@ Engine::Engine(LlamaModel& model, parallel::Communicator& world, EngineOptions o
       world_(world),
       options_(options),
       root_(world.rank() == 0),
-      prefix_(model.kv_cache().spec().block_tokens) {}
+      prefix_(model.kv_cache().spec().block_tokens) {
+  // Half the cores this rank may run on (mpirun binds a rank to one core unless told
+  // --bind-to none), at most 8: the HTTP threads need the rest.
+  if (root_) sampler_pool_ = std::make_unique<ThreadPool>(std::clamp(UsableCores() / 2, 1, 8));
+}
 
 Engine::~Engine() = default;
 
@@ -852,6 +866,7 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
     options_.on_batch(static_cast<int>(command.items.size()), timings.new_tokens,
                       timings.cached_tokens, parallel::AlgorithmsName(timings.algorithms), seconds);
   }
+  const std::vector<SampledToken> sampled = SampleAll(command, *outputs);
   for (size_t i = 0; i < command.items.size(); ++i) {
     std::unique_ptr<Pending> p = std::move(command.items[i]);
     SequenceOutput& out = (*outputs)[i];
@@ -890,7 +905,7 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
     }
     p->positions_left = model_.config().max_position_embeddings - p->cached - p->reused -
                         static_cast<int64_t>(command.batch[i].tokens.size());
-    const bool done = NextToken(*p, out.logits);
+    const bool done = NextToken(*p, sampled[i]);
     if (first) {
       r.first_token = r.tokens.front().id;
       r.logits = std::move(out.logits);
@@ -913,11 +928,14 @@ void Engine::AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceO
     return MakeRoomToDecode(command, outputs.status());
   }
   ++stats_.decode_steps;
+  const std::vector<SampledToken> sampled = SampleAll(command, *outputs);
+  stats_.prefix_batched_sequences += timings.prefix_batch.sequences;
+  stats_.prefix_batched_key_rows += timings.prefix_batch.key_rows_saved;
   for (size_t i = 0; i < command.items.size(); ++i) {
     std::unique_ptr<Pending> p = std::move(command.items[i]);
     --p->positions_left;  // the token this step fed
     AddPhases(timings, &p->result.decode_timings);
-    if (NextToken(*p, (*outputs)[i].logits)) {
+    if (NextToken(*p, sampled[i])) {
       Finish(std::move(p));
     } else {
       running_.push_back(std::move(p));
@@ -959,11 +977,22 @@ void Engine::MakeRoomToDecode(const Command& command, const absl::Status& why) {
   queue_.push_front(std::move(p));
 }
 
-bool Engine::NextToken(Pending& p, const std::vector<float>& logits) {
+std::vector<SampledToken> Engine::SampleAll(const Command& command,
+                                            const std::vector<SequenceOutput>& outputs) {
+  std::vector<SampledToken> sampled(command.items.size());
+  sampler_pool_->ParallelFor(static_cast<int64_t>(sampled.size()), [&](int64_t i) {
+    const Pending& p = *command.items[i];
+    // The draw of token k is a function of (seed, k) alone: the same on any thread.
+    sampled[i] = SampleToken(outputs[i].logits, p.request.sampling, p.result.tokens.size());
+  });
+  return sampled;
+}
+
+bool Engine::NextToken(Pending& p, const SampledToken& token) {
   EngineResult& r = p.result;
   const EngineRequest& q = p.request;
   const int index = static_cast<int>(r.tokens.size());
-  r.tokens.push_back(SampleToken(logits, q.sampling, static_cast<uint64_t>(index)));
+  r.tokens.push_back(token);
   ++stats_.generation_tokens;
   const int32_t id = r.tokens.back().id;
   const auto in = [id](const std::vector<int32_t>& ids) {

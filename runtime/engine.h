@@ -61,6 +61,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "base/thread_pool.h"
 #include "parallel/communicator.h"
 #include "runtime/kv_handle.h"
 #include "runtime/llama_model.h"
@@ -155,6 +156,10 @@ struct EngineStats {
   // sequence.
   int64_t prefix_queries = 0, prefix_hits = 0, prefix_hit_tokens = 0;
   int64_t prefix_entries = 0, prefix_tokens = 0, prefix_evictions = 0, kv_blocks_shared = 0;
+  // Prefix-batched decode on rank 0 (PrefillTimings::prefix_batch, summed over steps): the
+  // sequences whose queries met a shared prefix together, and the key rows read once for several
+  // sequences instead of once each (over layers and ring steps).
+  int64_t prefix_batched_sequences = 0, prefix_batched_key_rows = 0;
 };
 
 class KvHandoff;
@@ -237,8 +242,13 @@ class Engine {
                     const PrefillTimings& timings);
   void Requeue(Command& command, const absl::Status& why);
   void MakeRoomToDecode(const Command& command, const absl::Status& why);
-  // Rank 0, lock held: takes the next token of `p` from `logits`; true when `p` is finished.
-  bool NextToken(Pending& p, const std::vector<float>& logits);
+  // Rank 0: the next token of each item from its output's logits, drawn on sampler_pool_. With
+  // 256 samples over Llama 3's 128K logits the engine's share of a decode step was 250 ms on one
+  // core, 44 ms on 8 (an H100 host, bench/results/2026-11-26-h100x2-prefix-decode).
+  std::vector<SampledToken> SampleAll(const Command& command,
+                                      const std::vector<SequenceOutput>& outputs);
+  // Rank 0, lock held: `token` is the next of `p`; true when `p` is finished.
+  bool NextToken(Pending& p, const SampledToken& token);
   void Finish(std::unique_ptr<Pending> p);
   void Fail(Command& command, const absl::Status& status);
   void ReturnLeaseSlot(Pending& p);  // rank 0, lock held: a publish that never held
@@ -286,6 +296,7 @@ class Engine {
   bool shutdown_ = false;
   bool prefill_next_ = true;    // prefill batches and decode steps alternate when both are due
   bool prefill_waits_ = false;  // the KV cache is full of generations: prefill after one ends
+  std::unique_ptr<ThreadPool> sampler_pool_;  // rank 0: SampleAll's threads
   int64_t step_ = 0;            // decode steps so far: PlanDecode's moving offset
   int64_t next_id_ = 0;         // names the KV of generating requests without a session
   int solo_ = 0;  // next batches run one request at a time (after a batch failed as a whole)

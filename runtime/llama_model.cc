@@ -64,6 +64,7 @@ struct LlamaModel::Running {
   // local rows and table entries begin (attention::PagedKv).
   bool kv_in_place = false;
   Tensor block_table;
+  std::vector<int32_t> host_block_table;  // the same on the host: who shares which blocks
   std::vector<int64_t> seq_kv_begin, seq_table_begin;
 };
 
@@ -429,7 +430,10 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
 
   if (r.kv_in_place) CPFILL_RETURN_IF_ERROR(UploadBlockTables(r));
 
-  if (absl::Status s = EnqueueLayers(r, t, progress); !s.ok()) {
+  const attention::PrefixBatchCounts batched_before = be.ring_ops().prefix_batch_counts();
+  absl::Status enqueued = EnqueueLayers(r, t, progress);
+  t.prefix_batch = be.ring_ops().prefix_batch_counts() - batched_before;
+  if (absl::Status s = enqueued; !s.ok()) {
     // The layers before the failure are enqueued and may still write the KV blocks that the
     // caller's roll-back frees: wait for them (each wait has its deadline) before returning.
     r.ring->Finish().IgnoreError();
@@ -466,7 +470,7 @@ absl::Status LlamaModel::UploadBlockTables(Running& r) {
                         "the KV cache's elements must be the attention's to be read in place");
   const sharding::LocalLayout& layout = r.b.layout;
   const int64_t block_tokens = kv_->spec().block_tokens;
-  std::vector<int32_t> table;
+  std::vector<int32_t>& table = r.host_block_table;
   for (int s = 0; s < r.b.plan.num_sequences(); ++s) {
     if (layout.kv_len[s] == 0) continue;
     const std::span<const int32_t> blocks = kv_->BlockTable(r.seq[s]);
@@ -498,7 +502,10 @@ absl::Status LlamaModel::AttentionRing(int l, Running& r) {
                                  .block_tokens = kv_->spec().block_tokens,
                                  .block_stride_bytes = kv_->spec().block_bytes(),
                                  .seq_kv_begin = r.seq_kv_begin,
-                                 .seq_table_begin = r.seq_table_begin};
+                                 .seq_table_begin = r.seq_table_begin,
+                                 .host_table = options_.prefix_batched_decode
+                                                   ? std::span<const int32_t>(r.host_block_table)
+                                                   : std::span<const int32_t>()};
   if (r.kv_in_place) {
     k = kv_->BlockAddress(l, 0, 0);
     v = kv_->BlockAddress(l, 1, 0);
@@ -582,7 +589,9 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(const Running
   const auto t0 = Clock::now();
   const int64_t D = config_.hidden_size, V = config_.vocab_size / be.tp().size();
   const auto rows = LastPositionRows(r.b);
-  std::vector<float> logits(rows.size() * V);
+  // Kept between steps: a fresh buffer would fault in its pages on every decode step.
+  logits_host_.resize(std::max(logits_host_.size(), rows.size() * V));
+  const std::span<float> logits(logits_host_.data(), rows.size() * V);
   if (!rows.empty()) {
     const int64_t n = static_cast<int64_t>(rows.size());
     std::vector<int64_t> row_index;

@@ -157,6 +157,7 @@ class LlamaModel {
   PrefillOptions options_;
   std::unique_ptr<KvCache> kv_;
   std::map<std::string, Session> sessions_;
+  std::vector<float> logits_host_;  // LastLogits' download, kept between steps
   KvCache::SeqId next_seq_ = 1;
 };
 

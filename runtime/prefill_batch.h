@@ -7,10 +7,12 @@
 #include <deque>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "attention/prefix_batched.h"
 #include "parallel/communicator.h"
 #include "parallel/ring_plan.h"
 #include "parallel/selector.h"
@@ -42,6 +44,10 @@ struct PrefillOptions {
   int kv_block_tokens = 64;   // tokens per KV block (16..256)
   int threads = 1;            // kernel threads per rank (CPU backend)
   bool record_spans = false;  // PrefillTimings::spans: every phase of every layer (--trace)
+  // Decode steps batch the queries of sequences whose KV starts with the same blocks (forks of
+  // one prompt: n samples, a cached system prompt) against those blocks, read once (issue 21,
+  // attention/prefix_batched.h). Off: each sequence reads its own.
+  bool prefix_batched_decode = true;
 };
 
 struct PrefillTimings {
@@ -55,6 +61,9 @@ struct PrefillTimings {
   std::vector<parallel::RingAlgorithm> algorithms;
   int rings = 1;  // fused rings per layer: one per algorithm that ran
   int64_t new_tokens = 0, cached_tokens = 0;
+  // This rank's prefix batching in the step (PrefillOptions::prefix_batched_decode), summed
+  // over layers and ring steps.
+  attention::PrefixBatchCounts prefix_batch;
   double model_flops = 0;  // 2 * params * tokens + causal attention FLOPs (whole batch)
   // With PrefillOptions::record_spans: this rank's timeline, "embedding", then per layer "layer
   // L <phase>" (norms, GEMMs, RoPE, KV cache, attention ring on lane "compute"; the TP
@@ -100,7 +109,7 @@ std::vector<std::pair<int, int64_t>> LastPositionRows(const BatchPlan& b);
 // `logits` holds, for each entry of `rows`, this TP rank's vocabulary slice (vocab / tp values).
 absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
     const ModelConfig& config, int num_sequences, const std::vector<std::pair<int, int64_t>>& rows,
-    const std::vector<float>& logits, int tp_rank, int tp_size, parallel::Communicator& world);
+    std::span<const float> logits, int tp_rank, int tp_size, parallel::Communicator& world);
 
 // Fills `t`'s token totals, the selector's decisions (on this rank's heads) for the batch as one
 // and for each sequence alone, the algorithm each sequence runs, and the model FLOPs. Each

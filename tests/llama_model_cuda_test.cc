@@ -1,14 +1,16 @@
 // The whole model on the CUDA backend against the fp32 CPU model on one rank: a two-turn session
 // (its KV kept in the device KvCache, the second turn a partial prefill on top) and a request
-// without a session in one batch; the KV blocks follow the sessions. Skips without a GPU. Run
-// under mpirun with one rank per GPU.
+// without a session in one batch; the KV blocks follow the sessions; forks of one prompt decoded
+// together (prefix-batched). Skips without a GPU. Run under mpirun with one rank per GPU.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "base/status.h"
 #include "gtest/gtest.h"
 #include "parallel/cuda/nccl_communicator.h"
 #include "parallel/grid.h"
@@ -60,25 +62,41 @@ std::string CompareBf16(const std::vector<runtime::SequenceOutput>& gpu,
   return "";
 }
 
+// The tiny model on the CUDA backend, TP1 x CP over every rank, its KV cache of `capacity`
+// tokens in blocks of 32; the weights stay for a CPU reference. The model is declared last, so
+// it goes before the communicators it uses.
+struct GpuModel {
+  runtime::ModelConfig config;
+  parallel::ProcessGrid grid;
+  parallel::NcclGrid nccl;
+  runtime::ModelWeights weights;
+  std::unique_ptr<runtime::LlamaModel> model;
+};
+absl::StatusOr<std::unique_ptr<GpuModel>> MakeGpuModel(int64_t capacity) {
+  auto& mpi = testing::Mpi();
+  auto g = std::make_unique<GpuModel>();
+  CPFILL_ASSIGN_OR_RETURN(g->config, runtime::LoadModelConfig("tiny"));
+  CPFILL_ASSIGN_OR_RETURN(g->grid, parallel::CreateProcessGrid(mpi, {.tp = 1}));
+  CPFILL_ASSIGN_OR_RETURN(g->nccl, parallel::CreateNcclGrid(g->grid, mpi.options()));
+  CPFILL_ASSIGN_OR_RETURN(g->weights, runtime::SyntheticWeights(g->config, 7, 0, 1));
+  CPFILL_ASSIGN_OR_RETURN(auto backend,
+                          runtime::cuda::MakeCudaBackend(g->config, g->weights, g->nccl));
+  runtime::PrefillOptions options;
+  options.kv_capacity_tokens = capacity;
+  options.kv_block_tokens = 32;
+  CPFILL_ASSIGN_OR_RETURN(g->model, runtime::LlamaModel::Create(g->config, std::move(backend),
+                                                                *g->grid.world, options));
+  return g;
+}
+
 TEST(LlamaCuda, TwoTurnSessionEqualsOneFullPrefillOnTheCpu) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device for every rank";
-  auto& mpi = testing::Mpi();
-  auto c = runtime::LoadModelConfig("tiny");
-  ASSERT_TRUE(c.ok());
-  auto grid = parallel::CreateProcessGrid(mpi, {.tp = 1});
-  ASSERT_TRUE(grid.ok()) << grid.status();
-  auto nccl = parallel::CreateNcclGrid(*grid, mpi.options());
-  ASSERT_TRUE(nccl.ok()) << nccl.status();
-  auto w = runtime::SyntheticWeights(*c, 7, 0, 1);
-  ASSERT_TRUE(w.ok());
-  auto backend = runtime::cuda::MakeCudaBackend(*c, *w, *nccl);
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  runtime::PrefillOptions options;
-  options.kv_capacity_tokens = 2048;
-  options.kv_block_tokens = 32;
-  auto model = runtime::LlamaModel::Create(*c, std::move(*backend), *grid->world, options);
-  ASSERT_TRUE(model.ok()) << model.status();
-  runtime::LlamaModel& m = **model;
+  auto made = MakeGpuModel(2048);
+  ASSERT_TRUE(made.ok()) << made.status();
+  const runtime::ModelConfig* c = &(*made)->config;
+  const parallel::ProcessGrid* grid = &(*made)->grid;
+  runtime::ModelWeights* w = &(*made)->weights;
+  runtime::LlamaModel& m = *(*made)->model;
 
   const std::vector<int32_t> whole = Prompt(377, c->vocab_size, 9);
   const std::vector<int32_t> first(whole.begin(), whole.begin() + 300),
@@ -101,6 +119,62 @@ TEST(LlamaCuda, TwoTurnSessionEqualsOneFullPrefillOnTheCpu) {
     auto want = (*ref)->Prefill({{.tokens = whole}, {.tokens = other}}, nullptr, nullptr);
     EXPECT_TRUE(want.ok()) << want.status();
     if (want.ok()) error = CompareBf16(*turn2, *want);
+  }
+  auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << error;
+}
+
+// Forks of one prompt decoded together on the GPU (n samples, issue 21): the decode kernel reads
+// the shared blocks once for all of them (prefix-batched), and each step equals the CPU model's
+// prefill of every whole sequence. On one GPU and on CP2.
+TEST(LlamaCuda, ForksDecodedTogetherEqualTheCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device for every rank";
+  auto made = MakeGpuModel(4096);
+  ASSERT_TRUE(made.ok()) << made.status();
+  const runtime::ModelConfig* c = &(*made)->config;
+  const parallel::ProcessGrid* grid = &(*made)->grid;
+  runtime::ModelWeights* w = &(*made)->weights;
+  runtime::LlamaModel& m = *(*made)->model;
+
+  constexpr int kForks = 8, kSteps = 2;
+  const std::vector<int32_t> doc = Prompt(400, c->vocab_size, 11);
+  auto out = m.Prefill({{.tokens = doc, .session = "doc"}}, nullptr, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::vector<std::vector<int32_t>> seqs(kForks, doc);
+  int32_t next[kForks] = {};
+  for (int i = 0; i < kForks; ++i) {
+    ASSERT_TRUE(m.ForkSession("doc", "f" + std::to_string(i), 400).ok());
+    if (grid->world_rank == 0) next[i] = ((*out)[0].first_token + i) % c->vocab_size;
+  }
+  int64_t batched = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    ASSERT_TRUE(grid->world->Broadcast(next, sizeof(next), 0).ok());
+    std::vector<PrefillRequest> batch;
+    for (int i = 0; i < kForks; ++i) {
+      seqs[i].push_back(next[i]);
+      batch.push_back({.tokens = {next[i]}, .session = "f" + std::to_string(i)});
+    }
+    runtime::PrefillTimings t;
+    out = m.Decode(batch, step, &t);
+    ASSERT_TRUE(out.ok()) << out.status();
+    batched += t.prefix_batch.sequences;
+    if (grid->world_rank == 0) {
+      for (int i = 0; i < kForks; ++i) next[i] = (*out)[i].first_token;
+    }
+  }
+  std::string error = batched > 0 ? "" : "no decode step batched the forks";
+  if (grid->world_rank == 0 && error.empty()) {
+    parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
+    runtime::PrefillOptions ref_options;
+    ref_options.threads = 0;
+    auto ref = runtime::cpu::CreateCpuModel(*c, std::move(*w), tp, cp, world, ref_options);
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    std::vector<PrefillRequest> whole;
+    for (const auto& s : seqs) whole.push_back({.tokens = s});
+    auto want = (*ref)->Prefill(whole, nullptr, nullptr);
+    EXPECT_TRUE(want.ok()) << want.status();
+    if (want.ok()) error = CompareBf16(*out, *want);
   }
   auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
   ASSERT_TRUE(agreed.ok());

@@ -380,6 +380,64 @@ TEST(LlamaModel, DecodeStepsEqualOneRankPrefillOfTheWholeSequence) {
   EXPECT_EQ(m.kv_tokens_held(), held);
 }
 
+// Forks of one prompt decoded together (n samples): on every rank their queries meet the
+// prompt's shared blocks as one root (prefix-batched decode, issue 21), and every step equals one
+// rank's prefill of each whole sequence; with prefix batching off nothing is batched and the
+// results are the same.
+TEST(LlamaModel, DecodeOfForksBatchesTheirSharedPrompt) {
+  const runtime::ModelConfig c = Tiny();
+  constexpr int kForks = 6, kSteps = 4;
+  for (bool batched : {true, false}) {
+    SCOPED_TRACE(batched ? "prefix-batched" : "per sequence");
+    runtime::PrefillOptions options;
+    options.kv_block_tokens = 16;
+    options.kv_capacity_tokens = 4096;
+    options.prefix_batched_decode = batched;
+    auto made = MakeCpModel(options);
+    ASSERT_TRUE(made.ok()) << made.status();
+    const parallel::ProcessGrid& grid = made->grid;
+    runtime::LlamaModel& m = *made->model;
+    const std::vector<int32_t> doc = Prompt(300, c.vocab_size, 31);
+    auto out = m.Prefill({{.tokens = doc, .session = "doc"}}, nullptr, nullptr);
+    ASSERT_TRUE(out.ok()) << out.status();
+    std::vector<std::vector<int32_t>> seqs(kForks, doc);
+    int32_t next[kForks];
+    for (int i = 0; i < kForks; ++i) {
+      ASSERT_TRUE(m.ForkSession("doc", "f" + std::to_string(i), 300).ok());
+      // Each fork samples a different first token, so their own rows differ.
+      if (grid.world_rank == 0) next[i] = ((*out)[0].first_token + i) % c.vocab_size;
+    }
+    std::string error;
+    // Every rank runs every step (a collective), whatever it found.
+    for (int step = 0; step < kSteps; ++step) {
+      ASSERT_TRUE(grid.world->Broadcast(next, sizeof(next), 0).ok());
+      std::vector<PrefillRequest> batch;
+      for (int i = 0; i < kForks; ++i) {
+        seqs[i].push_back(next[i]);
+        batch.push_back({.tokens = {next[i]}, .session = "f" + std::to_string(i)});
+      }
+      runtime::PrefillTimings t;
+      out = m.Decode(batch, step, &t);
+      ASSERT_TRUE(out.ok()) << out.status();
+      if (error.empty() && (batched ? t.prefix_batch.sequences == 0 : t.prefix_batch.roots != 0)) {
+        error = "step " + std::to_string(step) + ": " + std::to_string(t.prefix_batch.roots) +
+                " roots on world rank " + std::to_string(grid.world_rank);
+      }
+      if (grid.world_rank == 0) {
+        std::vector<PrefillRequest> whole;
+        for (const auto& s : seqs) whole.push_back({.tokens = s});
+        const std::string differs = Compare(*out, OneRank(c, {whole}));
+        if (error.empty() && !differs.empty())
+          error = "step " + std::to_string(step) + ": " + differs;
+        for (int i = 0; i < kForks; ++i) next[i] = (*out)[i].first_token;
+      }
+    }
+    auto agreed = parallel::AllRanksOk(*grid.world, error.empty());
+    ASSERT_TRUE(agreed.ok());
+    EXPECT_TRUE(*agreed) << grid.Describe() << ": " << error;
+  }
+}
+
 // --- The KV hand-off: a session's handle from its sharded KV ---------------------------------
 
 // Every rank's whole KV pool (fp32 on the CPU backend, small for the tiny model) on every rank,

@@ -214,6 +214,10 @@ def check_prefix_cache(cpfill, port, tmp, generations):
         fail(f"n 4: usage {r['usage']}")
     if metric(port, "cpfill:prefix_cache_hits_total") < 2:
         fail("prefix cache hits not counted")
+    # The 4 choices' decode steps read the prompt's whole shared blocks (64 rows; 2 on each CP
+    # rank once the prompt has 256 tokens) once for all of them.
+    if len(prompt) >= 256 and metric(port, "cpfill:prefix_batched_key_rows_total") <= 0:
+        fail("n 4: no decode step batched the choices over their shared prompt")
     metric(port, "cpfill:kv_cache_shared_blocks")
 
 

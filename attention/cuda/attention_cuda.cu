@@ -230,12 +230,6 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
         "addresses modulo 16: ",
         reinterpret_cast<uintptr_t>(a.q) % 16, ", ", reinterpret_cast<uintptr_t>(a.k) % 16, ", ",
         reinterpret_cast<uintptr_t>(a.v) % 16, ")");
-    for (int64_t i = 0; i < a.num_slices; ++i) {
-      CPFILL_CHECK_ARG(a.slices[i].q_len <= internal::kMaxDecodeQueryRows,
-                       "CUDA attention: paged K/V is read by the decode kernel only, at most ",
-                       internal::kMaxDecodeQueryRows, " query rows per slice; slice ", i, " has ",
-                       a.slices[i].q_len);
-    }
   }
   const size_t need = AttentionWorkspaceBytes(a);
   CPFILL_CHECK_ARG(workspace_bytes >= need && (need == 0 || workspace != nullptr),

@@ -54,8 +54,8 @@ struct CudaAttentionArgs {
   // ends and the exchange could not start (measured: CP4 over sockets 46 ms instead of 32).
   bool communication_in_flight = false;
   // Set: k/v are a KV cache's block pools, read in place through this table (attention.h);
-  // only the decode kernel reads them, so every slice must hold at most
-  // internal::kMaxDecodeQueryRows query rows (InvalidArgument otherwise).
+  // only the decode kernel reads them (any rows per slice; it reads a slice's keys once per m16
+  // tile of packed rows, so many rows per slice cost many reads).
   const PagedKv* paged = nullptr;
 };
 

@@ -272,4 +272,22 @@ absl::Status PrefixBatchedAttentionCuda(const CudaAttentionArgs& args, KvTree le
   return absl::OkStatus();
 }
 
+size_t SharedBlocksWorkspaceBytes(const CudaAttentionArgs& args, const SharedBlockTree& tree) {
+  return std::max(
+      AttentionWorkspaceBytes(LevelArgs(args, tree.first, args.output)),
+      AttentionWorkspaceBytes(LevelArgs(args, tree.second, OutputMode::kMergeIntoFloat32)));
+}
+
+absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const SharedBlockTree& tree,
+                                       void* workspace, size_t workspace_bytes,
+                                       cudaStream_t stream) {
+  CPFILL_CHECK_ARG(args.output != OutputMode::kBfloat16,
+                   "prefix-batched attention merges its levels in fp32: no bf16 output");
+  CPFILL_RETURN_IF_ERROR(PartialAttentionCuda(LevelArgs(args, tree.first, args.output), workspace,
+                                              workspace_bytes, stream));
+  if (tree.second.empty()) return absl::OkStatus();
+  return PartialAttentionCuda(LevelArgs(args, tree.second, OutputMode::kMergeIntoFloat32),
+                              workspace, workspace_bytes, stream);
+}
+
 }  // namespace cpfill::attention::cuda

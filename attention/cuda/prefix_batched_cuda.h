@@ -33,4 +33,13 @@ absl::Status PrefixBatchedAttentionCuda(const CudaAttentionArgs& args, KvTree le
                                         void* workspace, size_t workspace_bytes,
                                         cudaStream_t stream);
 
+// A paged decode step as FindSharedBlocks' two levels (prefix_batched.h): tree.first in
+// args.output's mode (kFloat32 or kMergeIntoFloat32: the ring's fresh or folded step), then
+// tree.second merged into it; both on the decode kernel, the only reader of paged K/V.
+// args.slices are ignored. InvalidArgument as PartialAttentionCuda, or for a bf16 output.
+size_t SharedBlocksWorkspaceBytes(const CudaAttentionArgs& args, const SharedBlockTree& tree);
+absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const SharedBlockTree& tree,
+                                       void* workspace, size_t workspace_bytes,
+                                       cudaStream_t stream);
+
 }  // namespace cpfill::attention::cuda

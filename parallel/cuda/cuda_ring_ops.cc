@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "attention/cuda/attention_cuda.h"
+#include "attention/cuda/prefix_batched_cuda.h"
 #include "base/status.h"
 
 namespace cpfill::parallel {
@@ -89,6 +90,18 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
       .lse = a.lse,
       .communication_in_flight = a.communication_in_flight,
       .paged = a.paged_kv};
+  if (a.paged_kv == nullptr) return Launch(args);
+  const attention::SharedBlockTree tree =
+      attention::FindSharedBlocks(a.shape, a.slices, *a.paged_kv);
+  if (tree.counts.roots == 0) return Launch(args);
+  prefix_batch_counts_ += tree.counts;
+  CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
+      std::max(kMinBytes, attention::cuda::SharedBlocksWorkspaceBytes(args, tree))));
+  return attention::cuda::SharedBlocksAttentionCuda(args, tree, workspace_.As<void>(),
+                                                    workspace_.capacity(), stream_);
+}
+
+absl::Status CudaRingOps::Launch(const CudaAttentionArgs& args) {
   // Sized on the first run of a plan; later runs find it large enough.
   CPFILL_RETURN_IF_ERROR(
       workspace_.Reserve(std::max(kMinBytes, attention::cuda::AttentionWorkspaceBytes(args))));

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "attention/cuda/attention_cuda.h"
 #include "parallel/cuda/device_buffer.h"
 #include "parallel/cuda/nccl_communicator.h"
 #include "parallel/ring_attention.h"
@@ -52,6 +53,8 @@ class CudaRingOps : public RingOps {
   absl::Status Copy(void* dst, const void* src, size_t bytes) override;
   absl::Status Fill(void* dst, uint8_t byte, size_t bytes) override;
   // The kernel, growing its workspace first if too small (the first run of a larger plan).
+  // Paged K/V whose sequences share leading blocks: two launches, the roots (and the slices
+  // under none) then the members' own rows merged in (prefix_batched_cuda.h).
   absl::Status Attend(const RingStepArgs& args) override;
   absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
                      std::span<const attention::PartialView> parts, float* o, float* lse) override;
@@ -67,6 +70,8 @@ class CudaRingOps : public RingOps {
 
  private:
   CudaRingOps(NcclCommunicator& cp, cudaStream_t stream) : cp_(cp), stream_(stream) {}
+  // One kernel call over args.slices, its workspace grown first.
+  absl::Status Launch(const attention::cuda::CudaAttentionArgs& args);
 
   NcclCommunicator& cp_;
   cudaStream_t stream_;
