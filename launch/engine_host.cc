@@ -36,6 +36,9 @@ void AddEngineFlags(FlagSet& flags, EngineFlags* f) {
   flags.Bool("no-prefix-cache", &f->no_prefix_cache,
              "keep no prompt's KV for later requests that start the same way (the prefix cache "
              "is on by default)");
+  flags.Bool("batch-invariant", &f->batch_invariant,
+             "CPU backend: every token's logits independent of its batch, bit for bit (a prompt "
+             "after a cached prefix equals it prefilled whole, on one rank); slow, for checks");
   flags.Bool("no-prefix-batching", &f->no_prefix_batching,
              "decode steps read a shared prompt's KV once per sequence instead of once for all "
              "the sequences that share it (prefix-batched attention is on by default)");
@@ -55,6 +58,13 @@ absl::StatusOr<runtime::ModelConfig> ModelFor(const EngineFlags& f, int tp_size)
   return config;
 }
 
+absl::Status CheckBatchInvariant(const EngineFlags& f, const std::string& backend) {
+  CPFILL_CHECK_ARG(!(f.batch_invariant && backend == "cuda"),
+                   "--batch-invariant: the CUDA backend's kernels are not batch-invariant (use "
+                   "--backend cpu)");
+  return absl::OkStatus();
+}
+
 runtime::PrefillOptions OptionsFrom(const EngineFlags& f, const SelectorChoice& choice,
                                     int threads) {
   runtime::PrefillOptions o = ModelOptions(choice);
@@ -63,6 +73,7 @@ runtime::PrefillOptions OptionsFrom(const EngineFlags& f, const SelectorChoice& 
       f.kv_capacity_tokens == 0 && f.kv_memory_fraction == 0 ? 0.5 : f.kv_memory_fraction;
   o.kv_block_tokens = f.kv_block_tokens;
   o.prefix_batched_decode = !f.no_prefix_batching;
+  o.batch_invariant = f.batch_invariant;
   o.threads = threads;
   return o;
 }
@@ -88,8 +99,11 @@ absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f
                                                             const parallel::ProcessGrid& grid,
                                                             runtime::EngineOptions options) {
   auto host = std::make_unique<EngineHost>();
+  // Named cuda: refused before the GPUs are looked for; auto: once it is resolved.
+  CPFILL_RETURN_IF_ERROR(CheckBatchInvariant(f, f.backend));
   CPFILL_ASSIGN_OR_RETURN(host->backend,
                           ResolveBackendName(f.backend, {"cpu", "cuda"}, *grid.world));
+  CPFILL_RETURN_IF_ERROR(CheckBatchInvariant(f, host->backend));
   CPFILL_ASSIGN_OR_RETURN(host->config, ModelFor(f, grid.tp_size));
   CPFILL_ASSIGN_OR_RETURN(host->tokenizer, TokenizerFor(f, host->config));
   CPFILL_ASSIGN_OR_RETURN(SelectorChoice choice,

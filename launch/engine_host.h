@@ -35,6 +35,7 @@ struct EngineFlags {
   int kv_block_tokens = 64;
   bool no_prefix_cache = false;
   bool no_prefix_batching = false;
+  bool batch_invariant = false;
   SelectorFlags selector;
 };
 

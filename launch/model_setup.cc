@@ -132,8 +132,9 @@ absl::StatusOr<LoadedModel> BuildModel(const runtime::ModelConfig& config,
   } else {
     CPFILL_CHECK_ARG(backend == "cpu", "--backend: unknown backend '", backend,
                      "' (resolve auto first: cpu or cuda)");
-    CPFILL_ASSIGN_OR_RETURN(be, runtime::cpu::MakeCpuBackend(config, std::move(weights), *grid.tp,
-                                                             *grid.cp, options.threads));
+    CPFILL_ASSIGN_OR_RETURN(
+        be, runtime::cpu::MakeCpuBackend(config, std::move(weights), *grid.tp, *grid.cp,
+                                         options.threads, options.batch_invariant));
   }
   CPFILL_ASSIGN_OR_RETURN(m.model,
                           runtime::LlamaModel::Create(config, std::move(be), *grid.world, options));

@@ -498,14 +498,15 @@ absl::Status LlamaModel::AttentionRing(int l, Running& r) {
   parallel::RunOptions run{.wait = false};
   const void* k = r.k_all.data;
   const void* v = r.v_all.data;
-  const attention::PagedKv paged{.table = r.block_table.As<int32_t>(),
-                                 .block_tokens = kv_->spec().block_tokens,
-                                 .block_stride_bytes = kv_->spec().block_bytes(),
-                                 .seq_kv_begin = r.seq_kv_begin,
-                                 .seq_table_begin = r.seq_table_begin,
-                                 .host_table = options_.prefix_batched_decode
-                                                   ? std::span<const int32_t>(r.host_block_table)
-                                                   : std::span<const int32_t>()};
+  const attention::PagedKv paged{
+      .table = r.block_table.As<int32_t>(),
+      .block_tokens = kv_->spec().block_tokens,
+      .block_stride_bytes = kv_->spec().block_bytes(),
+      .seq_kv_begin = r.seq_kv_begin,
+      .seq_table_begin = r.seq_table_begin,
+      .host_table = options_.prefix_batched_decode && !options_.batch_invariant
+                        ? std::span<const int32_t>(r.host_block_table)
+                        : std::span<const int32_t>()};
   if (r.kv_in_place) {
     k = kv_->BlockAddress(l, 0, 0);
     v = kv_->BlockAddress(l, 1, 0);

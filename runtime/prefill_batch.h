@@ -48,6 +48,11 @@ struct PrefillOptions {
   // one prompt: n samples, a cached system prompt) against those blocks, read once (issue 21,
   // attention/prefix_batched.h). Off: each sequence reads its own.
   bool prefix_batched_decode = true;
+  // Every token's result independent of the batch it runs in, bit for bit (CPU backend only): a
+  // prompt after a cached prefix gives the logits of the same prompt prefilled whole, on one rank
+  // (CP rings merge partials in an order the layout decides). GEMMs run a row at a time and
+  // decode reads no shared prefix as a root (its merge rounds differently). Slow: for checks.
+  bool batch_invariant = false;
 };
 
 struct PrefillTimings {

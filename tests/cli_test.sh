@@ -473,6 +473,8 @@ generate_bad_input)
     --backend cpu --text hello
   expect_exit 2 'max-tokens' -- mpi 2 "$cpfill" generate --model tiny --backend cpu \
     --prompt-lens 5 --max-tokens 0
+  expect_exit 2 'batch-invariant: the CUDA backend' -- mpi 2 "$cpfill" generate --model tiny \
+    --backend cuda --prompt-lens 5 --batch-invariant
   ;;
 prefill_matches_hf_reference)
   # A Hugging Face checkpoint directory (written by `cpfill export`), prefilled with TP2 x CP2

@@ -6,6 +6,7 @@
 // from a cached system prompt and continue their own KV; a full KV cache evicts entries first and
 // every answer stays right; --no-prefix-cache reuses nothing. Run by CTest under mpirun.
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -129,6 +130,40 @@ TEST(EnginePrefix, QuestionsAboutOneDocumentReuseItsKv) {
     }
   }
   ExpectAgreed(rig, error);
+}
+
+// With batch-invariant GEMMs (PrefillOptions::batch_invariant) on one rank, a question after the
+// cached document gives the logits of the same prompt prefilled whole, bit for bit, and so do
+// greedy generations decoded beside other sequences.
+TEST(EnginePrefix, BatchInvariantReuseIsBitExactOnOneRank) {
+  if (testing::Mpi().world_size() != 1) GTEST_SKIP() << "bit-exact on one rank only";
+  const runtime::ModelConfig c = Tiny();
+  const std::vector<int32_t> doc = Prompt(300, c.vocab_size, 1);
+  std::vector<std::vector<EngineRequest>> waves = {
+      {{.tokens = Join(doc, Prompt(9, c.vocab_size, 2)), .max_tokens = 3}}, {}};
+  for (int q = 0; q < 4; ++q) {
+    waves[1].push_back(
+        {.tokens = Join(doc, Prompt(3 + 7 * q, c.vocab_size, 10 + q)), .max_tokens = 3});
+  }
+  std::vector<absl::StatusOr<EngineResult>> with, without;
+  runtime::PrefillOptions options = Options(4096);
+  options.batch_invariant = true;
+  for (const bool cache : {true, false}) {
+    Rig rig = MakeRig(c, options);
+    Engine engine(*rig.model, *rig.grid->world, {.prefix_cache = cache});
+    ASSERT_TRUE(RunWith(engine, true, [&] { (cache ? with : without) = Ask(engine, waves); }).ok());
+  }
+  for (size_t i = 0; i < with.size(); ++i) {
+    ASSERT_TRUE(with[i].ok() && without[i].ok()) << "request " << i;
+    EXPECT_EQ(with[i]->cached_tokens > 0, i > 0) << "request " << i;
+    EXPECT_EQ(without[i]->cached_tokens, 0) << "request " << i;
+    const std::vector<float>& a = with[i]->logits;
+    const std::vector<float>& b = without[i]->logits;
+    ASSERT_EQ(a.size(), b.size());
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+        << "request " << i << ": the first token's logits differ";
+    EXPECT_EQ(with[i]->token_ids(), without[i]->token_ids()) << "request " << i;
+  }
 }
 
 // Prompts submitted together that share a prefix the cache does not hold: the first prefills

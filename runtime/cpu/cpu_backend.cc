@@ -25,8 +25,9 @@ Tensor Wrap(std::vector<float>& v, int64_t rows, int64_t cols) {
 class CpuBackend : public ModelBackend {
  public:
   CpuBackend(const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
-             parallel::Communicator& cp, int threads)
-      : weights_(std::move(weights)),
+             parallel::Communicator& cp, int threads, bool batch_invariant)
+      : batch_invariant_(batch_invariant),
+        weights_(std::move(weights)),
         tp_(tp),
         cp_(cp),
         pool_(threads),
@@ -74,7 +75,11 @@ class CpuBackend : public ModelBackend {
     return absl::OkStatus();
   }
   absl::Status Linear(const Tensor& x, const Tensor& w, Tensor* y) override {
-    cpu::Linear(x.As<float>(), x.rows, x.cols, w.As<float>(), w.rows, y->As<float>());
+    if (batch_invariant_ && x.cols > 0) {
+      cpu::LinearPerRow(x.As<float>(), x.rows, x.cols, w.As<float>(), w.rows, y->As<float>());
+    } else {
+      cpu::Linear(x.As<float>(), x.rows, x.cols, w.As<float>(), w.rows, y->As<float>());
+    }
     return absl::OkStatus();
   }
   absl::Status Rope(const Tensor& positions, int heads, Tensor* x) override {
@@ -151,6 +156,7 @@ class CpuBackend : public ModelBackend {
     tensors_.lm_head = Wrap(weights_.lm_head, V, D);
   }
 
+  bool batch_invariant_;  // Linear one row at a time (PrefillOptions::batch_invariant)
   ModelWeights weights_;
   ModelTensors tensors_;
   parallel::Communicator& tp_;
@@ -170,21 +176,22 @@ absl::StatusOr<std::unique_ptr<ModelBackend>> MakeCpuBackend(const ModelConfig& 
                                                              ModelWeights weights,
                                                              parallel::Communicator& tp,
                                                              parallel::Communicator& cp,
-                                                             int threads) {
+                                                             int threads, bool batch_invariant) {
   CPFILL_RETURN_IF_ERROR(config.ValidateForTp(tp.size()));
   CPFILL_CHECK_ARG(weights.tp_size == tp.size() && weights.tp_rank == tp.rank(),
                    "weights are TP slice ", weights.tp_rank, " of ", weights.tp_size,
                    ", this rank is TP rank ", tp.rank(), " of ", tp.size());
   CPFILL_CHECK_ARG(static_cast<int>(weights.layers.size()) == config.num_layers, "weights have ",
                    weights.layers.size(), " layers, the config ", config.num_layers);
-  return std::unique_ptr<ModelBackend>(new CpuBackend(config, std::move(weights), tp, cp, threads));
+  return std::unique_ptr<ModelBackend>(
+      new CpuBackend(config, std::move(weights), tp, cp, threads, batch_invariant));
 }
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> CreateCpuModel(
     const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
     parallel::Communicator& cp, parallel::Communicator& world, const PrefillOptions& options) {
-  CPFILL_ASSIGN_OR_RETURN(auto backend,
-                          MakeCpuBackend(config, std::move(weights), tp, cp, options.threads));
+  CPFILL_ASSIGN_OR_RETURN(auto backend, MakeCpuBackend(config, std::move(weights), tp, cp,
+                                                       options.threads, options.batch_invariant));
   return LlamaModel::Create(config, std::move(backend), world, options);
 }
 

@@ -19,12 +19,11 @@
 
 namespace cpfill::runtime::cpu {
 
-// `weights` is this rank's TP slice; `threads` the kernel threads of this rank (0: every core).
-absl::StatusOr<std::unique_ptr<ModelBackend>> MakeCpuBackend(const ModelConfig& config,
-                                                             ModelWeights weights,
-                                                             parallel::Communicator& tp,
-                                                             parallel::Communicator& cp,
-                                                             int threads);
+// `weights` is this rank's TP slice; `threads` the kernel threads of this rank (0: every core);
+// `batch_invariant`: GEMMs one row at a time (PrefillOptions::batch_invariant).
+absl::StatusOr<std::unique_ptr<ModelBackend>> MakeCpuBackend(
+    const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
+    parallel::Communicator& cp, int threads, bool batch_invariant = false);
 
 // The whole CPU model in one call: the backend above (options.threads) and LlamaModel::Create.
 absl::StatusOr<std::unique_ptr<LlamaModel>> CreateCpuModel(

@@ -72,6 +72,17 @@ void Linear(const float* x, int64_t tokens, int64_t in, const float* w, int64_t 
   }
 }
 
+void LinearPerRow(const float* x, int64_t tokens, int64_t in, const float* w, int64_t out,
+                  float* y) {
+  CPFILL_LAYERS_CHECK(tokens >= 0 && in > 0 && out >= 0 && in <= kMaxBlasDim && out <= kMaxBlasDim,
+                      "LinearPerRow: tokens %lld in %lld out %lld", static_cast<long long>(tokens),
+                      static_cast<long long>(in), static_cast<long long>(out));
+  for (int64_t t = 0; t < tokens; ++t) {
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(out), static_cast<int>(in), 1.0f, w,
+                static_cast<int>(in), x + t * in, 1, 0.0f, y + t * out, 1);
+  }
+}
+
 void RmsNorm(const float* x, const float* weight, int64_t tokens, int64_t hidden, double eps,
              float* y, ThreadPool* pool) {
   if (tokens <= 0 || hidden <= 0) return;

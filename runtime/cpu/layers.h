@@ -26,6 +26,14 @@ void SetBlasThreads(int threads);
 void Linear(const float* x, int64_t tokens, int64_t in, const float* w, int64_t out, float* y,
             bool accumulate = false);
 
+// The same, one row at a time (sgemv): a row's sums run in one order whatever the other rows, so
+// a token's result does not depend on its batch. sgemm's does: where M blocking puts a row
+// changes its rounding (about 1e-6), so a prompt's suffix prefilled alone, after a cached prefix,
+// differs from the same rows in the whole prompt. Reads w once per row: for exact checks, not
+// speed (PrefillOptions::batch_invariant).
+void LinearPerRow(const float* x, int64_t tokens, int64_t in, const float* w, int64_t out,
+                  float* y);
+
 // y = x / sqrt(mean(x^2) + eps) * weight, per row; fp32 throughout (HF computes the variance in
 // fp32 too). y may alias x.
 void RmsNorm(const float* x, const float* weight, int64_t tokens, int64_t hidden, double eps,
