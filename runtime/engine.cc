@@ -929,7 +929,6 @@ void Engine::AnswerDecode(Command& command, absl::StatusOr<std::vector<SequenceO
   }
   ++stats_.decode_steps;
   const std::vector<SampledToken> sampled = SampleAll(command, *outputs);
-  stats_.prefix_batched_sequences += timings.prefix_batch.sequences;
   stats_.prefix_batched_key_rows += timings.prefix_batch.key_rows_saved;
   for (size_t i = 0; i < command.items.size(); ++i) {
     std::unique_ptr<Pending> p = std::move(command.items[i]);

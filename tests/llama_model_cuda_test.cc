@@ -19,6 +19,7 @@
 #include "runtime/cuda/cuda_backend.h"
 #include "runtime/llama_model.h"
 #include "runtime/weights.h"
+#include "tests/forked_decode.h"
 #include "tests/mpi_test_main.h"
 #include "tests/tiny_model.h"
 
@@ -141,27 +142,14 @@ TEST(LlamaCuda, ForksDecodedTogetherEqualTheCpu) {
   const std::vector<int32_t> doc = Prompt(400, c->vocab_size, 11);
   auto out = m.Prefill({{.tokens = doc, .session = "doc"}}, nullptr, nullptr);
   ASSERT_TRUE(out.ok()) << out.status();
-  std::vector<std::vector<int32_t>> seqs(kForks, doc);
-  int32_t next[kForks] = {};
-  for (int i = 0; i < kForks; ++i) {
-    ASSERT_TRUE(m.ForkSession("doc", "f" + std::to_string(i), 400).ok());
-    if (grid->world_rank == 0) next[i] = ((*out)[0].first_token + i) % c->vocab_size;
-  }
+  testing::ForkedDecode forks;
+  ASSERT_TRUE(forks.Fork(m, *grid, "doc", doc, (*out)[0].first_token, kForks, c->vocab_size).ok());
   int64_t batched = 0;
   for (int step = 0; step < kSteps; ++step) {
-    ASSERT_TRUE(grid->world->Broadcast(next, sizeof(next), 0).ok());
-    std::vector<PrefillRequest> batch;
-    for (int i = 0; i < kForks; ++i) {
-      seqs[i].push_back(next[i]);
-      batch.push_back({.tokens = {next[i]}, .session = "f" + std::to_string(i)});
-    }
     runtime::PrefillTimings t;
-    out = m.Decode(batch, step, &t);
+    out = forks.Step(m, *grid, step, &t);
     ASSERT_TRUE(out.ok()) << out.status();
     batched += t.prefix_batch.sequences;
-    if (grid->world_rank == 0) {
-      for (int i = 0; i < kForks; ++i) next[i] = (*out)[i].first_token;
-    }
   }
   std::string error = batched > 0 ? "" : "no decode step batched the forks";
   if (grid->world_rank == 0 && error.empty()) {
@@ -170,9 +158,7 @@ TEST(LlamaCuda, ForksDecodedTogetherEqualTheCpu) {
     ref_options.threads = 0;
     auto ref = runtime::cpu::CreateCpuModel(*c, std::move(*w), tp, cp, world, ref_options);
     EXPECT_TRUE(ref.ok()) << ref.status();
-    std::vector<PrefillRequest> whole;
-    for (const auto& s : seqs) whole.push_back({.tokens = s});
-    auto want = (*ref)->Prefill(whole, nullptr, nullptr);
+    auto want = (*ref)->Prefill(forks.Whole(), nullptr, nullptr);
     EXPECT_TRUE(want.ok()) << want.status();
     if (want.ok()) error = CompareBf16(*out, *want);
   }

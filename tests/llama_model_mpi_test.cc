@@ -22,6 +22,7 @@
 #include "runtime/llama_model.h"
 #include "runtime/model_config.h"
 #include "runtime/weights.h"
+#include "tests/forked_decode.h"
 #include "tests/mpi_test_main.h"
 #include "tests/tiny_model.h"
 
@@ -400,36 +401,22 @@ TEST(LlamaModel, DecodeOfForksBatchesTheirSharedPrompt) {
     const std::vector<int32_t> doc = Prompt(300, c.vocab_size, 31);
     auto out = m.Prefill({{.tokens = doc, .session = "doc"}}, nullptr, nullptr);
     ASSERT_TRUE(out.ok()) << out.status();
-    std::vector<std::vector<int32_t>> seqs(kForks, doc);
-    int32_t next[kForks];
-    for (int i = 0; i < kForks; ++i) {
-      ASSERT_TRUE(m.ForkSession("doc", "f" + std::to_string(i), 300).ok());
-      // Each fork samples a different first token, so their own rows differ.
-      if (grid.world_rank == 0) next[i] = ((*out)[0].first_token + i) % c.vocab_size;
-    }
+    testing::ForkedDecode forks;
+    ASSERT_TRUE(forks.Fork(m, grid, "doc", doc, (*out)[0].first_token, kForks, c.vocab_size).ok());
     std::string error;
     // Every rank runs every step (a collective), whatever it found.
     for (int step = 0; step < kSteps; ++step) {
-      ASSERT_TRUE(grid.world->Broadcast(next, sizeof(next), 0).ok());
-      std::vector<PrefillRequest> batch;
-      for (int i = 0; i < kForks; ++i) {
-        seqs[i].push_back(next[i]);
-        batch.push_back({.tokens = {next[i]}, .session = "f" + std::to_string(i)});
-      }
       runtime::PrefillTimings t;
-      out = m.Decode(batch, step, &t);
+      out = forks.Step(m, grid, step, &t);
       ASSERT_TRUE(out.ok()) << out.status();
       if (error.empty() && (batched ? t.prefix_batch.sequences == 0 : t.prefix_batch.roots != 0)) {
         error = "step " + std::to_string(step) + ": " + std::to_string(t.prefix_batch.roots) +
                 " roots on world rank " + std::to_string(grid.world_rank);
       }
       if (grid.world_rank == 0) {
-        std::vector<PrefillRequest> whole;
-        for (const auto& s : seqs) whole.push_back({.tokens = s});
-        const std::string differs = Compare(*out, OneRank(c, {whole}));
+        const std::string differs = Compare(*out, OneRank(c, {forks.Whole()}));
         if (error.empty() && !differs.empty())
           error = "step " + std::to_string(step) + ": " + differs;
-        for (int i = 0; i < kForks; ++i) next[i] = (*out)[i].first_token;
       }
     }
     auto agreed = parallel::AllRanksOk(*grid.world, error.empty());
