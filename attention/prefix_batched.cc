@@ -1,6 +1,9 @@
 #include "attention/prefix_batched.h"
 
 #include <algorithm>
+#include <limits>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -57,7 +60,7 @@ SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const Se
     const int64_t members = static_cast<int64_t>(end - i);
     const int64_t rows = slices[end - 1].q_begin + slices[end - 1].q_len - head.q_begin;
     const int64_t reads = (rows * group + rule.rows_per_read - 1) / rule.rows_per_read;
-    if (members < 2 || reads >= members) {
+    if (members < 2 || (reads >= members && !rule.always_root)) {
       tree.first.push_back(head);
       ++i;
       continue;
@@ -78,6 +81,43 @@ SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const Se
     i = end;
   }
   return tree;
+}
+
+bool GathersPagedKv(std::span<const SequenceSlice> slices) {
+  return std::any_of(slices.begin(), slices.end(),
+                     [](const SequenceSlice& s) { return s.q_len > kMaxInPlaceQueryRows; });
+}
+
+SharedBlockRule RuleForStep(std::span<const SequenceSlice> slices) {
+  if (!GathersPagedKv(slices)) return {};
+  return {.max_root_rows = std::numeric_limits<int64_t>::max(), .always_root = true};
+}
+
+PagedGather PlanPagedGather(const SharedBlockTree& tree, const PagedKv& paged,
+                            std::span<const int32_t> table) {
+  PagedGather g;
+  // Slices of one step that read the same rows (one sequence's keys under several query runs)
+  // share their gathered copy.
+  std::map<std::pair<int64_t, int64_t>, int64_t> gathered;
+  const auto place = [&](const SequenceSlice& s) -> SequenceSlice {
+    if (s.q_len == 0 || s.kv_len == 0) return {.q_begin = s.q_begin, .q_len = s.q_len};
+    const auto [it, fresh] = gathered.try_emplace({s.kv_begin, s.kv_len}, g.rows);
+    if (fresh) {
+      const int64_t table_begin = paged.TableBegin(s.kv_begin);
+      for (int64_t r = 0; r < s.kv_len; r += paged.block_tokens) {
+        g.copies.push_back(
+            {.block = table[table_begin + r / paged.block_tokens],
+             .rows = static_cast<int32_t>(std::min<int64_t>(paged.block_tokens, s.kv_len - r)),
+             .from_row = s.kv_begin + r,
+             .to_row = g.rows + r});
+      }
+      g.rows += s.kv_len;
+    }
+    return {.q_begin = s.q_begin, .q_len = s.q_len, .kv_begin = it->second, .kv_len = s.kv_len};
+  };
+  for (const SequenceSlice& s : tree.first) g.first.push_back(place(s));
+  for (const SequenceSlice& s : tree.second) g.second.push_back(place(s));
+  return g;
 }
 
 absl::Status ValidateKvTree(const AttentionParams& p, KvTree levels) {

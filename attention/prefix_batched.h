@@ -55,8 +55,21 @@ struct SharedBlockRule {
   int rows_per_read = 16;
   // Packed rows under one root at most (the decode kernel's cost grows with them); a longer run
   // is cut into several roots.
-  int max_root_rows = 128;
+  int64_t max_root_rows = 128;
+  // A root for every run of two or more sequences that share blocks, whatever the reads: a
+  // gathered step's (below), where reading the shared rows once pays by itself.
+  bool always_root = false;
 };
+
+// A paged step whose slices hold more query rows than a decode step's (a prefill after cached
+// rows: questions after a document, a later turn) does not read the blocks in place: its keys are
+// gathered into contiguous rows for the prefill kernels, the shared blocks once
+// (PlanPagedGather), and the root over them is one GEMM-shaped pass however many rows it has.
+inline constexpr int64_t kMaxInPlaceQueryRows = 4;
+bool GathersPagedKv(std::span<const SequenceSlice> slices);
+// The rule for a step's roots: the default (decode, in place), or a root for every run of
+// sequences that share blocks (gathered).
+SharedBlockRule RuleForStep(std::span<const SequenceSlice> slices);
 
 // What prefix batching did: roots run, the sequences under them, and the key rows read once for
 // several sequences instead of once each (summed over calls; one head).
@@ -88,5 +101,25 @@ struct SharedBlockTree {
 };
 SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const SequenceSlice> slices,
                                  const PagedKv& paged, const SharedBlockRule& rule = {});
+
+// A gathered step's keys: the rows its tree's slices read, each once, copied out of the blocks
+// back to back; the tree's levels rewritten to read them there. A level's slices keep their
+// query rows.
+struct PagedGather {
+  // Rows [0, rows) of `block`, whose positions start at the step's local key row `from_row`,
+  // go to gathered rows [to_row, to_row + rows). (The CUDA gather reads this layout.)
+  struct Copy {
+    int32_t block = 0;
+    int32_t rows = 0;
+    int64_t from_row = 0;
+    int64_t to_row = 0;
+  };
+  std::vector<Copy> copies;
+  std::vector<SequenceSlice> first, second;
+  int64_t rows = 0;
+};
+// `table`: the block table in host memory (paged.host_table, or paged.table on the CPU).
+PagedGather PlanPagedGather(const SharedBlockTree& tree, const PagedKv& paged,
+                            std::span<const int32_t> table);
 
 }  // namespace cpfill::attention

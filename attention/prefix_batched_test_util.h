@@ -132,6 +132,10 @@ struct SharedBlocksSpec {
   std::vector<int64_t> own_rows;  // one per sequence
   int sharing = 0;
   int64_t q_stride = 1;
+  // Query rows per sequence, back to back, at positions up to its key count (one: a decode
+  // step; more: a prefill of the sequence's last rows, as over cached rows). Sequence i's rows
+  // start at i * q_stride * queries.
+  int64_t queries = 1;
 };
 
 struct SharedBlocksProblem {
@@ -165,7 +169,7 @@ inline SharedBlocksProblem MakeSharedBlocksProblem(const AttentionShape& shape,
   for (int64_t own : spec.own_rows) kv_tokens += prefix + own;
   SharedBlocksProblem t;
   t.block_tokens = spec.block_tokens;
-  t.pb = MakeProblem(shape, n * spec.q_stride, kv_tokens, seed);
+  t.pb = MakeProblem(shape, n * spec.q_stride * spec.queries, kv_tokens, seed);
   if (round != nullptr) {
     for (std::vector<float>* x : {&t.pb.q, &t.pb.k, &t.pb.v}) {
       for (float& e : *x) e = round(e);
@@ -196,9 +200,12 @@ inline SharedBlocksProblem MakeSharedBlocksProblem(const AttentionShape& shape,
       std::copy_n(t.pb.v.begin(), prefix * row, t.pb.v.begin() + kv * row);
     }
     for (int64_t r = 0; r < len; ++r) t.pb.k_pos[kv + r] = static_cast<int32_t>(r);
-    t.pb.q_pos[i * spec.q_stride] = static_cast<int32_t>(len);
+    const int64_t q_begin = i * spec.q_stride * spec.queries;
+    for (int64_t j = 0; j < spec.queries; ++j) {
+      t.pb.q_pos[q_begin + j] = static_cast<int32_t>(len - spec.queries + 1 + j);
+    }
     t.pb.slices.push_back(
-        {.q_begin = i * spec.q_stride, .q_len = 1, .kv_begin = kv, .kv_len = len});
+        {.q_begin = q_begin, .q_len = spec.queries, .kv_begin = kv, .kv_len = len});
     t.seq_kv_begin.push_back(kv);
     t.seq_table_begin.push_back(static_cast<int64_t>(t.table.size()));
     for (int64_t r = 0; r < len; r += bt) {

@@ -71,6 +71,57 @@ TEST(FindSharedBlocks, LongRunsAreCutAndNoHostTableMeansNoRoot) {
   EXPECT_TRUE(none.second.empty());
 }
 
+// A prefill step over the blocks (more query rows per slice than a decode step) is gathered:
+// every run of sequences sharing blocks is a root, however many rows, and the gather copies the
+// shared blocks once, each member's own rows once, and the other sequences whole.
+TEST(PlanPagedGather, PrefillStepCopiesSharedBlocksOnce) {
+  const AttentionShape shape = MakeShape(8, 1, 32, true);  // 8 packed rows per query row
+  const SharedBlocksProblem t = MakeSharedBlocksProblem(
+      shape, {.shared_blocks = 3, .own_rows = {20, 33, 17, 40, 24}, .sharing = 3, .queries = 17},
+      4);
+  EXPECT_FALSE(GathersPagedKv(MakeSharedBlocksProblem(shape, {.own_rows = {3, 3}}, 4).pb.slices));
+  ASSERT_TRUE(GathersPagedKv(t.pb.slices));
+  // 17 rows x 8 heads already exceed the decode kernel's root: one only by the gathered rule.
+  EXPECT_EQ(Find(t).counts.roots, 0);
+  const SharedBlockTree tree = Find(t, RuleForStep(t.pb.slices));
+  EXPECT_EQ(tree.counts.roots, 1);
+  EXPECT_EQ(tree.counts.sequences, 3);
+  const PagedKv paged = t.Paged(t.table.data(), 4, /*batch=*/true);
+  const PagedGather g = PlanPagedGather(tree, paged, t.table);
+  const int64_t shared = 3 * 16;
+  EXPECT_EQ(g.rows, shared + (20 + 33 + 17) + (shared + 40) + (shared + 24));
+  // Each copy takes its rows from the block that holds them, and every gathered row comes from
+  // exactly one step row.
+  const int64_t row = int64_t{shape.num_kv_heads} * shape.head_dim;
+  std::vector<int64_t> from(g.rows, -1);
+  for (const PagedGather::Copy& c : g.copies) {
+    ASSERT_LE(c.rows, 16);
+    EXPECT_EQ(c.block, t.table[paged.TableBegin(c.from_row)]);
+    for (int64_t r = 0; r < c.rows; ++r) {
+      ASSERT_EQ(from[c.to_row + r], -1) << "gathered row " << c.to_row + r << " copied twice";
+      from[c.to_row + r] = c.from_row + r;
+      EXPECT_EQ(t.pool_k[(c.block * 16 + r) * row], t.pb.k[(c.from_row + r) * row]);
+    }
+  }
+  // The gathered slices read, at their rows, the step rows their tree slices read.
+  const auto same_keys = [&](const std::vector<SequenceSlice>& gathered,
+                             const std::vector<SequenceSlice>& step) {
+    ASSERT_EQ(gathered.size(), step.size());
+    for (size_t i = 0; i < step.size(); ++i) {
+      EXPECT_EQ(gathered[i].q_begin, step[i].q_begin);
+      EXPECT_EQ(gathered[i].q_len, step[i].q_len);
+      ASSERT_EQ(gathered[i].kv_len, step[i].kv_len);
+      for (int64_t r = 0; r < step[i].kv_len; ++r) {
+        ASSERT_EQ(from[gathered[i].kv_begin + r], step[i].kv_begin + r) << "slice " << i;
+      }
+    }
+  };
+  same_keys(g.first, tree.first);
+  same_keys(g.second, tree.second);
+  EXPECT_EQ(g.first[0].q_len, 3 * 17);
+  EXPECT_EQ(g.first[0].kv_len, shared);
+}
+
 // Keys that start inside a sequence on a block boundary resolve to its later table entries.
 TEST(PagedKv, TableBeginInsideASequenceOnBlockBoundaries) {
   const std::vector<int64_t> kv_begin = {0, 40, 40, 100};

@@ -72,7 +72,7 @@ runtime::PrefillOptions OptionsFrom(const EngineFlags& f, const SelectorChoice& 
   o.kv_memory_fraction =
       f.kv_capacity_tokens == 0 && f.kv_memory_fraction == 0 ? 0.5 : f.kv_memory_fraction;
   o.kv_block_tokens = f.kv_block_tokens;
-  o.prefix_batched_decode = !f.no_prefix_batching;
+  o.prefix_batching = !f.no_prefix_batching;
   o.batch_invariant = f.batch_invariant;
   o.threads = threads;
   return o;

@@ -699,8 +699,8 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
          "Prefix cache entries dropped (least recently used first).",
          {{"", double(engine.prefix_evictions)}});
   metric("cpfill:prefix_batched_key_rows_total", "counter",
-         "KV rows a decode step read once for several sequences instead of once each, over "
-         "layers and ring steps (rank 0).",
+         "KV rows prefill batches and decode steps read once for several sequences instead of "
+         "once each, over layers and ring steps (rank 0).",
          {{"", double(engine.prefix_batched_key_rows)}});
   metric("cpfill:kv_cache_shared_blocks", "gauge",
          "Rank 0's KV blocks held by more than one sequence (shared prefixes).",

@@ -41,23 +41,23 @@ void Step(CpuRingOps& ops, SharedBlocksProblem& t, bool batch, bool fold) {
   ASSERT_TRUE(s.ok()) << s;
 }
 
-TEST(CpuRingOps, PagedStepsBatchSharedBlocksExactly) {
+// Every stride (padding rows between the sequences or not), fresh and folded, batched and not:
+// each sequence's attention over its own keys; batched, the 5 forks of `spec` are one root over
+// their 4 shared blocks of 16 rows.
+void CheckStepsOf(attention::testing::SharedBlocksSpec spec, uint64_t seed) {
   ThreadPool pool(2);
   CpuRingOps ops(&pool);
   const attention::AttentionShape shape = MakeShape(8, 2, 64, true);
   for (int64_t stride : {1, 2}) {
-    SharedBlocksProblem t = MakeSharedBlocksProblem(
-        shape,
-        {.shared_blocks = 4, .own_rows = {5, 16, 0, 40, 7, 9, 1}, .sharing = 5, .q_stride = stride},
-        7 + stride);
+    spec.q_stride = stride;
+    SharedBlocksProblem t = MakeSharedBlocksProblem(shape, spec, seed + stride);
     for (bool fold : {false, true}) {
       for (bool batch : {false, true}) {
         const attention::PrefixBatchCounts before = ops.prefix_batch_counts();
         Step(ops, t, batch, fold);
-        if (HasFatalFailure()) return;
-        const std::string what = absl::StrCat("stride ", stride, fold ? " fold" : " fresh",
-                                              batch ? " batched" : " per sequence");
-        SCOPED_TRACE(what);
+        if (::testing::Test::HasFatalFailure()) return;
+        SCOPED_TRACE(absl::StrCat("stride ", stride, fold ? " fold" : " fresh",
+                                  batch ? " batched" : " per sequence"));
         attention::testing::ExpectOutputsMatch(shape, t.pb.q_tokens, t.pb.o.data(), t.pb.lse.data(),
                                                t.ref_o, t.ref_lse);
         const attention::PrefixBatchCounts did = ops.prefix_batch_counts() - before;
@@ -67,6 +67,18 @@ TEST(CpuRingOps, PagedStepsBatchSharedBlocksExactly) {
       }
     }
   }
+}
+
+// Decode steps (one query row per sequence): read in place, the forks one root.
+TEST(CpuRingOps, PagedStepsBatchSharedBlocksExactly) {
+  CheckStepsOf({.shared_blocks = 4, .own_rows = {5, 16, 0, 40, 7, 9, 1}, .sharing = 5}, 7);
+}
+
+// A prefill step over paged K/V (many query rows per sequence, as after cached rows): gathered,
+// the shared blocks once, every run of forks one root however many rows.
+TEST(CpuRingOps, PagedPrefillStepsGatherSharedBlocksOnce) {
+  CheckStepsOf(
+      {.shared_blocks = 4, .own_rows = {25, 16, 9, 40, 7, 19, 30}, .sharing = 5, .queries = 9}, 17);
 }
 
 }  // namespace

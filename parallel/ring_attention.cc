@@ -18,6 +18,23 @@ using attention::PartialView;
 using attention::SequenceSlice;
 using Clock = std::chrono::steady_clock;
 
+// A row of K or V on the CPU backend (fp32).
+int64_t RowBytes(const AttentionShape& shape) {
+  return int64_t{shape.num_kv_heads} * shape.head_dim * static_cast<int64_t>(sizeof(float));
+}
+
+// The CPU's block table (host memory) as far as a step's slices read it.
+std::span<const int32_t> TableSpan(const attention::PagedKv& paged,
+                                   std::span<const SequenceSlice> slices) {
+  int64_t end = 0;
+  for (const SequenceSlice& s : slices) {
+    if (s.q_len == 0 || s.kv_len == 0) continue;
+    end = std::max(end, paged.TableBegin(s.kv_begin) +
+                            (s.kv_len + paged.block_tokens - 1) / paged.block_tokens);
+  }
+  return {paged.table, static_cast<size_t>(end)};
+}
+
 // A profiler range for the life of a scope (RingOps::PushRange).
 class ProfilerRange {
  public:
@@ -91,13 +108,22 @@ absl::Status CpuRingOps::Attend(const RingStepArgs& a) {
                     .o = a.o,
                     .lse = a.lse};
   if (a.paged_kv == nullptr) return AttendSlices(p, a.slices, a.fold_into_output);
-  CPFILL_RETURN_IF_ERROR(GatherPaged(a, &p));
+  const attention::PagedKv& paged = *a.paged_kv;
+  CPFILL_RETURN_IF_ERROR(
+      paged.Validate(RowBytes(a.shape), a.slices.data(), static_cast<int64_t>(a.slices.size())));
+  // Without the host table (batching off) every sequence reads its own keys: the table is in
+  // host memory here anyway.
   const attention::SharedBlockTree tree =
-      attention::FindSharedBlocks(a.shape, a.slices, *a.paged_kv);
-  if (tree.counts.roots == 0) return AttendSlices(p, a.slices, a.fold_into_output);
+      paged.host_table.empty()
+          ? attention::SharedBlockTree{.first = {a.slices.begin(), a.slices.end()}}
+          : attention::FindSharedBlocks(a.shape, a.slices, paged, attention::RuleForStep(a.slices));
   prefix_batch_counts_ += tree.counts;
-  CPFILL_RETURN_IF_ERROR(AttendSlices(p, tree.first, a.fold_into_output));
-  return AttendSlices(p, tree.second, /*fold=*/true);
+  const std::span<const int32_t> table =
+      paged.host_table.empty() ? TableSpan(paged, a.slices) : paged.host_table;
+  const attention::PagedGather g = attention::PlanPagedGather(tree, paged, table);
+  GatherRows(a, g, &p);
+  CPFILL_RETURN_IF_ERROR(AttendSlices(p, g.first, a.fold_into_output));
+  return AttendSlices(p, g.second, /*fold=*/true);
 }
 
 absl::Status CpuRingOps::AttendSlices(AttentionParams p, std::span<const SequenceSlice> slices,
@@ -118,31 +144,26 @@ absl::Status CpuRingOps::AttendSlices(AttentionParams p, std::span<const Sequenc
   return attention::MergeInto(p.shape, p.q_tokens, o, lse, p.o, p.lse, pool_);
 }
 
-absl::Status CpuRingOps::GatherPaged(const RingStepArgs& a, AttentionParams* p) {
-  const attention::PagedKv& paged = *a.paged_kv;
-  const int64_t row = int64_t{a.shape.num_kv_heads} * a.shape.head_dim * sizeof(float);
-  CPFILL_RETURN_IF_ERROR(paged.Validate(row, a.slices.data(), a.slices.size()));
-  const size_t bytes = static_cast<size_t>(a.kv_tokens * row);
+void CpuRingOps::GatherRows(const RingStepArgs& a, const attention::PagedGather& g,
+                            AttentionParams* p) {
+  const int64_t row = RowBytes(a.shape);
+  const size_t bytes = static_cast<size_t>(g.rows * row);
   if (paged_k_.size() < bytes) paged_k_.Resize(bytes);
   if (paged_v_.size() < bytes) paged_v_.Resize(bytes);
+  paged_pos_.resize(g.rows);
   const char* k_pool = static_cast<const char*>(a.k);
   const char* v_pool = static_cast<const char*>(a.v);
-  for (const SequenceSlice& s : a.slices) {
-    if (s.q_len == 0 || s.kv_len == 0) continue;
-    const int64_t table_begin = paged.TableBegin(s.kv_begin);
-    // One copy per block: the rows of a block are contiguous.
-    for (int64_t r = 0; r < s.kv_len; r += paged.block_tokens) {
-      const int64_t block = paged.table[table_begin + r / paged.block_tokens];
-      const int64_t src = block * paged.block_stride_bytes;
-      const int64_t dst = (s.kv_begin + r) * row;
-      const int64_t n = std::min<int64_t>(paged.block_tokens, s.kv_len - r) * row;
-      std::memcpy(paged_k_.data() + dst, k_pool + src, n);
-      std::memcpy(paged_v_.data() + dst, v_pool + src, n);
-    }
+  // One copy per block: the rows of a block are contiguous.
+  for (const attention::PagedGather::Copy& c : g.copies) {
+    const int64_t src = c.block * a.paged_kv->block_stride_bytes;
+    std::memcpy(paged_k_.data() + c.to_row * row, k_pool + src, c.rows * row);
+    std::memcpy(paged_v_.data() + c.to_row * row, v_pool + src, c.rows * row);
+    std::copy_n(a.k_pos + c.from_row, c.rows, paged_pos_.begin() + c.to_row);
   }
   p->k = paged_k_.As<float>(0);
   p->v = paged_v_.As<float>(0);
-  return absl::OkStatus();
+  p->k_pos = paged_pos_.data();
+  p->kv_tokens = g.rows;
 }
 
 absl::Status CpuRingOps::Merge(const AttentionShape& shape, int64_t rows,

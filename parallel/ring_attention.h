@@ -173,7 +173,9 @@ class CpuRingOps : public RingOps {
   absl::Status Fill(void* dst, uint8_t byte, size_t bytes) override;
   // fold_into_output: attention into a scratch block, then attention::MergeInto. Paged K/V:
   // the slices' rows are copied out of their blocks first (the CPU kernel reads rows in order),
-  // and sequences that share leading blocks attend to them as one root (FindSharedBlocks).
+  // and sequences that share leading blocks attend to them as one root, gathered once
+  // (attention/prefix_batched.h FindSharedBlocks, PlanPagedGather; the rule the CUDA backend
+  // uses for the step, so both count the same roots).
   absl::Status Attend(const RingStepArgs& args) override;
   absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
                      std::span<const attention::PartialView> parts, float* o, float* lse) override;
@@ -188,14 +190,16 @@ class CpuRingOps : public RingOps {
   HostAttention attend_;
   std::array<std::vector<int32_t>, kPositionSlots> q_pos_, kv_pos_;
   std::vector<HostBuffer> buffers_;  // by slot
-  // Paged K/V's rows for the CPU kernel, at their local rows (a step's slices only).
-  absl::Status GatherPaged(const RingStepArgs& a, attention::AttentionParams* p);
+  // Paged K/V's rows for the CPU kernel, as `g` places them; p reads them there.
+  void GatherRows(const RingStepArgs& a, const attention::PagedGather& g,
+                  attention::AttentionParams* p);
   // p over `slices`: into p.o / p.lse, or merged into them (`fold`).
   absl::Status AttendSlices(attention::AttentionParams p,
                             std::span<const attention::SequenceSlice> slices, bool fold);
 
   HostBuffer step_out_;           // a folded step's [O | LSE] before the merge
-  HostBuffer paged_k_, paged_v_;  // GatherPaged's rows
+  HostBuffer paged_k_, paged_v_;  // GatherRows' rows
+  std::vector<int32_t> paged_pos_;  // and their positions
   std::vector<double> marks_s_;   // steady clock, seconds
 };
 

@@ -862,6 +862,7 @@ void Engine::Answer(Command& command, absl::StatusOr<std::vector<SequenceOutput>
   }
   if (!outputs.ok()) return Requeue(command, outputs.status());
   ++stats_.batches;
+  stats_.prefix_batched_key_rows += timings.prefix_batch.key_rows_saved;
   if (options_.on_batch) {
     options_.on_batch(static_cast<int>(command.items.size()), timings.new_tokens,
                       timings.cached_tokens, parallel::AlgorithmsName(timings.algorithms), seconds);

@@ -156,8 +156,9 @@ struct EngineStats {
   // sequence.
   int64_t prefix_queries = 0, prefix_hits = 0, prefix_hit_tokens = 0;
   int64_t prefix_entries = 0, prefix_tokens = 0, prefix_evictions = 0, kv_blocks_shared = 0;
-  // Prefix-batched decode on rank 0 (PrefillTimings::prefix_batch, summed over steps): the key
-  // rows read once for several sequences instead of once each (over layers and ring steps).
+  // Prefix batching on rank 0 (PrefillTimings::prefix_batch, summed over prefill batches and
+  // decode steps): the key rows read once for several sequences instead of once each (over
+  // layers and ring steps).
   int64_t prefix_batched_key_rows = 0;
 };
 

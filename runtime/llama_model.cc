@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -63,6 +64,9 @@ struct LlamaModel::Running {
   // batch's block tables, back to back, in the backend's memory, and where each sequence's
   // local rows and table entries begin (attention::PagedKv).
   bool kv_in_place = false;
+  // Prefill steps over cached rows read them in place too (LlamaModel::PrefillReadsKvInPlace):
+  // the ring gathers them, each shared block once.
+  bool kv_gathered = false;
   Tensor block_table;
   std::vector<int32_t> host_block_table;  // the same on the host: who shares which blocks
   std::vector<int64_t> seq_kv_begin, seq_table_begin;
@@ -335,7 +339,8 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
     auto it = sessions_.find(req.session);
     r.seq.push_back(req.session.empty() || it == sessions_.end() ? next_seq_++ : it->second.seq);
   }
-  r.kv_in_place = decode_step.has_value();
+  r.kv_gathered = !decode_step.has_value() && PrefillReadsKvInPlace(r);
+  r.kv_in_place = decode_step.has_value() || r.kv_gathered;
   CPFILL_RETURN_IF_ERROR(CheckActivationMemory(r));
   CPFILL_RETURN_IF_ERROR(ReserveKv(r));
 
@@ -352,6 +357,39 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
   for (size_t i = 0; i < order.size(); ++i) in_order[order[i]] = std::move((*out)[i]);
   t.total_s = Since(t_start);
   return in_order;
+}
+
+// A prefill whose sequences reuse cached rows reads them in place from their blocks, as decode
+// does, when the KV stays where it is (one rank, or pass-Q for every sequence): the ring gathers
+// each step's rows, the blocks sequences share once, and attends to the shared rows for all their
+// queries in one pass (attention::PlanPagedGather). Questions about one cached document then read
+// and hold it once, not once each. A batch of fresh prompts keeps the per-layer gather (a pass-Q
+// ring would gather its rows again every step).
+bool LlamaModel::PrefillReadsKvInPlace(const Running& r) const {
+  if (!options_.prefix_batching || options_.batch_invariant) return false;
+  if (KvDtypeBytes(kv_->spec().dtype) != ElemBytes(backend_->compute_type())) return false;
+  const bool kv_stays =
+      backend_->cp().size() == 1 ||
+      std::all_of(r.algorithms.begin(), r.algorithms.end(),
+                  [](parallel::RingAlgorithm a) { return a == parallel::RingAlgorithm::kPassQ; });
+  return kv_stays &&
+         std::any_of(r.b.sequences.begin(), r.b.sequences.end(),
+                     [](const sharding::SequenceRequest& s) { return s.cached_tokens > 0; });
+}
+
+// The rows one ring step of a gathered prefill copies at most: every cached block once, however
+// many sequences hold it, and each sequence's new rows with its partly filled last block.
+int64_t LlamaModel::GatheredRowsBound(const Running& r) const {
+  std::unordered_set<int32_t> blocks;
+  int64_t rows = 0;
+  const sharding::LocalLayout& layout = r.b.layout;
+  for (size_t s = 0; s < r.seq.size(); ++s) {
+    if (kv_->Contains(r.seq[s])) {
+      for (int32_t id : kv_->BlockTable(r.seq[s])) blocks.insert(id);
+    }
+    rows += layout.q_len[s] + kv_->spec().block_tokens;
+  }
+  return rows + static_cast<int64_t>(blocks.size()) * kv_->spec().block_tokens;
 }
 
 // Every activation of a batch: its tensor, scratch slot, element type and shape.
@@ -382,9 +420,19 @@ std::vector<LlamaModel::Activation> LlamaModel::Activations(Running& r) const {
 // Step 0a: the batch's activations must fit beside what the backend already holds, on every
 // rank (agreed), before anything is allocated: a batch too large is refused, not a bad_alloc.
 absl::Status LlamaModel::CheckActivationMemory(Running& r) {
+  // A slot that grows gets a new buffer while the old one stays until the device is done with
+  // it: its whole new size is needed, whatever the other slots hold (they stay theirs).
   int64_t need = 0;
-  for (const Activation& a : Activations(r)) need += a.rows * a.cols * ElemBytes(a.type);
-  need = std::max<int64_t>(0, need - backend_->ScratchBytesHeld());
+  for (const Activation& a : Activations(r)) {
+    const int64_t bytes = a.rows * a.cols * ElemBytes(a.type);
+    if (bytes > backend_->ScratchBytesHeld(a.slot)) need += bytes;
+  }
+  if (r.kv_gathered) {
+    // The ring's gathered K, V and positions (its workspace, not a scratch slot).
+    const KvCacheSpec& spec = kv_->spec();
+    need += GatheredRowsBound(r) *
+            (2 * int64_t{spec.kv_heads} * spec.head_dim * ElemBytes(backend_->compute_type()) + 4);
+  }
   return CheckFitsOnEveryRank(
       world_, "the batch's activations", need, [&] { return backend_->FreeMemoryBytes(); },
       "use more ranks (CP splits the tokens) or send fewer tokens per batch");
@@ -498,15 +546,14 @@ absl::Status LlamaModel::AttentionRing(int l, Running& r) {
   parallel::RunOptions run{.wait = false};
   const void* k = r.k_all.data;
   const void* v = r.v_all.data;
-  const attention::PagedKv paged{
-      .table = r.block_table.As<int32_t>(),
-      .block_tokens = kv_->spec().block_tokens,
-      .block_stride_bytes = kv_->spec().block_bytes(),
-      .seq_kv_begin = r.seq_kv_begin,
-      .seq_table_begin = r.seq_table_begin,
-      .host_table = options_.prefix_batched_decode && !options_.batch_invariant
-                        ? std::span<const int32_t>(r.host_block_table)
-                        : std::span<const int32_t>()};
+  const attention::PagedKv paged{.table = r.block_table.As<int32_t>(),
+                                 .block_tokens = kv_->spec().block_tokens,
+                                 .block_stride_bytes = kv_->spec().block_bytes(),
+                                 .seq_kv_begin = r.seq_kv_begin,
+                                 .seq_table_begin = r.seq_table_begin,
+                                 .host_table = options_.prefix_batching && !options_.batch_invariant
+                                                   ? std::span<const int32_t>(r.host_block_table)
+                                                   : std::span<const int32_t>()};
   if (r.kv_in_place) {
     k = kv_->BlockAddress(l, 0, 0);
     v = kv_->BlockAddress(l, 1, 0);

@@ -139,6 +139,8 @@ class LlamaModel {
                                                    std::optional<int64_t> decode_step,
                                                    PrefillTimings* timings,
                                                    const std::function<void(int)>& progress);
+  bool PrefillReadsKvInPlace(const Running& r) const;
+  int64_t GatheredRowsBound(const Running& r) const;
   absl::Status CheckActivationMemory(Running& r);
   absl::Status ReserveKv(Running& r);
   void RollBackKv(const Running& r);

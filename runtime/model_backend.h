@@ -76,8 +76,8 @@ class ModelBackend {
   // allocates nothing once a batch as large has run (on a GPU a fresh cudaMalloc/cudaFree of the
   // activations cost milliseconds of TTFT and synchronized the device).
   virtual absl::StatusOr<Tensor> Scratch(int slot, ElemType type, int64_t rows, int64_t cols) = 0;
-  // Bytes the scratch tensors hold now (a batch no larger reuses them).
-  virtual int64_t ScratchBytesHeld() const = 0;
+  // Bytes scratch tensor `slot` holds now (a batch no larger reuses them; 0 if never asked).
+  virtual int64_t ScratchBytesHeld(int slot) const = 0;
   // Host -> tensor (the host memory may be reused when this returns); tensor -> host (waits).
   virtual absl::Status Upload(const void* host, Tensor* dst) = 0;
   virtual absl::Status Download(const Tensor& src, void* host) = 0;

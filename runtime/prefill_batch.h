@@ -44,10 +44,12 @@ struct PrefillOptions {
   int kv_block_tokens = 64;   // tokens per KV block (16..256)
   int threads = 1;            // kernel threads per rank (CPU backend)
   bool record_spans = false;  // PrefillTimings::spans: every phase of every layer (--trace)
-  // Decode steps batch the queries of sequences whose KV starts with the same blocks (forks of
-  // one prompt: n samples, a cached system prompt) against those blocks, read once (issue 21,
-  // attention/prefix_batched.h). Off: each sequence reads its own.
-  bool prefix_batched_decode = true;
+  // Sequences whose KV starts with the same blocks (forks of one prompt: n samples, questions
+  // after a cached document, a cached system prompt) attend to those blocks together, read once:
+  // in decode steps, and in prefills over cached rows, which then read the cache in place
+  // (issue 21, attention/prefix_batched.h). Off: each sequence reads its own, and a prefill
+  // copies every sequence's cached rows out for the ring.
+  bool prefix_batching = true;
   // Every token's result independent of the batch it runs in, bit for bit (CPU backend only): a
   // prompt after a cached prefix gives the logits of the same prompt prefilled whole, on one rank
   // (CP rings merge partials in an order the layout decides). GEMMs run a row at a time and
@@ -66,7 +68,7 @@ struct PrefillTimings {
   std::vector<parallel::RingAlgorithm> algorithms;
   int rings = 1;  // fused rings per layer: one per algorithm that ran
   int64_t new_tokens = 0, cached_tokens = 0;
-  // This rank's prefix batching in the step (PrefillOptions::prefix_batched_decode), summed
+  // This rank's prefix batching in the step (PrefillOptions::prefix_batching), summed
   // over layers and ring steps.
   attention::PrefixBatchCounts prefix_batch;
   double model_flops = 0;  // 2 * params * tokens + causal attention FLOPs (whole batch)

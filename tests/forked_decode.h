@@ -4,6 +4,7 @@
 //   ForkedDecode forks;
 //   CPFILL_RETURN_IF_ERROR(forks.Fork(model, grid, "doc", doc, first_token, 6, vocab));
 //   auto out = forks.Step(model, grid, step, &timings);   // forks.Whole(): each fork's tokens
+//   auto asked = forks.Ask(model, grid, questions, &timings);  // a prefill of each fork's own
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "parallel/grid.h"
 #include "runtime/llama_model.h"
@@ -52,6 +54,23 @@ class ForkedDecode {
     return out;
   }
 
+  // One prefill of every fork's own `questions[i]` after its prompt, in one batch (collective):
+  // a prefill over cached rows, which reads them in place and batches the shared prompt
+  // (issue 21). Rank 0's outputs choose the tokens the next Step feeds.
+  absl::StatusOr<std::vector<runtime::SequenceOutput>> Ask(
+      runtime::LlamaModel& m, const parallel::ProcessGrid& grid,
+      const std::vector<std::vector<int32_t>>& questions, runtime::PrefillTimings* t) {
+    std::vector<runtime::PrefillRequest> batch;
+    for (size_t i = 0; i < seqs_.size(); ++i) {
+      seqs_[i].insert(seqs_[i].end(), questions[i].begin(), questions[i].end());
+      batch.push_back({.tokens = questions[i], .session = Name(static_cast<int>(i))});
+    }
+    CPFILL_ASSIGN_OR_RETURN(auto out, m.Prefill(batch, t, nullptr));
+    if (grid.world_rank == 0) {
+      for (size_t i = 0; i < seqs_.size(); ++i) next_[i] = out[i].first_token;
+    }
+    return out;
+  }
   // Every fork's whole tokens so far, as requests without a session (a one-rank reference).
   std::vector<runtime::PrefillRequest> Whole() const {
     std::vector<runtime::PrefillRequest> whole;
@@ -60,7 +79,7 @@ class ForkedDecode {
   }
 
  private:
-  static std::string Name(int i) { return "f" + std::to_string(i); }
+  static std::string Name(int i) { return absl::StrCat("f", i); }
 
   std::vector<std::vector<int32_t>> seqs_;
   std::vector<int32_t> next_;

@@ -393,7 +393,7 @@ TEST(LlamaModel, DecodeOfForksBatchesTheirSharedPrompt) {
     runtime::PrefillOptions options;
     options.kv_block_tokens = 16;
     options.kv_capacity_tokens = 4096;
-    options.prefix_batched_decode = batched;
+    options.prefix_batching = batched;
     auto made = MakeCpModel(options);
     ASSERT_TRUE(made.ok()) << made.status();
     const parallel::ProcessGrid& grid = made->grid;
@@ -418,6 +418,58 @@ TEST(LlamaModel, DecodeOfForksBatchesTheirSharedPrompt) {
         if (error.empty() && !differs.empty())
           error = "step " + std::to_string(step) + ": " + differs;
       }
+    }
+    auto agreed = parallel::AllRanksOk(*grid.world, error.empty());
+    ASSERT_TRUE(agreed.ok());
+    EXPECT_TRUE(*agreed) << grid.Describe() << ": " << error;
+  }
+}
+
+// Questions about one cached document, prefilled in one batch (issue 21): on one rank and on
+// pass-Q rings the prefill reads the cache in place, gathers the document's shared blocks once
+// and attends every question to them as one root; outputs, and the decode steps after, equal
+// one rank's prefill of each whole sequence. Prefix batching off: the per-sequence copy.
+TEST(LlamaModel, QuestionsAboutACachedDocumentPrefillTogether) {
+  const runtime::ModelConfig c = Tiny();
+  constexpr int kQuestions = 5, kSteps = 2;
+  for (bool batched : {true, false}) {
+    SCOPED_TRACE(batched ? "prefix-batched" : "per sequence");
+    runtime::PrefillOptions options;
+    options.kv_block_tokens = 16;
+    options.kv_capacity_tokens = 4096;
+    options.prefix_batching = batched;
+    options.auto_algorithm = false;  // pass-Q: the KV stays, so it is read in place
+    options.algorithm = parallel::RingAlgorithm::kPassQ;
+    auto made = MakeCpModel(options);
+    ASSERT_TRUE(made.ok()) << made.status();
+    const parallel::ProcessGrid& grid = made->grid;
+    runtime::LlamaModel& m = *made->model;
+    const std::vector<int32_t> doc = Prompt(300, c.vocab_size, 37);
+    auto out = m.Prefill({{.tokens = doc, .session = "doc"}}, nullptr, nullptr);
+    ASSERT_TRUE(out.ok()) << out.status();
+    testing::ForkedDecode forks;
+    ASSERT_TRUE(forks.Fork(m, grid, "doc", doc, 0, kQuestions, c.vocab_size).ok());
+    std::vector<std::vector<int32_t>> questions;
+    for (int i = 0; i < kQuestions; ++i) {
+      questions.push_back(Prompt(40 + 7 * i, c.vocab_size, 50 + i));  // > 4 rows a rank on CP4
+    }
+    std::string error;
+    runtime::PrefillTimings t;
+    out = forks.Ask(m, grid, questions, &t);
+    ASSERT_TRUE(out.ok()) << out.status();
+    if (batched ? t.prefix_batch.sequences < kQuestions : t.prefix_batch.roots != 0) {
+      error = std::to_string(t.prefix_batch.roots) + " roots over " +
+              std::to_string(t.prefix_batch.sequences) + " sequences on world rank " +
+              std::to_string(grid.world_rank);
+    }
+    if (grid.world_rank == 0 && error.empty()) error = Compare(*out, OneRank(c, {forks.Whole()}));
+    // Every rank runs every step (a collective), whatever it found.
+    for (int step = 0; step < kSteps; ++step) {
+      out = forks.Step(m, grid, step, nullptr);
+      ASSERT_TRUE(out.ok()) << out.status();
+      if (grid.world_rank != 0 || !error.empty()) continue;
+      error = Compare(*out, OneRank(c, {forks.Whole()}));
+      if (!error.empty()) error = "decode step " + std::to_string(step) + ": " + error;
     }
     auto agreed = parallel::AllRanksOk(*grid.world, error.empty());
     ASSERT_TRUE(agreed.ok());

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "attention/cuda/attention_decode.h"
+#include "attention/cuda/paged_gather.h"
 #include "base/knobs.h"
 #include "base/status.h"
 
@@ -246,6 +247,54 @@ OutputMode ModeOf(size_t level) {
   return level == 0 ? OutputMode::kFloat32 : OutputMode::kMergeIntoFloat32;
 }
 
+// A gathered step's levels that hold slices (a step without roots has no second level).
+std::vector<std::span<const SequenceSlice>> GatheredLevels(const PagedGather& plan) {
+  std::vector<std::span<const SequenceSlice>> levels{plan.first};
+  if (!plan.second.empty()) levels.push_back(plan.second);
+  return levels;
+}
+
+// Where a gathered step keeps its pieces in the workspace: the copies, the gathered K, V and
+// positions, then the attention's own workspace.
+struct GatherLayout {
+  size_t copies = 0, k = 0, v = 0, pos = 0, attention = 0, total = 0;
+};
+
+// args over the gathered rows (at `ws`, laid out as `l`; without them, for sizing only).
+CudaAttentionArgs GatheredArgs(const CudaAttentionArgs& args, const PagedGather& plan,
+                               char* ws = nullptr, const GatherLayout* l = nullptr) {
+  CudaAttentionArgs a = args;
+  a.paged = nullptr;
+  a.kv_tokens = plan.rows;
+  if (ws != nullptr) {
+    a.k = reinterpret_cast<const __nv_bfloat16*>(ws + l->k);
+    a.v = reinterpret_cast<const __nv_bfloat16*>(ws + l->v);
+    a.k_pos = reinterpret_cast<const int32_t*>(ws + l->pos);
+  }
+  return a;
+}
+
+// The levels' workspace: PrefixBatchedAttentionCuda's for a fresh step; a folded one (not a
+// ring step the model makes: pass-KV folds, and paged K/V runs on pass-Q) launches each level.
+size_t GatheredLevelsBytes(const CudaAttentionArgs& a, const PagedGather& plan) {
+  if (a.output == OutputMode::kFloat32) return PrefixBatchedWorkspaceBytes(a, GatheredLevels(plan));
+  return std::max(
+      AttentionWorkspaceBytes(LevelArgs(a, plan.first, a.output)),
+      AttentionWorkspaceBytes(LevelArgs(a, plan.second, OutputMode::kMergeIntoFloat32)));
+}
+
+GatherLayout GatherLayoutOf(const CudaAttentionArgs& args, const PagedGather& plan) {
+  const size_t row = size_t(args.shape.num_kv_heads) * args.shape.head_dim * sizeof(__nv_bfloat16);
+  const size_t rows = static_cast<size_t>(plan.rows);
+  GatherLayout l;
+  l.k = Aligned(plan.copies.size() * sizeof(PagedGather::Copy));
+  l.v = l.k + Aligned(rows * row);
+  l.pos = l.v + Aligned(rows * row);
+  l.attention = l.pos + Aligned(rows * sizeof(int32_t));
+  l.total = l.attention + GatheredLevelsBytes(GatheredArgs(args, plan), plan);
+  return l;
+}
+
 }  // namespace
 
 size_t PrefixBatchedWorkspaceBytes(const CudaAttentionArgs& args, KvTree levels) {
@@ -288,6 +337,52 @@ absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const Shar
   if (tree.second.empty()) return absl::OkStatus();
   return PartialAttentionCuda(LevelArgs(args, tree.second, OutputMode::kMergeIntoFloat32),
                               workspace, workspace_bytes, stream);
+}
+
+size_t GatheredPagedWorkspaceBytes(const CudaAttentionArgs& args, const PagedGather& plan) {
+  return GatherLayoutOf(args, plan).total;
+}
+
+absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const PagedGather& plan,
+                                        void* workspace, size_t workspace_bytes,
+                                        cudaStream_t stream) {
+  CPFILL_CHECK_ARG(args.paged != nullptr, "gathered paged attention: no paged K/V");
+  CPFILL_CHECK_ARG(args.output != OutputMode::kBfloat16,
+                   "prefix-batched attention merges its levels in fp32: no bf16 output");
+  const GatherLayout l = GatherLayoutOf(args, plan);
+  CPFILL_CHECK_ARG(workspace_bytes >= l.total, "gathered paged attention: ", workspace_bytes,
+                   " workspace bytes, ", l.total, " needed (GatheredPagedWorkspaceBytes)");
+  char* ws = static_cast<char*>(workspace);
+  const size_t copy_bytes = plan.copies.size() * sizeof(PagedGather::Copy);
+  // From pageable memory: returns once the bytes are staged, so the plan may go.
+  if (copy_bytes > 0 && cudaMemcpyAsync(ws + l.copies, plan.copies.data(), copy_bytes,
+                                        cudaMemcpyHostToDevice, stream) != cudaSuccess) {
+    return absl::InternalError("gathered paged attention: uploading the copies failed");
+  }
+  const CudaAttentionArgs a = GatheredArgs(args, plan, ws, &l);
+  CPFILL_RETURN_IF_ERROR(
+      GatherPagedRowsCuda({.copies = reinterpret_cast<const PagedGather::Copy*>(ws + l.copies),
+                           .num_copies = static_cast<int64_t>(plan.copies.size()),
+                           .k_pool = args.k,
+                           .v_pool = args.v,
+                           .block_stride_bytes = args.paged->block_stride_bytes,
+                           .row_bytes = int64_t{args.shape.num_kv_heads} * args.shape.head_dim * 2,
+                           .k_pos = args.k_pos,
+                           .k_out = const_cast<__nv_bfloat16*>(a.k),
+                           .v_out = const_cast<__nv_bfloat16*>(a.v),
+                           .k_pos_out = const_cast<int32_t*>(a.k_pos)},
+                          stream));
+  void* attention_ws = ws + l.attention;
+  const size_t attention_bytes = workspace_bytes - l.attention;
+  if (a.output == OutputMode::kFloat32) {
+    const auto levels = GatheredLevels(plan);
+    return PrefixBatchedAttentionCuda(a, levels, attention_ws, attention_bytes, stream);
+  }
+  CPFILL_RETURN_IF_ERROR(PartialAttentionCuda(LevelArgs(a, plan.first, a.output), attention_ws,
+                                              attention_bytes, stream));
+  if (plan.second.empty()) return absl::OkStatus();
+  return PartialAttentionCuda(LevelArgs(a, plan.second, OutputMode::kMergeIntoFloat32),
+                              attention_ws, attention_bytes, stream);
 }
 
 }  // namespace cpfill::attention::cuda

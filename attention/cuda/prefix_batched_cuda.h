@@ -42,4 +42,15 @@ absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const Shar
                                        void* workspace, size_t workspace_bytes,
                                        cudaStream_t stream);
 
+// A gathered paged step (prefix_batched.h GathersPagedKv, PlanPagedGather: a prefill after
+// cached rows): the plan's copies, uploaded into the workspace, gather K, V and positions out of
+// args.paged's blocks; then plan.first runs in args.output's mode and plan.second merges into it,
+// on the prefill kernels (a fresh root of few tiles over long keys is split along its keys, as in
+// PrefixBatchedAttentionCuda). args.slices are ignored; the plan's host memory may go once the
+// call returns. InvalidArgument as PartialAttentionCuda, or for a bf16 output.
+size_t GatheredPagedWorkspaceBytes(const CudaAttentionArgs& args, const PagedGather& plan);
+absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const PagedGather& plan,
+                                        void* workspace, size_t workspace_bytes,
+                                        cudaStream_t stream);
+
 }  // namespace cpfill::attention::cuda

@@ -93,76 +93,115 @@ TEST(PrefixBatchedCuda, TreeEqualsEachSequenceOverItsConcatenatedKeys) {
   }
 }
 
+// One paged step whose first `spec.sharing` sequences share leading blocks, as the ring runs it:
+// a decode step (one query row per sequence) on the decode kernel reading the blocks in place,
+// or a prefill step (more rows) gathered, the shared blocks once, on the prefill kernels; fresh
+// and folded into a running result, against each sequence's fp64 attention over its own keys.
+void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec& spec,
+                    uint64_t seed, int64_t expect_batched) {
+  testing::SharedBlocksProblem t = testing::MakeSharedBlocksProblem(shape, spec, seed, RoundBf16);
+  __nv_bfloat16* q = Upload(ToBf16(t.pb.q));
+  __nv_bfloat16* k = Upload(ToBf16(t.pool_k));
+  __nv_bfloat16* v = Upload(ToBf16(t.pool_v));
+  int32_t* q_pos = Upload(t.pb.q_pos);
+  int32_t* k_pos = Upload(t.pb.k_pos);
+  int32_t* table = Upload(t.table);
+  const PagedKv paged = t.Paged(table, 2, /*batch=*/true);
+  const bool gathered = GathersPagedKv(t.pb.slices);
+  const SharedBlockTree tree =
+      FindSharedBlocks(shape, t.pb.slices, paged, RuleForStep(t.pb.slices));
+  EXPECT_EQ(tree.counts.sequences, expect_batched);
+  const PagedGather plan = PlanPagedGather(tree, paged, t.table);
+  for (OutputMode mode : {OutputMode::kFloat32, OutputMode::kMergeIntoFloat32}) {
+    SCOPED_TRACE(std::string(gathered ? "gathered prefill" : "decode in place") +
+                 (mode == OutputMode::kFloat32 ? "" : ", folded"));
+    // Folded into a running result that has seen no key: the same reference.
+    const bool fold = mode == OutputMode::kMergeIntoFloat32;
+    float* o = Upload(std::vector<float>(t.pb.o.size(), fold ? 0.0f : testing::kNaN));
+    float* lse = Upload(std::vector<float>(t.pb.lse.size(), fold ? -INFINITY : testing::kNaN));
+    const CudaAttentionArgs args{.shape = shape,
+                                 .q = q,
+                                 .q_pos = q_pos,
+                                 .q_tokens = t.pb.q_tokens,
+                                 .k = k,
+                                 .v = v,
+                                 .k_pos = k_pos,
+                                 .kv_tokens = t.pb.kv_tokens,
+                                 .output = mode,
+                                 .o = o,
+                                 .lse = lse,
+                                 .paged = &paged};
+    const size_t bytes =
+        gathered ? GatheredPagedWorkspaceBytes(args, plan) : SharedBlocksWorkspaceBytes(args, tree);
+    void* ws = nullptr;
+    ASSERT_EQ(cudaMalloc(&ws, std::max<size_t>(bytes, 1)), cudaSuccess);
+    cudaMemset(ws, 0x7f, std::max<size_t>(bytes, 1));
+    const absl::Status s = gathered ? GatheredPagedAttentionCuda(args, plan, ws, bytes, nullptr)
+                                    : SharedBlocksAttentionCuda(args, tree, ws, bytes, nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaMemcpy(t.pb.o.data(), o, t.pb.o.size() * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(t.pb.lse.data(), lse, t.pb.lse.size() * 4, cudaMemcpyDeviceToHost);
+    testing::ExpectOutputsMatch(shape, t.pb.q_tokens, t.pb.o.data(), t.pb.lse.data(), t.ref_o,
+                                t.ref_lse, 1e-2, 2e-2);
+    for (void* p : {static_cast<void*>(o), static_cast<void*>(lse), ws}) cudaFree(p);
+  }
+  for (void* p :
+       {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
+        static_cast<void*>(q_pos), static_cast<void*>(k_pos), static_cast<void*>(table)}) {
+    cudaFree(p);
+  }
+}
+
 // A paged decode step whose forks share leading blocks (the model's decode, issue 21): the roots
 // FindSharedBlocks makes (many query rows per paged slice, padding rows between them, members'
-// keys starting inside their tables) run on the decode kernel, fresh and folded into a running
-// result, against each sequence's fp64 attention over its own keys.
+// keys starting inside their tables) run on the decode kernel.
 TEST(PrefixBatchedCuda, PagedStepOverSharedBlocks) {
   for (const auto& [heads, kv_heads] : {std::pair{32, 8}, std::pair{8, 1}}) {
     for (int block_tokens : {16, 64}) {
       for (int64_t stride : {1, 2}) {
+        SCOPED_TRACE("heads " + std::to_string(heads) + ":" + std::to_string(kv_heads) +
+                     ", blocks of " + std::to_string(block_tokens) + ", stride " +
+                     std::to_string(stride));
         std::vector<int64_t> own(20);
         for (size_t i = 0; i < own.size(); ++i) own[i] = 37 * int64_t(i) % 150;
-        const AttentionShape shape = testing::MakeShape(heads, kv_heads, 128, /*causal=*/true);
-        testing::SharedBlocksProblem t =
-            testing::MakeSharedBlocksProblem(shape,
-                                             {.block_tokens = block_tokens,
-                                              .shared_blocks = 4096 / block_tokens,
-                                              .own_rows = own,
-                                              .sharing = 16,
-                                              .q_stride = stride},
-                                             heads + block_tokens + stride, RoundBf16);
-        __nv_bfloat16* q = Upload(ToBf16(t.pb.q));
-        __nv_bfloat16* k = Upload(ToBf16(t.pool_k));
-        __nv_bfloat16* v = Upload(ToBf16(t.pool_v));
-        int32_t* q_pos = Upload(t.pb.q_pos);
-        int32_t* k_pos = Upload(t.pb.k_pos);
-        int32_t* table = Upload(t.table);
-        const PagedKv paged = t.Paged(table, 2, /*batch=*/true);
-        const SharedBlockTree tree = FindSharedBlocks(shape, t.pb.slices, paged);
         // At 8:1 a root over padding rows (stride 2) would take as many m16 tiles as its
         // members: FindSharedBlocks leaves them apart, the plain paged path.
         const bool batched = kv_heads == 8 || stride == 1;
-        EXPECT_EQ(tree.counts.sequences, batched ? 16 : 0);
-        for (OutputMode mode : {OutputMode::kFloat32, OutputMode::kMergeIntoFloat32}) {
-          SCOPED_TRACE("heads " + std::to_string(heads) + ":" + std::to_string(kv_heads) +
-                       ", blocks of " + std::to_string(block_tokens) + ", stride " +
-                       std::to_string(stride) + (mode == OutputMode::kFloat32 ? "" : ", folded"));
-          // Folded into a running result that has seen no key: the same reference.
-          const bool fold = mode == OutputMode::kMergeIntoFloat32;
-          float* o = Upload(std::vector<float>(t.pb.o.size(), fold ? 0.0f : testing::kNaN));
-          float* lse =
-              Upload(std::vector<float>(t.pb.lse.size(), fold ? -INFINITY : testing::kNaN));
-          const CudaAttentionArgs args{.shape = shape,
-                                       .q = q,
-                                       .q_pos = q_pos,
-                                       .q_tokens = t.pb.q_tokens,
-                                       .k = k,
-                                       .v = v,
-                                       .k_pos = k_pos,
-                                       .kv_tokens = t.pb.kv_tokens,
-                                       .output = mode,
-                                       .o = o,
-                                       .lse = lse,
-                                       .paged = &paged};
-          const size_t bytes = SharedBlocksWorkspaceBytes(args, tree);
-          void* ws = nullptr;
-          ASSERT_EQ(cudaMalloc(&ws, std::max<size_t>(bytes, 1)), cudaSuccess);
-          cudaMemset(ws, 0x7f, std::max<size_t>(bytes, 1));
-          const absl::Status s = SharedBlocksAttentionCuda(args, tree, ws, bytes, nullptr);
-          ASSERT_TRUE(s.ok()) << s;
-          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          cudaMemcpy(t.pb.o.data(), o, t.pb.o.size() * 4, cudaMemcpyDeviceToHost);
-          cudaMemcpy(t.pb.lse.data(), lse, t.pb.lse.size() * 4, cudaMemcpyDeviceToHost);
-          testing::ExpectOutputsMatch(shape, t.pb.q_tokens, t.pb.o.data(), t.pb.lse.data(), t.ref_o,
-                                      t.ref_lse, 1e-2, 2e-2);
-          for (void* p : {static_cast<void*>(o), static_cast<void*>(lse), ws}) cudaFree(p);
-        }
-        for (void* p :
-             {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
-              static_cast<void*>(q_pos), static_cast<void*>(k_pos), static_cast<void*>(table)}) {
-          cudaFree(p);
-        }
+        CheckPagedStep(testing::MakeShape(heads, kv_heads, 128, /*causal=*/true),
+                       {.block_tokens = block_tokens,
+                        .shared_blocks = 4096 / block_tokens,
+                        .own_rows = own,
+                        .sharing = 16,
+                        .q_stride = stride},
+                       heads + block_tokens + stride, batched ? 16 : 0);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// A prefill step over paged K/V (questions after a cached document: many query rows per
+// sequence, some inside the shared rows' positions): gathered, the shared blocks once, one root
+// over every fork's rows on the prefill kernels, padding rows between them or not.
+TEST(PrefixBatchedCuda, GatheredPrefillStepOverSharedBlocks) {
+  for (const auto& [heads, kv_heads] : {std::pair{32, 8}, std::pair{8, 1}}) {
+    for (int block_tokens : {16, 64}) {
+      for (int64_t stride : {1, 2}) {
+        SCOPED_TRACE("heads " + std::to_string(heads) + ":" + std::to_string(kv_heads) +
+                     ", blocks of " + std::to_string(block_tokens) + ", stride " +
+                     std::to_string(stride));
+        std::vector<int64_t> own(8);
+        for (size_t i = 0; i < own.size(); ++i) own[i] = 20 + 53 * int64_t(i) % 170;
+        CheckPagedStep(testing::MakeShape(heads, kv_heads, 128, /*causal=*/true),
+                       {.block_tokens = block_tokens,
+                        .shared_blocks = 2048 / block_tokens,
+                        .own_rows = own,
+                        .sharing = 6,
+                        .q_stride = stride,
+                        .queries = 24},
+                       7 * heads + block_tokens + stride, 6);
+        if (HasFatalFailure()) return;
       }
     }
   }

@@ -6,6 +6,11 @@
     question is asked alone (it prefills the document), the rest at once from as many threads.
     Per question: TTFT as the server measured it (queue + prefill), cached tokens, the first
     token and its logprob; the wall time of the whole set.
+  one batch: QUESTIONS - 1 other questions about the same document as one request (a list of
+    prompts), so that they are prefilled in one batch however fast the server is: its wall time
+    and the questions' TTFTs.
+  one at a time: 8 more questions, each sent after the last one's answer (no sharing in a
+    batch: what a lone question costs).
   samples: N completions of 128 tokens (ignore_eos, temperature 1, seed 1) of one PROMPT-token
     prompt, as one request with "n"; wall time and completion tokens per second.
 
@@ -53,6 +58,26 @@ def document(port, doc_tokens, questions):
             "rest_max_ttft_ms": rest[-1], "answers": answers}
 
 
+def one_batch(port, doc_tokens, questions):
+    doc = [(i * 7919 + 13) % 120000 for i in range(doc_tokens)]
+    prompts = [doc + [(q * 2003 + i * 17 + 5) % 120000 for i in range(32)]
+               for q in range(questions - 1)]
+    start = time.time()
+    r = post(port, {"prompt": prompts, "max_tokens": 1, "temperature": 0})
+    wall = time.time() - start
+    ttfts = sorted(p["ttft_ms"] for p in r["cpfill"]["prompts"])
+    return {"questions": len(prompts), "wall_s": wall, "median_ttft_ms": ttfts[len(ttfts) // 2],
+            "max_ttft_ms": ttfts[-1],
+            "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
+def one_at_a_time(port, doc_tokens, count=8):
+    doc = [(i * 7919 + 13) % 120000 for i in range(doc_tokens)]
+    ttfts = sorted(ask(port, doc + [(q * 4001 + i * 23 + 9) % 120000 for i in range(32)])["ttft_ms"]
+                   for q in range(count))
+    return {"questions": count, "median_ttft_ms": ttfts[count // 2], "min_ttft_ms": ttfts[0]}
+
+
 def samples(port, prompt_tokens, n):
     prompt = [(i * 104729 + 7) % 120000 for i in range(prompt_tokens)]
     start = time.time()
@@ -69,6 +94,11 @@ def main():
     port, out, doc, questions, prompt, n = sys.argv[1:]
     result = {"document": document(port, int(doc), int(questions))}
     print(json.dumps({k: v for k, v in result["document"].items() if k != "answers"}), flush=True)
+    if int(questions) > 1:
+        result["one_batch"] = one_batch(port, int(doc), int(questions))
+        print(json.dumps(result["one_batch"]), flush=True)
+    result["one_at_a_time"] = one_at_a_time(port, int(doc))
+    print(json.dumps(result["one_at_a_time"]), flush=True)
     result["samples"] = samples(port, int(prompt), int(n))
     print(json.dumps(result["samples"]), flush=True)
     with open(out, "w") as f:

@@ -91,6 +91,7 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
       .communication_in_flight = a.communication_in_flight,
       .paged = a.paged_kv};
   if (a.paged_kv == nullptr) return Launch(args);
+  if (attention::GathersPagedKv(a.slices)) return AttendGathered(a, args);
   const attention::SharedBlockTree tree =
       attention::FindSharedBlocks(a.shape, a.slices, *a.paged_kv);
   if (tree.counts.roots == 0) return Launch(args);
@@ -99,6 +100,22 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
       std::max(kMinBytes, attention::cuda::SharedBlocksWorkspaceBytes(args, tree))));
   return attention::cuda::SharedBlocksAttentionCuda(args, tree, workspace_.As<void>(),
                                                     workspace_.capacity(), stream_);
+}
+
+absl::Status CudaRingOps::AttendGathered(const RingStepArgs& a, const CudaAttentionArgs& args) {
+  const attention::PagedKv& paged = *a.paged_kv;
+  CPFILL_CHECK_ARG(!paged.host_table.empty(),
+                   "CUDA ring: a paged prefill step needs the block table in host memory");
+  CPFILL_RETURN_IF_ERROR(paged.Validate(int64_t{a.shape.num_kv_heads} * a.shape.head_dim * 2,
+                                        a.slices.data(), static_cast<int64_t>(a.slices.size())));
+  const attention::SharedBlockTree tree =
+      attention::FindSharedBlocks(a.shape, a.slices, paged, attention::RuleForStep(a.slices));
+  prefix_batch_counts_ += tree.counts;
+  const attention::PagedGather plan = attention::PlanPagedGather(tree, paged, paged.host_table);
+  CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
+      std::max(kMinBytes, attention::cuda::GatheredPagedWorkspaceBytes(args, plan))));
+  return attention::cuda::GatheredPagedAttentionCuda(args, plan, workspace_.As<void>(),
+                                                     workspace_.capacity(), stream_);
 }
 
 absl::Status CudaRingOps::Launch(const CudaAttentionArgs& args) {

@@ -54,7 +54,8 @@ class CudaRingOps : public RingOps {
   absl::Status Fill(void* dst, uint8_t byte, size_t bytes) override;
   // The kernel, growing its workspace first if too small (the first run of a larger plan).
   // Paged K/V whose sequences share leading blocks: two launches, the roots (and the slices
-  // under none) then the members' own rows merged in (prefix_batched_cuda.h).
+  // under none) then the members' own rows merged in (prefix_batched_cuda.h). A prefill step
+  // over paged K/V (attention::GathersPagedKv) gathers its rows first, the shared ones once.
   absl::Status Attend(const RingStepArgs& args) override;
   absl::Status Merge(const attention::AttentionShape& shape, int64_t rows,
                      std::span<const attention::PartialView> parts, float* o, float* lse) override;
@@ -72,6 +73,9 @@ class CudaRingOps : public RingOps {
   CudaRingOps(NcclCommunicator& cp, cudaStream_t stream) : cp_(cp), stream_(stream) {}
   // One kernel call over args.slices, its workspace grown first.
   absl::Status Launch(const attention::cuda::CudaAttentionArgs& args);
+  // A gathered paged step: its roots and rows planned on the host, then gathered and run.
+  absl::Status AttendGathered(const RingStepArgs& a,
+                              const attention::cuda::CudaAttentionArgs& args);
 
   NcclCommunicator& cp_;
   cudaStream_t stream_;

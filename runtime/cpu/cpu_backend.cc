@@ -50,10 +50,9 @@ class CpuBackend : public ModelBackend {
     t.data = scratch_[slot].data();
     return t;
   }
-  int64_t ScratchBytesHeld() const override {
-    int64_t held = 0;
-    for (const HostBuffer& b : scratch_) held += static_cast<int64_t>(b.size());
-    return held;
+  int64_t ScratchBytesHeld(int slot) const override {
+    return slot < static_cast<int>(scratch_.size()) ? static_cast<int64_t>(scratch_[slot].size())
+                                                    : 0;
   }
   // A rank may hold no rows of a batch (a 1-token prompt on CP > 1): its tensors are empty and
   // their data null, which memcpy may not be given even for 0 bytes.

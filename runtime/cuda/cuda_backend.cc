@@ -100,10 +100,10 @@ class CudaBackend : public ModelBackend {
     t.data = scratch_[slot].As<void>();
     return t;
   }
-  int64_t ScratchBytesHeld() const override {
-    int64_t held = 0;
-    for (const DeviceBuffer& b : scratch_) held += static_cast<int64_t>(b.capacity());
-    return held;
+  int64_t ScratchBytesHeld(int slot) const override {
+    return slot < static_cast<int>(scratch_.size())
+               ? static_cast<int64_t>(scratch_[slot].capacity())
+               : 0;
   }
   // Pageable host memory: the call returns once the bytes are staged, so the caller may reuse it.
   absl::Status Upload(const void* host, Tensor* dst) override {
