@@ -22,10 +22,18 @@ int64_t CommonBlocks(std::span<const int32_t> table, int64_t a, int64_t b, int64
   return std::mismatch(first, first + limit, table.begin() + b).first - first;
 }
 
+// True when a range of `ranges` has a query row in [begin, end).
+bool AnyRowIn(std::span<const SequenceSlice> ranges, int64_t begin, int64_t end) {
+  return std::any_of(ranges.begin(), ranges.end(), [&](const SequenceSlice& r) {
+    return Overlap(r.q_begin, r.q_len, begin, end - begin);
+  });
+}
+
 }  // namespace
 
 SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const SequenceSlice> slices,
-                                 const PagedKv& paged, const SharedBlockRule& rule) {
+                                 const PagedKv& paged, const SharedBlockRule& rule,
+                                 std::span<const SequenceSlice> keyless) {
   SharedBlockTree tree;
   const int64_t group = shape.group_size();
   const int64_t entries = static_cast<int64_t>(paged.host_table.size());
@@ -35,6 +43,13 @@ SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const Se
     *table_begin = paged.TableBegin(s.kv_begin);
     if (entries == 0 || s.q_len == 0 || *table_begin < 0) return 0;
     return std::min(s.kv_len / paged.block_tokens, entries - *table_begin);
+  };
+  // Blocks slices a and b (indices) start with in common, at most `limit`.
+  auto common_of = [&](size_t a, size_t b, int64_t limit) -> int64_t {
+    int64_t a_table = 0, b_table = 0;
+    const int64_t n =
+        std::min({limit, blocks_of(slices[a], &a_table), blocks_of(slices[b], &b_table)});
+    return n > 0 ? CommonBlocks(paged.host_table, a_table, b_table, n) : 0;
   };
   size_t i = 0;
   while (i < slices.size()) {
@@ -46,15 +61,22 @@ SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const Se
       const SequenceSlice& next = slices[end];
       if ((next.q_begin + next.q_len - head.q_begin) * group > rule.max_root_rows) break;
       // Members' rows ascend; rows between them see no key only under a causal mask (position
-      // -1 sees none).
+      // -1 sees none), and only if they are padding, not another sequence's queries.
       const SequenceSlice& prev = slices[end - 1];
       const int64_t prev_end = prev.q_begin + prev.q_len;
       if (next.q_begin < prev_end || (!shape.causal && next.q_begin != prev_end)) break;
-      int64_t next_table = 0;
-      const int64_t next_blocks = blocks_of(next, &next_table);
-      const int64_t shared =
-          CommonBlocks(paged.host_table, head_table, next_table, std::min(common, next_blocks));
+      if (AnyRowIn(keyless, prev_end, next.q_begin)) break;
+      const int64_t shared = common_of(i, end, common);
       if (shared == 0) break;
+      const int64_t members = static_cast<int64_t>(end - i);
+      // A head that shares less with the next slice than the next shares with its own next
+      // (a system prompt's fork before forks of one document) goes alone: the run starts there.
+      if (members == 1 && end + 1 < slices.size() && common_of(end, end + 1, shared + 1) > shared) {
+        break;
+      }
+      // Joining must not cut the rows the run reads once: members x shared against
+      // (members - 1) x common.
+      if (members * shared < (members - 1) * common) break;
       common = shared;
     }
     const int64_t members = static_cast<int64_t>(end - i);
@@ -96,14 +118,18 @@ SharedBlockRule RuleForStep(std::span<const SequenceSlice> slices) {
 PagedGather PlanPagedGather(const SharedBlockTree& tree, const PagedKv& paged,
                             std::span<const int32_t> table) {
   PagedGather g;
-  // Slices of one step that read the same rows (one sequence's keys under several query runs)
-  // share their gathered copy.
-  std::map<std::pair<int64_t, int64_t>, int64_t> gathered;
+  // Slices that read the same blocks, as many rows, share one gathered copy: forks of one prompt
+  // outside a root (their run broken by another sequence, or their own rows past a shorter
+  // shared part) copy the prompt once, not once each.
+  std::map<std::pair<std::vector<int32_t>, int64_t>, int64_t> gathered;
   const auto place = [&](const SequenceSlice& s) -> SequenceSlice {
     if (s.q_len == 0 || s.kv_len == 0) return {.q_begin = s.q_begin, .q_len = s.q_len};
-    const auto [it, fresh] = gathered.try_emplace({s.kv_begin, s.kv_len}, g.rows);
+    const int64_t table_begin = paged.TableBegin(s.kv_begin);
+    const auto first = table.begin() + table_begin;
+    std::vector<int32_t> blocks(first,
+                                first + (s.kv_len + paged.block_tokens - 1) / paged.block_tokens);
+    const auto [it, fresh] = gathered.try_emplace({std::move(blocks), s.kv_len}, g.rows);
     if (fresh) {
-      const int64_t table_begin = paged.TableBegin(s.kv_begin);
       for (int64_t r = 0; r < s.kv_len; r += paged.block_tokens) {
         g.copies.push_back(
             {.block = table[table_begin + r / paged.block_tokens],

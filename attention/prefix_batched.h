@@ -99,8 +99,11 @@ struct SharedBlockTree {
   std::vector<SequenceSlice> first, second;
   PrefixBatchCounts counts;
 };
+// `keyless`: query rows of the step that see no key here (a pass-Q message's sequences with
+// none on this rank; their q ranges): a root never spans them, as it would give them its keys.
 SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const SequenceSlice> slices,
-                                 const PagedKv& paged, const SharedBlockRule& rule = {});
+                                 const PagedKv& paged, const SharedBlockRule& rule = {},
+                                 std::span<const SequenceSlice> keyless = {});
 
 // A gathered step's keys: the rows its tree's slices read, each once, copied out of the blocks
 // back to back; the tree's levels rewritten to read them there. A level's slices keep their

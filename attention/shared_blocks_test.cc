@@ -122,6 +122,52 @@ TEST(PlanPagedGather, PrefillStepCopiesSharedBlocksOnce) {
   EXPECT_EQ(g.first[0].kv_len, shared);
 }
 
+// Four forks of one document (4 shared blocks) in a prefill step; `odd` (if >= 0) shares only the
+// first block with the others (a fork of the system prompt alone): its other entries are blocks
+// of its own.
+SharedBlocksProblem DocumentForks(int odd, int64_t stride = 1) {
+  SharedBlocksProblem t = MakeSharedBlocksProblem(MakeShape(8, 2, 32, true),
+                                                  {.shared_blocks = 4,
+                                                   .own_rows = {5, 5, 5, 5},
+                                                   .sharing = 4,
+                                                   .q_stride = stride,
+                                                   .queries = 9},
+                                                  5);
+  if (odd >= 0) {
+    for (int b = 1; b < 4; ++b) t.table[t.seq_table_begin[odd] + b] = 1000 + b;
+  }
+  return t;
+}
+
+// A run neither starts with a head that shares less than the sequences after it, nor takes in a
+// sequence that would cut the rows it reads once: the system prompt's fork stays alone, first or
+// last, and the document's forks share all 4 blocks.
+TEST(FindSharedBlocks, ARunNeitherStartsNorGrowsAtALoss) {
+  for (int odd : {0, 3}) {
+    SCOPED_TRACE(odd == 0 ? "the odd fork first" : "the odd fork last");
+    const SharedBlocksProblem t = DocumentForks(odd);
+    const SharedBlockTree tree = Find(t, RuleForStep(t.pb.slices));
+    EXPECT_EQ(tree.counts.roots, 1);
+    EXPECT_EQ(tree.counts.sequences, 3);
+    EXPECT_EQ(tree.counts.key_rows_saved, 2 * 4 * 16);
+  }
+}
+
+// Query rows of a sequence with no key on this rank (a pass-Q message's real queries, not
+// padding) between two forks split their run: a root over them would give them its keys. The two
+// roots read the same blocks, which the gather copies once.
+TEST(FindSharedBlocks, KeylessRowsBetweenForksSplitTheRun) {
+  const SharedBlocksProblem t = DocumentForks(-1, /*stride=*/2);  // rows 9..17 of each slot spare
+  const std::vector<SequenceSlice> keyless = {{.q_begin = 27, .q_len = 5}};  // after fork 1
+  const PagedKv paged = t.Paged(t.table.data(), 4, /*batch=*/true);
+  EXPECT_EQ(Find(t, RuleForStep(t.pb.slices)).counts.roots, 1);
+  const SharedBlockTree tree =
+      FindSharedBlocks(t.pb.shape, t.pb.slices, paged, RuleForStep(t.pb.slices), keyless);
+  EXPECT_EQ(tree.counts.roots, 2);
+  EXPECT_EQ(tree.counts.sequences, 4);
+  EXPECT_EQ(PlanPagedGather(tree, paged, t.table).rows, 4 * 16 + 4 * 5);
+}
+
 // Keys that start inside a sequence on a block boundary resolve to its later table entries.
 TEST(PagedKv, TableBeginInsideASequenceOnBlockBoundaries) {
   const std::vector<int64_t> kv_begin = {0, 40, 40, 100};

@@ -116,7 +116,8 @@ absl::Status CpuRingOps::Attend(const RingStepArgs& a) {
   const attention::SharedBlockTree tree =
       paged.host_table.empty()
           ? attention::SharedBlockTree{.first = {a.slices.begin(), a.slices.end()}}
-          : attention::FindSharedBlocks(a.shape, a.slices, paged, attention::RuleForStep(a.slices));
+          : attention::FindSharedBlocks(a.shape, a.slices, paged, attention::RuleForStep(a.slices),
+                                        a.keyless);
   prefix_batch_counts_ += tree.counts;
   const std::span<const int32_t> table =
       paged.host_table.empty() ? TableSpan(paged, a.slices) : paged.host_table;
@@ -504,7 +505,7 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   CPFILL_RETURN_IF_ERROR(PackQ(q, msg[0]));  // Q_k^k
   const int p1 = Mark();
 
-  std::vector<SequenceSlice> slices;
+  std::vector<SequenceSlice> slices, keyless;
   int cur = 0;
   for (int j = 0; j < n; ++j) {
     RingStepTiming step;
@@ -516,7 +517,7 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
     CPFILL_ASSIGN_OR_RETURN(std::unique_ptr<PendingExchange> exchange,
                             StartExchange(j, msg, cur, m.bytes, &step));
     // Step j.2: O_s^k = GQA(Q^s, KV_k) into the partial block destined for rank s.
-    ring_plan_.PassQSlices(src, &slices, &step);
+    ring_plan_.PassQSlices(src, &slices, &step, &keyless);
     float* block = partials + src * block_floats;
     const RingStepArgs a{.shape = shape_,
                          .q = msg[cur] + m.a_offset,
@@ -530,7 +531,8 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
                          .o = block,
                          .lse = block + slots * q_row,
                          .communication_in_flight = exchange != nullptr,
-                         .paged_kv = options_.paged_kv};
+                         .paged_kv = options_.paged_kv,
+                         .keyless = keyless};
     // Step j.3: the next queries must have arrived before they are computed on.
     CPFILL_RETURN_IF_ERROR(ComputeStep(a, step, std::move(exchange), t, log));
     cur = 1 - cur;

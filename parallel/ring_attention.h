@@ -71,6 +71,9 @@ struct RingStepArgs {
   bool communication_in_flight = false;
   // Set: k/v are a KV cache's block pools, read in place through this table (attention.h).
   const attention::PagedKv* paged_kv = nullptr;
+  // Query rows in no slice that are not padding (a pass-Q message's sequences with no key on
+  // this rank): prefix batching's roots must not span them (attention::FindSharedBlocks).
+  std::span<const attention::SequenceSlice> keyless;
 };
 
 // How a run reads its keys and whether it waits.

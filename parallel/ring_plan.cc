@@ -75,10 +75,18 @@ void RingPlan::PassKvSlices(int source, std::vector<attention::SequenceSlice>* s
 }
 
 void RingPlan::PassQSlices(int source, std::vector<attention::SequenceSlice>* slices,
-                           RingStepTiming* step) const {
+                           RingStepTiming* step,
+                           std::vector<attention::SequenceSlice>* keyless) const {
   slices->clear();
+  if (keyless != nullptr) keyless->clear();
   for (int s = 0; s < plan_.num_sequences(); ++s) {
-    if (!CountChunkPairs(s, source, cp_rank_, step)) continue;
+    if (!CountChunkPairs(s, source, cp_rank_, step)) {
+      const int64_t rows = plan_.shard(source, s).new_tokens();
+      if (keyless != nullptr && rows > 0) {
+        keyless->push_back({.q_begin = q_slot_offset_[s], .q_len = rows});
+      }
+      continue;
+    }
     slices->push_back({.q_begin = q_slot_offset_[s],
                        .q_len = plan_.shard(source, s).new_tokens(),
                        .kv_begin = layout_.kv_offset[s],

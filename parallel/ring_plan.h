@@ -100,8 +100,10 @@ class RingPlan {
   // slots). Sequences whose pairs are all hidden are left out; `step` gets the pair counts.
   void PassKvSlices(int source, std::vector<attention::SequenceSlice>* slices,
                     RingStepTiming* step) const;
-  void PassQSlices(int source, std::vector<attention::SequenceSlice>* slices,
-                   RingStepTiming* step) const;
+  // `keyless` (optional): the query rows of sequences left out that `source` does hold (real
+  // queries that see no key here, unlike padding), as q ranges.
+  void PassQSlices(int source, std::vector<attention::SequenceSlice>* slices, RingStepTiming* step,
+                   std::vector<attention::SequenceSlice>* keyless = nullptr) const;
   void AllGatherSlices(std::vector<attention::SequenceSlice>* slices) const;
   // A ring of one rank: this rank's query rows against its own key rows, both in local layout.
   void LocalSlices(std::vector<attention::SequenceSlice>* slices, RingStepTiming* step) const;

@@ -326,7 +326,8 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
                                           decode_step.has_value(), &t));
   // Each algorithm's sequences side by side, so a mixed batch runs one fused ring per algorithm
   // (parallel::MixedRing); the outputs go back to the caller's order at the end.
-  const std::vector<int> order = parallel::GroupOrder(t.algorithms);
+  std::vector<int> order = parallel::GroupOrder(t.algorithms);
+  if (!decode_step.has_value()) OrderBySharedHistory(batch, t.algorithms, &order);
   std::vector<PrefillRequest> grouped;
   for (int i : order) {
     grouped.push_back(batch[i]);
@@ -343,6 +344,10 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
   r.kv_in_place = decode_step.has_value() || r.kv_gathered;
   CPFILL_RETURN_IF_ERROR(CheckActivationMemory(r));
   CPFILL_RETURN_IF_ERROR(ReserveKv(r));
+  if (absl::Status s = CheckGatheredMemory(r); !s.ok()) {
+    RollBackKv(r);
+    return s;
+  }
 
   absl::Status status = Forward(r, t, progress);
   absl::StatusOr<std::vector<SequenceOutput>> out =
@@ -357,6 +362,32 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
   for (size_t i = 0; i < order.size(); ++i) in_order[order[i]] = std::move((*out)[i]);
   t.total_s = Since(t_start);
   return in_order;
+}
+
+// Within each algorithm's group of a prefill, requests whose sessions start with the same tokens
+// side by side: prefix batching groups neighbours only (attention::FindSharedBlocks), so forks of
+// one prompt that arrived apart still read it once. The order is the same on every rank
+// (sessions are). Decode batches keep the engine's order (forks of a request are adjacent).
+void LlamaModel::OrderBySharedHistory(const std::vector<PrefillRequest>& batch,
+                                      const std::vector<parallel::RingAlgorithm>& algorithms,
+                                      std::vector<int>* order) const {
+  if (!options_.prefix_batching || options_.batch_invariant) return;
+  constexpr size_t kCompared = 4096;  // tokens: enough to tell prefixes apart, cheap to compare
+  const auto history = [&](int i) -> std::span<const int32_t> {
+    auto it = batch[i].session.empty() ? sessions_.end() : sessions_.find(batch[i].session);
+    if (it == sessions_.end()) return {};
+    const std::vector<int32_t>& t = it->second.tokens;
+    return {t.data(), std::min(t.size(), kCompared)};
+  };
+  for (auto begin = order->begin(); begin != order->end();) {
+    const auto end = std::find_if(begin, order->end(),
+                                  [&](int i) { return algorithms[i] != algorithms[*begin]; });
+    std::stable_sort(begin, end, [&](int a, int b) {
+      const std::span<const int32_t> x = history(a), y = history(b);
+      return std::lexicographical_compare(x.begin(), x.end(), y.begin(), y.end());
+    });
+    begin = end;
+  }
 }
 
 // A prefill whose sequences reuse cached rows reads them in place from their blocks, as decode
@@ -375,21 +406,6 @@ bool LlamaModel::PrefillReadsKvInPlace(const Running& r) const {
   return kv_stays &&
          std::any_of(r.b.sequences.begin(), r.b.sequences.end(),
                      [](const sharding::SequenceRequest& s) { return s.cached_tokens > 0; });
-}
-
-// The rows one ring step of a gathered prefill copies at most: every cached block once, however
-// many sequences hold it, and each sequence's new rows with its partly filled last block.
-int64_t LlamaModel::GatheredRowsBound(const Running& r) const {
-  std::unordered_set<int32_t> blocks;
-  int64_t rows = 0;
-  const sharding::LocalLayout& layout = r.b.layout;
-  for (size_t s = 0; s < r.seq.size(); ++s) {
-    if (kv_->Contains(r.seq[s])) {
-      for (int32_t id : kv_->BlockTable(r.seq[s])) blocks.insert(id);
-    }
-    rows += layout.q_len[s] + kv_->spec().block_tokens;
-  }
-  return rows + static_cast<int64_t>(blocks.size()) * kv_->spec().block_tokens;
 }
 
 // Every activation of a batch: its tensor, scratch slot, element type and shape.
@@ -427,32 +443,29 @@ absl::Status LlamaModel::CheckActivationMemory(Running& r) {
     const int64_t bytes = a.rows * a.cols * ElemBytes(a.type);
     if (bytes > backend_->ScratchBytesHeld(a.slot)) need += bytes;
   }
-  if (r.kv_gathered) {
-    // The ring's gathered K, V and positions (its workspace, not a scratch slot).
-    const KvCacheSpec& spec = kv_->spec();
-    need += GatheredRowsBound(r) *
-            (2 * int64_t{spec.kv_heads} * spec.head_dim * ElemBytes(backend_->compute_type()) + 4);
-  }
   return CheckFitsOnEveryRank(
       world_, "the batch's activations", need, [&] { return backend_->FreeMemoryBytes(); },
       "use more ranks (CP splits the tokens) or send fewer tokens per batch");
+}
+
+// This rank's attention heads (TP shards them), causal.
+attention::AttentionShape LlamaModel::AttentionShapeOf() const {
+  const int tp = backend_->tp().size();
+  const int hd = config_.head_dim;
+  return {.num_heads = config_.num_heads / tp,
+          .num_kv_heads = config_.num_kv_heads / tp,
+          .head_dim = hd,
+          .softmax_scale = 1.0f / std::sqrt(float(hd)),
+          .causal = true};
 }
 
 // Steps 1-2: the embedding and the layers, then one wait for the device.
 absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
                                  const std::function<void(int)>& progress) {
   ModelBackend& be = *backend_;
-  const ModelConfig& c = config_;
-  const int tp = be.tp().size();
-  const int hq = c.num_heads / tp, hkv = c.num_kv_heads / tp, hd = c.head_dim;
   const sharding::LocalLayout& layout = r.b.layout;
-  const attention::AttentionShape shape{.num_heads = hq,
-                                        .num_kv_heads = hkv,
-                                        .head_dim = hd,
-                                        .softmax_scale = 1.0f / std::sqrt(float(hd)),
-                                        .causal = true};
-  CPFILL_ASSIGN_OR_RETURN(r.ring,
-                          parallel::MixedRing::Create(be.cp(), r.b.plan, shape, &be.ring_ops()));
+  CPFILL_ASSIGN_OR_RETURN(
+      r.ring, parallel::MixedRing::Create(be.cp(), r.b.plan, AttentionShapeOf(), &be.ring_ops()));
 
   // Buffers for this batch, kept by the backend and grown if this batch is the largest so far.
   for (const Activation& a : Activations(r)) {
@@ -513,12 +526,15 @@ absl::Status LlamaModel::EnqueueLayers(Running& r, PrefillTimings& t,
 
 // The block tables of the batch's sequences that hold rows here, back to back, uploaded once
 // for every layer (a block id names the same slot in each layer's pool).
-absl::Status LlamaModel::UploadBlockTables(Running& r) {
+absl::Status LlamaModel::BuildBlockTables(Running& r) {
   CPFILL_CHECK_INTERNAL(KvDtypeBytes(kv_->spec().dtype) == ElemBytes(backend_->compute_type()),
                         "the KV cache's elements must be the attention's to be read in place");
   const sharding::LocalLayout& layout = r.b.layout;
   const int64_t block_tokens = kv_->spec().block_tokens;
   std::vector<int32_t>& table = r.host_block_table;
+  table.clear();
+  r.seq_kv_begin.clear();
+  r.seq_table_begin.clear();
   for (int s = 0; s < r.b.plan.num_sequences(); ++s) {
     if (layout.kv_len[s] == 0) continue;
     const std::span<const int32_t> blocks = kv_->BlockTable(r.seq[s]);
@@ -529,6 +545,48 @@ absl::Status LlamaModel::UploadBlockTables(Running& r) {
     r.seq_table_begin.push_back(static_cast<int64_t>(table.size()));
     table.insert(table.end(), blocks.begin(), blocks.begin() + used);
   }
+  return absl::OkStatus();
+}
+
+// Step 0c (a prefill that reads cached rows in place): what the ring gathers in one step must
+// fit too, agreed by every rank, else the batch is refused and its blocks given back. One rank:
+// exactly the rows its one step gathers (the shared blocks once); a CP ring's steps see subsets
+// of the batch, so there the bound is every sequence's rows (what the copy path holds).
+absl::Status LlamaModel::CheckGatheredMemory(Running& r) {
+  if (!r.kv_gathered) return absl::OkStatus();
+  CPFILL_RETURN_IF_ERROR(BuildBlockTables(r));
+  const sharding::LocalLayout& layout = r.b.layout;
+  int64_t rows = 0;
+  if (backend_->cp().size() == 1) {
+    std::vector<attention::SequenceSlice> slices;
+    for (int s = 0; s < r.b.plan.num_sequences(); ++s) {
+      if (layout.q_len[s] == 0 || layout.kv_len[s] == 0) continue;
+      slices.push_back({.q_begin = layout.q_offset[s],
+                        .q_len = layout.q_len[s],
+                        .kv_begin = layout.kv_offset[s],
+                        .kv_len = layout.kv_len[s]});
+    }
+    const attention::PagedKv paged = HostPagedKv(r);
+    const attention::AttentionShape shape = AttentionShapeOf();
+    rows = attention::PlanPagedGather(
+               attention::FindSharedBlocks(shape, slices, paged, attention::RuleForStep(slices)),
+               paged, r.host_block_table)
+               .rows;
+  } else {
+    for (int s = 0; s < r.b.plan.num_sequences(); ++s) rows += layout.kv_len[s];
+  }
+  const KvCacheSpec& spec = kv_->spec();
+  const int64_t row_bytes =
+      int64_t{spec.kv_heads} * spec.head_dim * ElemBytes(backend_->compute_type());
+  return CheckFitsOnEveryRank(
+      world_, "the batch's cached K/V gathered for attention", rows * (2 * row_bytes + 4),
+      [&] { return backend_->FreeMemoryBytes(); },
+      "send fewer requests per batch, or use more ranks (CP splits the rows)");
+}
+
+absl::Status LlamaModel::UploadBlockTables(Running& r) {
+  CPFILL_RETURN_IF_ERROR(BuildBlockTables(r));
+  const std::vector<int32_t>& table = r.host_block_table;
   const int64_t entries = static_cast<int64_t>(table.size());
   // Sized for the whole pool at once: a table that grows a block at a time (every few decode
   // steps) would otherwise regrow the scratch each time.
@@ -539,6 +597,17 @@ absl::Status LlamaModel::UploadBlockTables(Running& r) {
   return entries == 0 ? absl::OkStatus() : backend_->Upload(table.data(), &r.block_table);
 }
 
+// The batch's block tables as the ring reads them, with the table in host memory (what
+// prefix batching and the gather plan read); `table` is the caller's to set.
+attention::PagedKv LlamaModel::HostPagedKv(const Running& r) const {
+  return {.table = r.host_block_table.data(),
+          .block_tokens = kv_->spec().block_tokens,
+          .block_stride_bytes = kv_->spec().block_bytes(),
+          .seq_kv_begin = r.seq_kv_begin,
+          .seq_table_begin = r.seq_table_begin,
+          .host_table = r.host_block_table};
+}
+
 // Layer l's attention over the CP ring, enqueued without a host wait (Forward waits once): K/V
 // from the rows gathered out of the cache, or read in place from this layer's pools through the
 // block tables (decode steps).
@@ -546,14 +615,9 @@ absl::Status LlamaModel::AttentionRing(int l, Running& r) {
   parallel::RunOptions run{.wait = false};
   const void* k = r.k_all.data;
   const void* v = r.v_all.data;
-  const attention::PagedKv paged{.table = r.block_table.As<int32_t>(),
-                                 .block_tokens = kv_->spec().block_tokens,
-                                 .block_stride_bytes = kv_->spec().block_bytes(),
-                                 .seq_kv_begin = r.seq_kv_begin,
-                                 .seq_table_begin = r.seq_table_begin,
-                                 .host_table = options_.prefix_batching && !options_.batch_invariant
-                                                   ? std::span<const int32_t>(r.host_block_table)
-                                                   : std::span<const int32_t>()};
+  attention::PagedKv paged = HostPagedKv(r);
+  paged.table = r.block_table.As<int32_t>();
+  if (!options_.prefix_batching || options_.batch_invariant) paged.host_table = {};
   if (r.kv_in_place) {
     k = kv_->BlockAddress(l, 0, 0);
     v = kv_->BlockAddress(l, 1, 0);

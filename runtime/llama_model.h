@@ -139,12 +139,18 @@ class LlamaModel {
                                                    std::optional<int64_t> decode_step,
                                                    PrefillTimings* timings,
                                                    const std::function<void(int)>& progress);
+  void OrderBySharedHistory(const std::vector<PrefillRequest>& batch,
+                            const std::vector<parallel::RingAlgorithm>& algorithms,
+                            std::vector<int>* order) const;
   bool PrefillReadsKvInPlace(const Running& r) const;
-  int64_t GatheredRowsBound(const Running& r) const;
   absl::Status CheckActivationMemory(Running& r);
   absl::Status ReserveKv(Running& r);
   void RollBackKv(const Running& r);
+  absl::Status BuildBlockTables(Running& r);
+  absl::Status CheckGatheredMemory(Running& r);
   absl::Status UploadBlockTables(Running& r);
+  attention::PagedKv HostPagedKv(const Running& r) const;
+  attention::AttentionShape AttentionShapeOf() const;
   absl::Status Forward(Running& r, PrefillTimings& t, const std::function<void(int)>& progress);
   absl::Status EnqueueLayers(Running& r, PrefillTimings& t,
                              const std::function<void(int)>& progress);

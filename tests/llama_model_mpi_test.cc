@@ -477,6 +477,57 @@ TEST(LlamaModel, QuestionsAboutACachedDocumentPrefillTogether) {
   }
 }
 
+// Forks of two documents asked in one batch, interleaved as they arrived: the model orders each
+// document's forks side by side, so each document is one root (3 + 2 sequences batched on every
+// rank), and every answer equals one rank's prefill of its whole sequence.
+TEST(LlamaModel, InterleavedForksOfTwoDocumentsAreBatchedByDocument) {
+  const runtime::ModelConfig c = Tiny();
+  runtime::PrefillOptions options;
+  options.kv_block_tokens = 16;
+  options.kv_capacity_tokens = 4096;
+  options.auto_algorithm = false;
+  options.algorithm = parallel::RingAlgorithm::kPassQ;
+  auto made = MakeCpModel(options);
+  ASSERT_TRUE(made.ok()) << made.status();
+  runtime::LlamaModel& m = *made->model;
+  const std::vector<int32_t> docs[2] = {Prompt(260, c.vocab_size, 41),
+                                        Prompt(200, c.vocab_size, 42)};
+  for (int d = 0; d < 2; ++d) {
+    ASSERT_TRUE(
+        m.Prefill({{.tokens = docs[d], .session = "doc" + std::to_string(d)}}, nullptr, nullptr)
+            .ok());
+  }
+  const int of_doc[5] = {0, 1, 0, 1, 0};
+  std::vector<PrefillRequest> batch;
+  std::vector<PrefillRequest> whole;
+  for (int i = 0; i < 5; ++i) {
+    const std::string name = "q" + std::to_string(i);
+    const std::vector<int32_t>& doc = docs[of_doc[i]];
+    ASSERT_TRUE(
+        m.ForkSession("doc" + std::to_string(of_doc[i]), name, static_cast<int64_t>(doc.size()))
+            .ok());
+    batch.push_back({.tokens = Prompt(40 + 5 * i, c.vocab_size, 60 + i), .session = name});
+    whole.push_back({.tokens = doc});
+    whole.back().tokens.insert(whole.back().tokens.end(), batch.back().tokens.begin(),
+                               batch.back().tokens.end());
+  }
+  runtime::PrefillTimings t;
+  auto out = m.Prefill(batch, &t, nullptr);
+  ASSERT_TRUE(out.ok()) << out.status();
+  // Counts sum over layers and pass-Q's steps: each step, 2 roots over the 5 forks.
+  const int64_t steps = int64_t{c.num_layers} * made->grid.cp_size;
+  std::string error;
+  if (t.prefix_batch.roots != 2 * steps || t.prefix_batch.sequences != 5 * steps) {
+    error = std::to_string(t.prefix_batch.roots) + " roots over " +
+            std::to_string(t.prefix_batch.sequences) + " sequences in " + std::to_string(steps) +
+            " steps";
+  }
+  if (made->grid.world_rank == 0 && error.empty()) error = Compare(*out, OneRank(c, {whole}));
+  auto agreed = parallel::AllRanksOk(*made->grid.world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << made->grid.Describe() << ": " << error;
+}
+
 // --- The KV hand-off: a session's handle from its sharded KV ---------------------------------
 
 // Every rank's whole KV pool (fp32 on the CPU backend, small for the tiny model) on every rank,

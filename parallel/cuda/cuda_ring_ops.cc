@@ -93,7 +93,7 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
   if (a.paged_kv == nullptr) return Launch(args);
   if (attention::GathersPagedKv(a.slices)) return AttendGathered(a, args);
   const attention::SharedBlockTree tree =
-      attention::FindSharedBlocks(a.shape, a.slices, *a.paged_kv);
+      attention::FindSharedBlocks(a.shape, a.slices, *a.paged_kv, {}, a.keyless);
   if (tree.counts.roots == 0) return Launch(args);
   prefix_batch_counts_ += tree.counts;
   CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
@@ -108,8 +108,8 @@ absl::Status CudaRingOps::AttendGathered(const RingStepArgs& a, const CudaAttent
                    "CUDA ring: a paged prefill step needs the block table in host memory");
   CPFILL_RETURN_IF_ERROR(paged.Validate(int64_t{a.shape.num_kv_heads} * a.shape.head_dim * 2,
                                         a.slices.data(), static_cast<int64_t>(a.slices.size())));
-  const attention::SharedBlockTree tree =
-      attention::FindSharedBlocks(a.shape, a.slices, paged, attention::RuleForStep(a.slices));
+  const attention::SharedBlockTree tree = attention::FindSharedBlocks(
+      a.shape, a.slices, paged, attention::RuleForStep(a.slices), a.keyless);
   prefix_batch_counts_ += tree.counts;
   const attention::PagedGather plan = attention::PlanPagedGather(tree, paged, paged.host_table);
   CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
