@@ -105,6 +105,29 @@ TEST(RingPlan, HundredThousandOneTokenPromptsPlanQuickly) {
   EXPECT_EQ(q_slices, kSeqs);
 }
 
+// A source's queries of sequences with no key on this rank are named (real rows, not padding),
+// so that prefix batching's roots do not span them: one-token prompts live on CP rank 0.
+TEST(RingPlan, PassQNamesQueriesWithoutKeysHere) {
+  auto plan =
+      sharding::PlanPrefill(std::vector<sharding::SequenceRequest>(3, {.new_tokens = 1}), 2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<attention::SequenceSlice> slices, keyless;
+  RingStepTiming step;
+  const RingPlan owner(*plan, 0, /*causal=*/true), other(*plan, 1, /*causal=*/true);
+  owner.PassQSlices(0, &slices, &step, &keyless);
+  EXPECT_EQ(slices.size(), 3u);
+  EXPECT_TRUE(keyless.empty());
+  other.PassQSlices(0, &slices, &step, &keyless);
+  EXPECT_TRUE(slices.empty());
+  ASSERT_EQ(keyless.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(keyless[i].q_begin, other.q_slot_offset(i));
+    EXPECT_EQ(keyless[i].q_len, 1);
+  }
+  other.PassQSlices(1, &slices, &step, &keyless);  // rank 1 holds none of their queries
+  EXPECT_TRUE(keyless.empty());
+}
+
 // A mixed batch's rings: one per run of adjacent sequences with one algorithm; GroupOrder puts
 // each algorithm's sequences side by side (stable), so two algorithms make two rings.
 TEST(MixedRing, RunsAndGroupOrder) {
