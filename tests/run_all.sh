@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (.ci/run) and as the README's second command gives it:
-#   1. launch/setup.sh (packages, build/), then every CTest of build/: unit, mpi, the CLI fuzz
-#      suite (label fuzz); gpu and multigpu tests skip with a message where there is no GPU;
+#   1. launch/setup.sh (packages, build/), then the CTests of build/ that drive the program from
+#      outside (label e2e: the CLI, the server, the Slurm scripts, the embedding examples), the
+#      CLI fuzz suite (label fuzz) and the gpu and multigpu tests, which skip with a message
+#      where there is no GPU;
 #   2. build-asan: the same sources under AddressSanitizer + UndefinedBehaviorSanitizer (CPU
-#      only), running the unit and mpi tests (not the Slurm scripts' test): any finding fails;
+#      only), running the GoogleTest unit and mpi tests and the e2e tests labelled sanitize (the
+#      server, bad input): any finding fails;
 #   3. build-fuzz: the libFuzzer targets of the safetensors and config.json readers, each for
 #      FUZZ_SECONDS (default 45) from a valid seed: any crash or sanitizer report fails.
-# Each stage says where it failed; later stages do not run after a failure.
+# Each stage says where it failed; later stages do not run after a failure. Each test runs once,
+# in the build where it finds the most (CI's time: the two builds and both test sets doubled it);
+# `ctest --test-dir build` still runs every test of the optimized build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage() { echo; echo "=== run_all: $* ==="; }
 
 stage "1/3 build and ctest (build/)"
 bash launch/setup.sh
-ctest --test-dir build --output-on-failure -j 2
+ctest --test-dir build -L 'e2e|fuzz|gpu|multigpu' --output-on-failure -j 2
 
-stage "2/3 ASan + UBSan (build-asan/): unit and mpi tests"
+stage "2/3 ASan + UBSan (build-asan/): unit and mpi GoogleTests, the server and bad input"
 asan=${ASAN_BUILD_DIR:-build-asan}
 if [ ! -f "$asan/build.ninja" ]; then
   # -O1: ASan's reports stay exact and the kernels stay fast enough for the mpi tests.
@@ -29,7 +34,8 @@ if [ ! -f "$asan/build.ninja" ]; then
 fi
 cmake --build "$asan" -j "${JOBS:-$(nproc)}" ||
   { echo "run_all: building the sanitized build ($asan) failed" >&2; exit 1; }
-ctest --test-dir "$asan" -L 'unit|mpi' -LE slurm --output-on-failure -j 2
+ctest --test-dir "$asan" -L 'unit|mpi' -LE e2e --output-on-failure -j 2
+ctest --test-dir "$asan" -L sanitize --output-on-failure -j 2
 
 stage "3/3 libFuzzer (build-fuzz/): safetensors and config.json readers"
 bash tests/fuzz/run_libfuzzer.sh "${FUZZ_BUILD_DIR:-build-fuzz}" "${FUZZ_SECONDS:-45}"
