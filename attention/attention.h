@@ -93,6 +93,10 @@ struct PagedKv {
   // queries of sequences whose tables start with the same blocks (a shared prefix, issue 21:
   // prefix_batched.h FindSharedBlocks); empty, every sequence reads its own keys.
   std::span<const int32_t> host_table;
+  // The caller's name for these tables and sequences, nonzero when it keeps them for several
+  // calls (a forward's layers): a ring backend then plans prefix batching once for all the calls
+  // with the same generation and slices (RingOps::PlanPagedStep). 0: planned every call.
+  uint64_t generation = 0;
 
   // The table entry where the keys starting at local row `kv_begin` begin: that of the last
   // sequence that starts at or before it (sequences with no rows share the next one's begin),

@@ -29,80 +29,121 @@ bool AnyRowIn(std::span<const SequenceSlice> ranges, int64_t begin, int64_t end)
   });
 }
 
+// The runs of one level and, recursively, the levels under their roots.
+class RunFinder {
+ public:
+  RunFinder(const AttentionShape& shape, const PagedKv& paged, const SharedBlockRule& rule,
+            std::span<const SequenceSlice> keyless, SharedBlockTree* tree)
+      : group_(shape.group_size()),
+        causal_(shape.causal),
+        paged_(paged),
+        rule_(rule),
+        keyless_(keyless),
+        tree_(tree) {}
+
+  // `slices` (ascending) into level `level`: each a root over a run or whole; each root's
+  // members' rows past it into the next levels.
+  void Find(std::span<const SequenceSlice> slices, size_t level) {
+    for (size_t i = 0; i < slices.size();) {
+      int64_t common = 0;
+      const size_t end = RunEnd(slices, i, &common);
+      const SequenceSlice& head = slices[i];
+      const int64_t members = static_cast<int64_t>(end - i);
+      const int64_t rows = slices[end - 1].q_begin + slices[end - 1].q_len - head.q_begin;
+      const int64_t reads = (rows * group_ + rule_.rows_per_read - 1) / rule_.rows_per_read;
+      if (members < 2 || (reads >= members && !rule_.always_root)) {
+        Level(level).push_back(head);
+        ++i;
+        continue;
+      }
+      const int64_t shared_rows = common * paged_.block_tokens;
+      Level(level).push_back({.q_begin = head.q_begin,
+                              .q_len = rows,
+                              .kv_begin = head.kv_begin,
+                              .kv_len = shared_rows});
+      std::vector<SequenceSlice> rest;
+      for (size_t m = i; m < end; ++m) {
+        const SequenceSlice& s = slices[m];
+        if (s.kv_len == shared_rows) continue;
+        rest.push_back({.q_begin = s.q_begin,
+                        .q_len = s.q_len,
+                        .kv_begin = s.kv_begin + shared_rows,
+                        .kv_len = s.kv_len - shared_rows});
+      }
+      tree_->counts +=
+          {.roots = 1, .sequences = members, .key_rows_saved = (members - 1) * shared_rows};
+      if (!rest.empty()) Find(rest, level + 1);
+      i = end;
+    }
+  }
+
+ private:
+  std::vector<SequenceSlice>& Level(size_t level) {
+    if (tree_->levels.size() <= level) tree_->levels.resize(level + 1);
+    return tree_->levels[level];
+  }
+
+  // Where a slice's blocks start in the table, and how many whole blocks of keys it has there
+  // (0: it can join no root).
+  int64_t BlocksOf(const SequenceSlice& s, int64_t* table_begin) const {
+    const int64_t entries = static_cast<int64_t>(paged_.host_table.size());
+    *table_begin = paged_.TableBegin(s.kv_begin);
+    if (entries == 0 || s.q_len == 0 || *table_begin < 0) return 0;
+    return std::min(s.kv_len / paged_.block_tokens, entries - *table_begin);
+  }
+
+  // Blocks slices a and b start with in common, at most `limit`.
+  int64_t Common(const SequenceSlice& a, const SequenceSlice& b, int64_t limit) const {
+    int64_t a_table = 0, b_table = 0;
+    const int64_t n = std::min({limit, BlocksOf(a, &a_table), BlocksOf(b, &b_table)});
+    return n > 0 ? CommonBlocks(paged_.host_table, a_table, b_table, n) : 0;
+  }
+
+  // The end of the run that starts at slices[i], and the blocks its members all start with. A
+  // run takes every next slice that shares a block with it: what its members share beyond that
+  // is found a level deeper, so joining loses no shared read.
+  size_t RunEnd(std::span<const SequenceSlice> slices, size_t i, int64_t* common) const {
+    const SequenceSlice& head = slices[i];
+    int64_t head_table = 0;
+    *common = BlocksOf(head, &head_table);
+    size_t end = i + 1;
+    for (; *common > 0 && end < slices.size(); ++end) {
+      const SequenceSlice& next = slices[end];
+      if ((next.q_begin + next.q_len - head.q_begin) * group_ > rule_.max_root_rows) break;
+      // Members' rows ascend; rows between them see no key only under a causal mask (position
+      // -1 sees none), and only if they are padding, not another sequence's queries.
+      const SequenceSlice& prev = slices[end - 1];
+      const int64_t prev_end = prev.q_begin + prev.q_len;
+      if (next.q_begin < prev_end || (!causal_ && next.q_begin != prev_end)) break;
+      if (AnyRowIn(keyless_, prev_end, next.q_begin)) break;
+      const int64_t shared = Common(head, next, *common);
+      if (shared == 0) break;
+      *common = shared;
+    }
+    return end;
+  }
+
+  const int64_t group_;
+  const bool causal_;
+  const PagedKv& paged_;
+  const SharedBlockRule& rule_;
+  const std::span<const SequenceSlice> keyless_;
+  SharedBlockTree* tree_;
+};
+
 }  // namespace
 
 SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const SequenceSlice> slices,
                                  const PagedKv& paged, const SharedBlockRule& rule,
                                  std::span<const SequenceSlice> keyless) {
   SharedBlockTree tree;
-  const int64_t group = shape.group_size();
-  const int64_t entries = static_cast<int64_t>(paged.host_table.size());
-  // Where a slice's blocks start in the table, and how many whole blocks of keys it has there
-  // (0: it can join no root).
-  auto blocks_of = [&](const SequenceSlice& s, int64_t* table_begin) -> int64_t {
-    *table_begin = paged.TableBegin(s.kv_begin);
-    if (entries == 0 || s.q_len == 0 || *table_begin < 0) return 0;
-    return std::min(s.kv_len / paged.block_tokens, entries - *table_begin);
-  };
-  // Blocks slices a and b (indices) start with in common, at most `limit`.
-  auto common_of = [&](size_t a, size_t b, int64_t limit) -> int64_t {
-    int64_t a_table = 0, b_table = 0;
-    const int64_t n =
-        std::min({limit, blocks_of(slices[a], &a_table), blocks_of(slices[b], &b_table)});
-    return n > 0 ? CommonBlocks(paged.host_table, a_table, b_table, n) : 0;
-  };
-  size_t i = 0;
-  while (i < slices.size()) {
-    const SequenceSlice& head = slices[i];
-    int64_t head_table = 0;
-    int64_t common = blocks_of(head, &head_table);
-    size_t end = i + 1;
-    for (; common > 0 && end < slices.size(); ++end) {
-      const SequenceSlice& next = slices[end];
-      if ((next.q_begin + next.q_len - head.q_begin) * group > rule.max_root_rows) break;
-      // Members' rows ascend; rows between them see no key only under a causal mask (position
-      // -1 sees none), and only if they are padding, not another sequence's queries.
-      const SequenceSlice& prev = slices[end - 1];
-      const int64_t prev_end = prev.q_begin + prev.q_len;
-      if (next.q_begin < prev_end || (!shape.causal && next.q_begin != prev_end)) break;
-      if (AnyRowIn(keyless, prev_end, next.q_begin)) break;
-      const int64_t shared = common_of(i, end, common);
-      if (shared == 0) break;
-      const int64_t members = static_cast<int64_t>(end - i);
-      // A head that shares less with the next slice than the next shares with its own next
-      // (a system prompt's fork before forks of one document) goes alone: the run starts there.
-      if (members == 1 && end + 1 < slices.size() && common_of(end, end + 1, shared + 1) > shared) {
-        break;
-      }
-      // Joining must not cut the rows the run reads once: members x shared against
-      // (members - 1) x common.
-      if (members * shared < (members - 1) * common) break;
-      common = shared;
-    }
-    const int64_t members = static_cast<int64_t>(end - i);
-    const int64_t rows = slices[end - 1].q_begin + slices[end - 1].q_len - head.q_begin;
-    const int64_t reads = (rows * group + rule.rows_per_read - 1) / rule.rows_per_read;
-    if (members < 2 || (reads >= members && !rule.always_root)) {
-      tree.first.push_back(head);
-      ++i;
-      continue;
-    }
-    const int64_t shared_rows = common * paged.block_tokens;
-    tree.first.push_back(
-        {.q_begin = head.q_begin, .q_len = rows, .kv_begin = head.kv_begin, .kv_len = shared_rows});
-    for (size_t m = i; m < end; ++m) {
-      const SequenceSlice& s = slices[m];
-      if (s.kv_len == shared_rows) continue;
-      tree.second.push_back({.q_begin = s.q_begin,
-                             .q_len = s.q_len,
-                             .kv_begin = s.kv_begin + shared_rows,
-                             .kv_len = s.kv_len - shared_rows});
-    }
-    tree.counts +=
-        {.roots = 1, .sequences = members, .key_rows_saved = (members - 1) * shared_rows};
-    i = end;
-  }
+  tree.levels.emplace_back();
+  RunFinder(shape, paged, rule, keyless, &tree).Find(slices, 0);
   return tree;
+}
+
+std::vector<std::span<const SequenceSlice>> TreeOf(const KvLevels& levels) {
+  return {levels.begin(), levels.end()};
 }
 
 bool GathersPagedKv(std::span<const SequenceSlice> slices) {
@@ -141,8 +182,10 @@ PagedGather PlanPagedGather(const SharedBlockTree& tree, const PagedKv& paged,
     }
     return {.q_begin = s.q_begin, .q_len = s.q_len, .kv_begin = it->second, .kv_len = s.kv_len};
   };
-  for (const SequenceSlice& s : tree.first) g.first.push_back(place(s));
-  for (const SequenceSlice& s : tree.second) g.second.push_back(place(s));
+  for (const std::vector<SequenceSlice>& level : tree.levels) {
+    std::vector<SequenceSlice>& to = g.levels.emplace_back();
+    for (const SequenceSlice& s : level) to.push_back(place(s));
+  }
   return g;
 }
 

@@ -42,12 +42,15 @@ absl::Status ValidateKvTree(const AttentionParams& p, KvTree levels);
 absl::Status PrefixBatchedAttentionCpu(const AttentionParams& p, KvTree levels, float* o_part,
                                        float* lse_part, ThreadPool* pool);
 
-// Prefix-batched attention in a decode step (issue 21): the step's keys are a KV cache's blocks
+// Prefix-batched attention in a paged step (issue 21): the step's keys are a KV cache's blocks
 // (PagedKv with its host_table), and sequences forked from one prompt start with the same block
 // ids. A run of consecutive slices whose tables share leading blocks becomes one root slice over
 // the run's query rows (from its first row to its last: rows between that belong to no slice,
 // a pass-Q message's padding at position -1, see no key) against the shared rows, read once
-// through the first sequence's table; each member keeps its own rows after them.
+// through the first sequence's table; each member keeps its own rows after them. Those rows are
+// searched the same way, a level deeper: a system prompt under several documents, each asked
+// several questions, is a tree of three levels (Hydragen's hierarchical sharing), and each
+// document is read once, under its own root.
 struct SharedBlockRule {
   // Packed (query row x query heads of a KV head) rows one read of a key tile serves: a root
   // pays when it reads the shared keys fewer times than its members would, each on its own
@@ -90,15 +93,19 @@ struct PrefixBatchCounts {
   }
 };
 
-// The call as two levels: `first` holds the roots and every slice under none, whole; `second`
-// the members' own rows (those with keys past the shared ones). No root (counts.roots == 0):
-// `first` is `slices` and `second` is empty. Run `first` as the call would have run, then merge
-// `second` into it. Slices must ascend by q_begin (a ring step's do); `paged` must hold its
-// host_table (else no root).
+// The call as levels (a KvTree): levels[0] holds the outermost roots and every slice under
+// none, whole; each later level the roots found among the rows the members of the level before
+// have past their root, and those rows not under a deeper root. No root (counts.roots == 0):
+// levels is {slices}. There is always a level 0. Run level 0 as the call would have run, then
+// merge each later level into it. Slices must ascend by q_begin (a ring step's do); `paged` must
+// hold its host_table (else no root).
+using KvLevels = std::vector<std::vector<SequenceSlice>>;
 struct SharedBlockTree {
-  std::vector<SequenceSlice> first, second;
+  KvLevels levels;
   PrefixBatchCounts counts;
 };
+// The levels as a KvTree (spans into `levels`).
+std::vector<std::span<const SequenceSlice>> TreeOf(const KvLevels& levels);
 // `keyless`: query rows of the step that see no key here (a pass-Q message's sequences with
 // none on this rank; their q ranges): a root never spans them, as it would give them its keys.
 SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const SequenceSlice> slices,
@@ -106,8 +113,8 @@ SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const Se
                                  std::span<const SequenceSlice> keyless = {});
 
 // A gathered step's keys: the rows its tree's slices read, each once, copied out of the blocks
-// back to back; the tree's levels rewritten to read them there. A level's slices keep their
-// query rows.
+// back to back; the tree's levels rewritten to read them there (`levels`, one for each of the
+// tree's). A level's slices keep their query rows.
 struct PagedGather {
   // Rows [0, rows) of `block`, whose positions start at the step's local key row `from_row`,
   // go to gathered rows [to_row, to_row + rows). (The CUDA gather reads this layout.)
@@ -118,7 +125,7 @@ struct PagedGather {
     int64_t to_row = 0;
   };
   std::vector<Copy> copies;
-  std::vector<SequenceSlice> first, second;
+  KvLevels levels;
   int64_t rows = 0;
 };
 // `table`: the block table in host memory (paged.host_table, or paged.table on the CPU).

@@ -131,6 +131,11 @@ struct SharedBlocksSpec {
   int64_t shared_blocks = 3;
   std::vector<int64_t> own_rows;  // one per sequence
   int sharing = 0;
+  // The last `nested_sharing` of the `sharing` sequences also share the `nested_blocks` blocks
+  // after the prefix (a document under a system prompt: a tree of three levels); those rows are
+  // part of their own_rows.
+  int64_t nested_blocks = 0;
+  int nested_sharing = 0;
   int64_t q_stride = 1;
   // Query rows per sequence, back to back, at positions up to its key count (one: a decode
   // step; more: a prefill of the sequence's last rows, as over cached rows). Sequence i's rows
@@ -165,6 +170,10 @@ inline SharedBlocksProblem MakeSharedBlocksProblem(const AttentionShape& shape,
                                                    float (*round)(float) = nullptr) {
   const int64_t bt = spec.block_tokens, n = static_cast<int64_t>(spec.own_rows.size());
   const int64_t prefix = spec.shared_blocks * bt;
+  const int64_t nested = spec.nested_blocks * bt;
+  const auto nests = [&](int64_t i) {
+    return i < spec.sharing && i >= spec.sharing - spec.nested_sharing;
+  };
   int64_t kv_tokens = 0;
   for (int64_t own : spec.own_rows) kv_tokens += prefix + own;
   SharedBlocksProblem t;
@@ -176,10 +185,12 @@ inline SharedBlocksProblem MakeSharedBlocksProblem(const AttentionShape& shape,
     }
   }
   const int64_t row = int64_t{shape.num_kv_heads} * shape.head_dim;
-  // The blocks: the shared prefix's once, then every sequence's own (and its prefix copy).
-  int64_t blocks = spec.shared_blocks + 2;  // two spare blocks nobody holds
+  // The blocks: the shared prefix's and the nested part's once, then every sequence's own (and
+  // its prefix copy).
+  int64_t blocks = spec.shared_blocks + spec.nested_blocks + 2;  // two spare blocks nobody holds
   for (int64_t i = 0; i < n; ++i) {
-    blocks += (i < spec.sharing ? 0 : spec.shared_blocks) + (spec.own_rows[i] + bt - 1) / bt;
+    blocks += (i < spec.sharing ? 0 : spec.shared_blocks) + (spec.own_rows[i] + bt - 1) / bt -
+              (nests(i) ? spec.nested_blocks : 0);
   }
   std::vector<int32_t> ids(blocks);
   std::iota(ids.begin(), ids.end(), 0);
@@ -189,6 +200,10 @@ inline SharedBlocksProblem MakeSharedBlocksProblem(const AttentionShape& shape,
   size_t next = 0;
   const std::vector<int32_t> shared_ids(ids.begin(), ids.begin() + spec.shared_blocks);
   next += spec.shared_blocks;
+  const std::vector<int32_t> nested_ids(ids.begin() + next,
+                                        ids.begin() + next + spec.nested_blocks);
+  next += spec.nested_blocks;
+  int64_t nested_kv = -1;  // the first nested sharer's first key row
   std::fill(t.pb.q_pos.begin(), t.pb.q_pos.end(), kPadPosition);
   t.pb.slices.clear();
   int64_t kv = 0;
@@ -198,6 +213,13 @@ inline SharedBlocksProblem MakeSharedBlocksProblem(const AttentionShape& shape,
     if (i > 0) {
       std::copy_n(t.pb.k.begin(), prefix * row, t.pb.k.begin() + kv * row);
       std::copy_n(t.pb.v.begin(), prefix * row, t.pb.v.begin() + kv * row);
+    }
+    // And the nested part's, the first nested sharer's.
+    if (nests(i) && nested_kv < 0) nested_kv = kv;
+    if (nests(i) && nested_kv != kv) {
+      const int64_t from = (nested_kv + prefix) * row, to = (kv + prefix) * row;
+      std::copy_n(t.pb.k.begin() + from, nested * row, t.pb.k.begin() + to);
+      std::copy_n(t.pb.v.begin() + from, nested * row, t.pb.v.begin() + to);
     }
     for (int64_t r = 0; r < len; ++r) t.pb.k_pos[kv + r] = static_cast<int32_t>(r);
     const int64_t q_begin = i * spec.q_stride * spec.queries;
@@ -209,8 +231,13 @@ inline SharedBlocksProblem MakeSharedBlocksProblem(const AttentionShape& shape,
     t.seq_kv_begin.push_back(kv);
     t.seq_table_begin.push_back(static_cast<int64_t>(t.table.size()));
     for (int64_t r = 0; r < len; r += bt) {
-      const bool shared = r < prefix && i < spec.sharing;
-      t.table.push_back(shared ? shared_ids[r / bt] : ids[next++]);
+      if (r < prefix && i < spec.sharing) {
+        t.table.push_back(shared_ids[r / bt]);
+      } else if (r >= prefix && r < prefix + nested && nests(i)) {
+        t.table.push_back(nested_ids[(r - prefix) / bt]);
+      } else {
+        t.table.push_back(ids[next++]);
+      }
       const int64_t rows = std::min(bt, len - r);
       std::copy_n(t.pb.k.begin() + (kv + r) * row, rows * row,
                   t.pool_k.begin() + t.table.back() * bt * row);

@@ -28,18 +28,19 @@ TEST(FindSharedBlocks, ForksOfOnePromptShareOneRoot) {
   EXPECT_EQ(tree.counts.roots, 1);
   EXPECT_EQ(tree.counts.sequences, 4);
   EXPECT_EQ(tree.counts.key_rows_saved, 3 * 48);
-  ASSERT_EQ(tree.first.size(), 3u);
-  EXPECT_EQ(tree.first[0].q_begin, 0);
-  EXPECT_EQ(tree.first[0].q_len, 4);
-  EXPECT_EQ(tree.first[0].kv_begin, 0);
-  EXPECT_EQ(tree.first[0].kv_len, 48);
-  EXPECT_EQ(tree.first[1].kv_begin, t.pb.slices[4].kv_begin);
-  EXPECT_EQ(tree.first[1].kv_len, t.pb.slices[4].kv_len);
-  ASSERT_EQ(tree.second.size(), 3u);  // the fork with no rows of its own has none here
-  EXPECT_EQ(tree.second[0].kv_begin, 48);
-  EXPECT_EQ(tree.second[0].kv_len, 5);
-  EXPECT_EQ(tree.second[2].q_begin, 3);
-  EXPECT_EQ(tree.second[2].kv_begin, t.pb.slices[3].kv_begin + 48);
+  ASSERT_EQ(tree.levels.size(), 2u);
+  ASSERT_EQ(tree.levels[0].size(), 3u);
+  EXPECT_EQ(tree.levels[0][0].q_begin, 0);
+  EXPECT_EQ(tree.levels[0][0].q_len, 4);
+  EXPECT_EQ(tree.levels[0][0].kv_begin, 0);
+  EXPECT_EQ(tree.levels[0][0].kv_len, 48);
+  EXPECT_EQ(tree.levels[0][1].kv_begin, t.pb.slices[4].kv_begin);
+  EXPECT_EQ(tree.levels[0][1].kv_len, t.pb.slices[4].kv_len);
+  ASSERT_EQ(tree.levels[1].size(), 3u);  // the fork with no rows of its own has none here
+  EXPECT_EQ(tree.levels[1][0].kv_begin, 48);
+  EXPECT_EQ(tree.levels[1][0].kv_len, 5);
+  EXPECT_EQ(tree.levels[1][2].q_begin, 3);
+  EXPECT_EQ(tree.levels[1][2].kv_begin, t.pb.slices[3].kv_begin + 48);
 }
 
 // Padding rows between the forks (a CP ring's pass-Q message) widen the root: it pays only while
@@ -67,8 +68,8 @@ TEST(FindSharedBlocks, LongRunsAreCutAndNoHostTableMeansNoRoot) {
   const PagedKv plain = t.Paged(t.table.data(), 4, /*batch=*/false);
   const SharedBlockTree none = FindSharedBlocks(shape, t.pb.slices, plain);
   EXPECT_EQ(none.counts.roots, 0);
-  EXPECT_EQ(none.first.size(), t.pb.slices.size());
-  EXPECT_TRUE(none.second.empty());
+  ASSERT_EQ(none.levels.size(), 1u);
+  EXPECT_EQ(none.levels[0].size(), t.pb.slices.size());
 }
 
 // A prefill step over the blocks (more query rows per slice than a decode step) is gathered:
@@ -116,10 +117,10 @@ TEST(PlanPagedGather, PrefillStepCopiesSharedBlocksOnce) {
       }
     }
   };
-  same_keys(g.first, tree.first);
-  same_keys(g.second, tree.second);
-  EXPECT_EQ(g.first[0].q_len, 3 * 17);
-  EXPECT_EQ(g.first[0].kv_len, shared);
+  ASSERT_EQ(g.levels.size(), tree.levels.size());
+  for (size_t l = 0; l < g.levels.size(); ++l) same_keys(g.levels[l], tree.levels[l]);
+  EXPECT_EQ(g.levels[0][0].q_len, 3 * 17);
+  EXPECT_EQ(g.levels[0][0].kv_len, shared);
 }
 
 // Four forks of one document (4 shared blocks) in a prefill step; `odd` (if >= 0) shares only the
@@ -139,18 +140,51 @@ SharedBlocksProblem DocumentForks(int odd, int64_t stride = 1) {
   return t;
 }
 
-// A run neither starts with a head that shares less than the sequences after it, nor takes in a
-// sequence that would cut the rows it reads once: the system prompt's fork stays alone, first or
-// last, and the document's forks share all 4 blocks.
-TEST(FindSharedBlocks, ARunNeitherStartsNorGrowsAtALoss) {
+// A fork of the system prompt alone among a document's forks, first or last: one root over the
+// block all four share, and under it one over the document's other 3 blocks for its three forks
+// (Hydragen's hierarchical case): every shared block is read once.
+TEST(FindSharedBlocks, ADocumentUnderASystemPromptIsALevelOfItsOwn) {
   for (int odd : {0, 3}) {
     SCOPED_TRACE(odd == 0 ? "the odd fork first" : "the odd fork last");
     const SharedBlocksProblem t = DocumentForks(odd);
     const SharedBlockTree tree = Find(t, RuleForStep(t.pb.slices));
-    EXPECT_EQ(tree.counts.roots, 1);
-    EXPECT_EQ(tree.counts.sequences, 3);
-    EXPECT_EQ(tree.counts.key_rows_saved, 2 * 4 * 16);
+    EXPECT_EQ(tree.counts.roots, 2);
+    EXPECT_EQ(tree.counts.sequences, 4 + 3);
+    EXPECT_EQ(tree.counts.key_rows_saved, 3 * 16 + 2 * 3 * 16);
+    ASSERT_EQ(tree.levels.size(), 3u);
+    ASSERT_EQ(tree.levels[0].size(), 1u);  // the system prompt's block under all 4 forks
+    EXPECT_EQ(tree.levels[0][0].q_len, 4 * 9);
+    EXPECT_EQ(tree.levels[0][0].kv_len, 16);
+    ASSERT_EQ(tree.levels[1].size(), 2u);  // the odd fork's rest, whole, and the document's root
+    const SequenceSlice& document = tree.levels[1][odd == 0 ? 1 : 0];
+    EXPECT_EQ(document.q_len, 3 * 9);
+    EXPECT_EQ(document.kv_len, 3 * 16);
+    EXPECT_EQ(tree.levels[2].size(), 3u);  // the document forks' own 5 rows
+    for (const SequenceSlice& own : tree.levels[2]) EXPECT_EQ(own.kv_len, 5);
   }
+}
+
+// Three levels from the test problem's nested sharing (the numeric checks' trees): 6 forks of a
+// system prompt, the last 4 of them also of one document.
+TEST(FindSharedBlocks, NestedSharingMakesThreeLevels) {
+  const SharedBlocksProblem t = MakeSharedBlocksProblem(MakeShape(8, 2, 32, true),
+                                                        {.shared_blocks = 2,
+                                                         .own_rows = {5, 9, 40, 50, 37, 60, 11},
+                                                         .sharing = 6,
+                                                         .nested_blocks = 2,
+                                                         .nested_sharing = 4,
+                                                         .queries = 9},
+                                                        6);
+  const SharedBlockTree tree = Find(t, RuleForStep(t.pb.slices));
+  EXPECT_EQ(tree.counts.roots, 2);
+  EXPECT_EQ(tree.counts.key_rows_saved, 5 * 32 + 3 * 32);
+  ASSERT_EQ(tree.levels.size(), 3u);
+  EXPECT_EQ(tree.levels[0].size(), 2u);  // the system prompt's root, the last sequence whole
+  EXPECT_EQ(tree.levels[1].size(), 3u);  // two forks' rest, the document's root
+  EXPECT_EQ(tree.levels[2].size(), 4u);
+  const PagedKv paged = t.Paged(t.table.data(), 4, /*batch=*/true);
+  EXPECT_EQ(PlanPagedGather(tree, paged, t.table).rows,
+            32 + (5 - 0) + (9 - 0) + 32 + (40 - 32) + (50 - 32) + (37 - 32) + (60 - 32) + 32 + 11);
 }
 
 // Query rows of a sequence with no key on this rank (a pass-Q message's real queries, not

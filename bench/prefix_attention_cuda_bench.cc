@@ -1,10 +1,19 @@
-// Prefix-batched attention on the GPU (issue 21): B sequences that share a P-token prefix, each
-// with S tokens of its own, as one KV tree (attention/cuda/prefix_batched_cuda.h: the prefix's
-// keys read once for every query under it, each suffix apart, merged by LSE).
-//   decode:  one query per sequence (its newest token) against P + S keys;
-//   suffix:  S queries per sequence (the prefill of its suffix after the cached prefix), causal.
-// Timed with CUDA events behind a spin kernel (median of 15 after 3 warm-ups); the prefix K/V
-// rotates over copies that together exceed 256 MiB, so every call reads it from HBM. The HBM
+// Prefix-batched attention on the GPU (issue 21), on the path the engine runs: B sequences that
+// share a P-token prefix, each with S tokens of its own, in a KV cache's blocks (64 tokens, the
+// engine's default) whose tables start with the same prefix blocks, one attention step as
+// parallel/cuda/cuda_ring_ops.cc runs it:
+//   decode:  one query per sequence (its newest token) against P + S keys, read in place:
+//            FindSharedBlocks' roots (attention/prefix_batched.h) on the decode kernel
+//            (SharedBlocksAttentionCuda), or the plain paged launch where it finds none;
+//   suffix:  S queries per sequence (the prefill of its suffix after the cached prefix), causal:
+//            gathered, the shared blocks once, one root over every sequence's queries on the
+//            prefill kernels (GatheredPagedAttentionCuda).
+// Each shape runs twice: "cpfill" with the block table in host memory (prefix batching, the
+// engine's default), and "cpfill-flat" without it, every sequence reading its own keys (the
+// engine's --no-prefix-batching; a suffix prefill then gathers each sequence's keys whole,
+// skipped past 16 GiB). Host planning is inside the timed call, as in the engine.
+// Timed with CUDA events behind a spin kernel (median of 15 after 3 warm-ups); the prefix blocks
+// rotate over copies that together exceed 256 MiB, so every call reads them from HBM. The HBM
 // floor reads the prefix once, every suffix, Q, and writes O in bf16, at the device-to-device
 // copy rate measured in the same run. bench/gpu/prefix_peer.py times per-sequence peers on the
 // same shapes.
@@ -21,13 +30,16 @@
 #include <string>
 #include <vector>
 
+#include "attention/cuda/attention_cuda.h"
 #include "attention/cuda/prefix_batched_cuda.h"
+#include "attention/prefix_batched.h"
 #include "bench/gpu_spin.h"
 
 namespace cpfill::attention::cuda {
 namespace {
 
 constexpr int kDim = 128;
+constexpr int kBlockTokens = 64;
 constexpr size_t kRotateBytes = size_t{256} << 20;
 
 struct Shape {
@@ -94,96 +106,194 @@ double CopyGBps() {
   return 2.0 * bytes / (us * 1e-6) / 1e9;
 }
 
-// One shape: keys [prefix | suffix 0 | ... | suffix B-1] (the prefix in `copies` rotating
-// copies, each followed by the same suffixes), queries of sequence 0, 1, ...
+// A shape's device memory; everything null when one allocation failed.
+struct Buffers {
+  __nv_bfloat16 *k = nullptr, *v = nullptr, *q = nullptr;
+  float *o = nullptr, *lse = nullptr;
+  int32_t *q_pos = nullptr, *k_pos = nullptr, *table = nullptr;
+  std::vector<void*> all;
+  bool ok = true;
+  template <typename T>
+  void Get(T** p, size_t bytes) {
+    *p = static_cast<T*>(Alloc(bytes));
+    ok = ok && *p != nullptr;
+    all.push_back(*p);
+  }
+  ~Buffers() {
+    for (void* p : all) cudaFree(p);
+  }
+};
+
+// The step's paged layout: sequence b's local key rows [b * (P + S), (b + 1) * (P + S)), its
+// table the prefix blocks of the copy in use, then blocks of its own. One host table per copy.
+struct Layout {
+  int64_t blocks_per_seq = 0, prefix_blocks = 0, pool_blocks = 0;
+  std::vector<std::vector<int32_t>> tables;  // [copy][b * blocks_per_seq + j]
+  std::vector<int64_t> seq_kv_begin, seq_table_begin;
+  std::vector<SequenceSlice> slices;
+  std::vector<int32_t> q_pos, k_pos;
+};
+
+Layout MakeLayout(const Shape& s, int copies) {
+  Layout l;
+  const int64_t len = s.prefix + s.suffix;
+  l.prefix_blocks = s.prefix / kBlockTokens;
+  l.blocks_per_seq = (len + kBlockTokens - 1) / kBlockTokens;
+  const int64_t own = l.blocks_per_seq - l.prefix_blocks;
+  l.pool_blocks = copies * l.prefix_blocks + s.batch * own;
+  l.tables.resize(copies);
+  for (int c = 0; c < copies; ++c) {
+    for (int64_t b = 0; b < s.batch; ++b) {
+      for (int64_t j = 0; j < l.prefix_blocks; ++j) {
+        l.tables[c].push_back(static_cast<int32_t>(c * l.prefix_blocks + j));
+      }
+      for (int64_t j = 0; j < own; ++j) {
+        l.tables[c].push_back(static_cast<int32_t>(copies * l.prefix_blocks + b * own + j));
+      }
+    }
+  }
+  const int64_t rows = s.mode == "decode" ? 1 : s.suffix;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    l.seq_kv_begin.push_back(b * len);
+    l.seq_table_begin.push_back(b * l.blocks_per_seq);
+    l.slices.push_back({.q_begin = b * rows, .q_len = rows, .kv_begin = b * len, .kv_len = len});
+    for (int64_t i = 0; i < len; ++i) l.k_pos.push_back(static_cast<int32_t>(i));
+    for (int64_t i = 0; i < rows; ++i) l.q_pos.push_back(static_cast<int32_t>(len - rows + i));
+  }
+  return l;
+}
+
+// One step as CudaRingOps::Attend runs it: roots where FindSharedBlocks finds them (only with
+// the host table), else the plain launch; a prefill step gathered. `ws` grows as needed.
+absl::Status Step(const CudaAttentionArgs& args, const PagedKv& paged,
+                  std::span<const int32_t> host_table, void** ws, size_t* ws_bytes,
+                  PrefixBatchCounts* counts) {
+  const std::span<const SequenceSlice> slices(args.slices, args.num_slices);
+  const SharedBlockTree tree = FindSharedBlocks(args.shape, slices, paged, RuleForStep(slices));
+  *counts = tree.counts;
+  size_t need = 0;
+  PagedGather plan;
+  const bool gathered = GathersPagedKv(slices);
+  if (gathered) {
+    plan = PlanPagedGather(tree, paged, host_table);
+    need = GatheredPagedWorkspaceBytes(args, plan);
+  } else {
+    need = tree.counts.roots > 0 ? SharedBlocksWorkspaceBytes(args, tree)
+                                 : AttentionWorkspaceBytes(args);
+  }
+  if (need > *ws_bytes) {
+    cudaFree(*ws);
+    *ws = Alloc(need);
+    *ws_bytes = *ws != nullptr ? need : 0;
+    if (*ws == nullptr) return absl::ResourceExhaustedError("workspace: out of memory");
+  }
+  if (gathered) return GatheredPagedAttentionCuda(args, plan, *ws, *ws_bytes, nullptr);
+  if (tree.counts.roots > 0) return SharedBlocksAttentionCuda(args, tree, *ws, *ws_bytes, nullptr);
+  return PartialAttentionCuda(args, *ws, *ws_bytes, nullptr);
+}
+
+void PrintError(const Shape& s, const char* impl, const std::string& error) {
+  std::printf(
+      "{\"impl\":\"%s\",\"mode\":\"%s\",\"heads\":%d,\"kv_heads\":%d,\"prefix\":%ld,"
+      "\"suffix\":%ld,\"batch\":%ld,\"error\":\"%s\"}\n",
+      impl, s.mode.c_str(), s.heads, s.kv_heads, s.prefix, s.suffix, s.batch, error.c_str());
+}
+
+// Rows a flat suffix prefill gathers (every sequence's keys whole) past which it is skipped.
+constexpr double kMaxFlatGatherBytes = 16.0 * (size_t{1} << 30);
+
+// One shape, batched and flat.
 void Run(const Shape& s, double copy_gbps) {
   const int64_t row = int64_t{s.kv_heads} * kDim;
   const int64_t prefix_bytes = 2 * s.prefix * row * 2;
   const int copies = static_cast<int>(std::clamp<int64_t>(
       (kRotateBytes + prefix_bytes - 1) / std::max<int64_t>(prefix_bytes, 1), 1, 16));
-  const int64_t kv_tokens = s.prefix * copies + s.batch * s.suffix;
+  const Layout l = MakeLayout(s, copies);
   const int64_t q = s.queries();
-  auto* k = static_cast<__nv_bfloat16*>(Alloc(kv_tokens * row * 2));
-  auto* v = static_cast<__nv_bfloat16*>(Alloc(kv_tokens * row * 2));
-  auto* qd = static_cast<__nv_bfloat16*>(Alloc(q * s.heads * kDim * 2));
-  auto* o = static_cast<float*>(Alloc(q * s.heads * kDim * 4));
-  auto* lse = static_cast<float*>(Alloc(q * s.heads * 4));
-  auto* q_pos = static_cast<int32_t*>(Alloc(q * 4));
-  auto* k_pos = static_cast<int32_t*>(Alloc(kv_tokens * 4));
-  if (!k || !v || !qd || !o || !lse || !q_pos || !k_pos) {
-    std::printf("{\"mode\":\"%s\",\"prefix\":%ld,\"batch\":%ld,\"error\":\"out of memory\"}\n",
-                s.mode.c_str(), s.prefix, s.batch);
-    for (void* p :
-         {(void*)k, (void*)v, (void*)qd, (void*)o, (void*)lse, (void*)q_pos, (void*)k_pos}) {
-      cudaFree(p);
-    }
+  const int64_t kv_tokens = s.batch * (s.prefix + s.suffix);
+  const size_t pool_elems = size_t(l.pool_blocks) * kBlockTokens * row;
+  Buffers d;
+  d.Get(&d.k, pool_elems * 2);
+  d.Get(&d.v, pool_elems * 2);
+  d.Get(&d.q, q * s.heads * kDim * 2);
+  d.Get(&d.o, q * s.heads * kDim * 4);
+  d.Get(&d.lse, q * s.heads * 4);
+  d.Get(&d.q_pos, q * 4);
+  d.Get(&d.k_pos, kv_tokens * 4);
+  d.Get(&d.table, l.tables[0].size() * 4 * copies);
+  if (!d.ok) {
+    PrintError(s, "cpfill", "out of memory");
     return;
   }
-  FillRandom(k, kv_tokens * row, 1);
-  FillRandom(v, kv_tokens * row, 2);
-  FillRandom(qd, q * s.heads * kDim, 3);
-  std::vector<int32_t> kp(kv_tokens), qp;
+  FillRandom(d.k, pool_elems, 1);
+  FillRandom(d.v, pool_elems, 2);
+  FillRandom(d.q, q * s.heads * kDim, 3);
+  cudaMemcpy(d.k_pos, l.k_pos.data(), l.k_pos.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(d.q_pos, l.q_pos.data(), l.q_pos.size() * 4, cudaMemcpyHostToDevice);
+  const size_t table_entries = l.tables[0].size();
   for (int c = 0; c < copies; ++c) {
-    for (int64_t i = 0; i < s.prefix; ++i) kp[c * s.prefix + i] = static_cast<int32_t>(i);
+    cudaMemcpy(d.table + c * table_entries, l.tables[c].data(), table_entries * 4,
+               cudaMemcpyHostToDevice);
   }
-  const int64_t suffix0 = s.prefix * copies;
-  std::vector<SequenceSlice> suffixes;
-  for (int64_t b = 0; b < s.batch; ++b) {
-    for (int64_t i = 0; i < s.suffix; ++i) {
-      kp[suffix0 + b * s.suffix + i] = static_cast<int32_t>(s.prefix + i);
-    }
-    const int64_t rows = s.mode == "decode" ? 1 : s.suffix;
-    for (int64_t i = 0; i < rows; ++i) {
-      qp.push_back(static_cast<int32_t>(s.prefix + s.suffix - rows + i));
-    }
-    suffixes.push_back({.q_begin = b * rows,
-                        .q_len = rows,
-                        .kv_begin = suffix0 + b * s.suffix,
-                        .kv_len = s.suffix});
-  }
-  cudaMemcpy(k_pos, kp.data(), kp.size() * 4, cudaMemcpyHostToDevice);
-  cudaMemcpy(q_pos, qp.data(), qp.size() * 4, cudaMemcpyHostToDevice);
   const AttentionShape shape{.num_heads = s.heads,
                              .num_kv_heads = s.kv_heads,
                              .head_dim = kDim,
                              .softmax_scale = 1.0f / std::sqrt(float(kDim)),
                              .causal = true};
-  const CudaAttentionArgs args{.shape = shape,
-                               .q = qd,
-                               .q_pos = q_pos,
-                               .q_tokens = q,
-                               .k = k,
-                               .v = v,
-                               .k_pos = k_pos,
-                               .kv_tokens = kv_tokens,
-                               .o = o,
-                               .lse = lse};
-  std::vector<std::vector<SequenceSlice>> levels(copies);
-  for (int c = 0; c < copies; ++c) {
-    levels[c] = {{.q_begin = 0, .q_len = q, .kv_begin = c * s.prefix, .kv_len = s.prefix}};
-  }
-  const std::span<const SequenceSlice> first[] = {levels[0], suffixes};
-  const size_t ws_bytes = PrefixBatchedWorkspaceBytes(args, first);
-  void* ws = Alloc(ws_bytes);
-  std::string error;
-  const double us = MedianUs([&](int i) {
-    const std::span<const SequenceSlice> tree[] = {levels[i % copies], suffixes};
-    absl::Status st = PrefixBatchedAttentionCuda(args, tree, ws, ws_bytes, nullptr);
-    if (!st.ok()) error = std::string(st.message());
-  });
   const double floor_bytes =
       double(s.prefix + s.batch * s.suffix) * row * 2 * 2 + double(q) * s.heads * kDim * 2 * 2;
   const double floor_us = floor_bytes / (copy_gbps * 1e9) * 1e6;
-  std::printf(
-      "{\"impl\":\"cpfill-tree\",\"mode\":\"%s\",\"heads\":%d,\"kv_heads\":%d,\"prefix\":%ld,"
-      "\"suffix\":%ld,\"batch\":%ld,\"us\":%.2f,\"floor_us\":%.2f%s%s%s}\n",
-      s.mode.c_str(), s.heads, s.kv_heads, s.prefix, s.suffix, s.batch, us, floor_us,
-      error.empty() ? "" : ",\"error\":\"", error.c_str(), error.empty() ? "" : "\"");
-  std::fflush(stdout);
-  for (void* p :
-       {(void*)k, (void*)v, (void*)qd, (void*)o, (void*)lse, (void*)q_pos, (void*)k_pos, ws}) {
-    cudaFree(p);
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  for (const bool batched : {true, false}) {
+    const char* impl = batched ? "cpfill" : "cpfill-flat";
+    if (!batched && s.mode == "suffix" && double(kv_tokens) * row * 2 * 2 > kMaxFlatGatherBytes) {
+      PrintError(s, impl, "skipped: the gathered keys exceed 16 GiB");
+      continue;
+    }
+    std::vector<PagedKv> paged(copies);
+    for (int c = 0; c < copies; ++c) {
+      paged[c] = {.table = d.table + c * table_entries,
+                  .block_tokens = kBlockTokens,
+                  .block_stride_bytes = int64_t{kBlockTokens} * row * 2,
+                  .seq_kv_begin = l.seq_kv_begin,
+                  .seq_table_begin = l.seq_table_begin,
+                  .host_table =
+                      batched ? std::span<const int32_t>(l.tables[c]) : std::span<const int32_t>()};
+    }
+    std::string error;
+    PrefixBatchCounts counts;
+    const double us = MedianUs([&](int i) {
+      const int c = i % copies;
+      const CudaAttentionArgs args{.shape = shape,
+                                   .q = d.q,
+                                   .q_pos = d.q_pos,
+                                   .q_tokens = q,
+                                   .k = d.k,
+                                   .v = d.v,
+                                   .k_pos = d.k_pos,
+                                   .kv_tokens = kv_tokens,
+                                   .slices = l.slices.data(),
+                                   .num_slices = static_cast<int64_t>(l.slices.size()),
+                                   .output = OutputMode::kFloat32,
+                                   .o = d.o,
+                                   .lse = d.lse,
+                                   .paged = &paged[c]};
+      const absl::Status st = Step(args, paged[c], l.tables[c], &ws, &ws_bytes, &counts);
+      if (!st.ok()) error = std::string(st.message());
+    });
+    if (!error.empty()) {
+      PrintError(s, impl, error);
+      continue;
+    }
+    std::printf(
+        "{\"impl\":\"%s\",\"mode\":\"%s\",\"heads\":%d,\"kv_heads\":%d,\"prefix\":%ld,"
+        "\"suffix\":%ld,\"batch\":%ld,\"us\":%.2f,\"floor_us\":%.2f,\"roots\":%ld}\n",
+        impl, s.mode.c_str(), s.heads, s.kv_heads, s.prefix, s.suffix, s.batch, us, floor_us,
+        counts.roots);
+    std::fflush(stdout);
   }
+  cudaFree(ws);
 }
 
 // The issue's grid: prefixes 1K-64K, 8:1 and 32:8 heads, decode with suffixes of 1 and 2K keys

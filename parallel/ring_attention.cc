@@ -58,7 +58,54 @@ int MarksFor(int num_steps) { return 3 * num_steps + 8; }
 constexpr uint8_t kPadPositionByte = 0xFF;
 static_assert(attention::kPadPosition == -1, "padding positions are filled with 0xFF bytes");
 
+bool SameSlices(std::span<const SequenceSlice> a, std::span<const SequenceSlice> b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                    [](const SequenceSlice& x, const SequenceSlice& y) {
+                      return x.q_begin == y.q_begin && x.q_len == y.q_len &&
+                             x.kv_begin == y.kv_begin && x.kv_len == y.kv_len;
+                    });
+}
+
+bool SameSpan(std::span<const int32_t> a, std::span<const int32_t> b) {
+  return a.data() == b.data() && a.size() == b.size();
+}
+
+// Plans one generation keeps: a CP ring's distinct steps (a pass-Q step per source rank).
+constexpr size_t kMaxStepPlans = 16;
+
 }  // namespace
+
+// ---- Prefix batching's plans -------------------------------------------------------------
+
+const RingOps::PagedStepPlan& RingOps::PlanPagedStep(const RingStepArgs& a,
+                                                     std::span<const int32_t> table, bool gather) {
+  const attention::PagedKv& paged = *a.paged_kv;
+  const uint64_t generation = paged.generation;
+  if (generation != 0) {
+    for (const CachedStepPlan& c : step_plans_) {
+      if (c.generation == generation && c.gather == gather && SameSpan(c.table, table) &&
+          SameSpan(c.host_table, paged.host_table) && SameSlices(c.slices, a.slices) &&
+          SameSlices(c.keyless, a.keyless)) {
+        return c.plan;
+      }
+    }
+  }
+  if (step_plans_.size() >= kMaxStepPlans ||
+      (!step_plans_.empty() && step_plans_.front().generation != generation)) {
+    step_plans_.clear();
+  }
+  CachedStepPlan& c = step_plans_.emplace_back();
+  c.generation = generation;
+  c.host_table = paged.host_table;
+  c.table = table;
+  c.slices.assign(a.slices.begin(), a.slices.end());
+  c.keyless.assign(a.keyless.begin(), a.keyless.end());
+  c.gather = gather;
+  c.plan.tree = attention::FindSharedBlocks(a.shape, a.slices, paged,
+                                            attention::RuleForStep(a.slices), a.keyless);
+  if (gather) c.plan.gather = attention::PlanPagedGather(c.plan.tree, paged, table);
+  return c.plan;
+}
 
 // ---- CPU ops -----------------------------------------------------------------------------
 
@@ -111,20 +158,18 @@ absl::Status CpuRingOps::Attend(const RingStepArgs& a) {
   const attention::PagedKv& paged = *a.paged_kv;
   CPFILL_RETURN_IF_ERROR(
       paged.Validate(RowBytes(a.shape), a.slices.data(), static_cast<int64_t>(a.slices.size())));
-  // Without the host table (batching off) every sequence reads its own keys: the table is in
-  // host memory here anyway.
-  const attention::SharedBlockTree tree =
-      paged.host_table.empty()
-          ? attention::SharedBlockTree{.first = {a.slices.begin(), a.slices.end()}}
-          : attention::FindSharedBlocks(a.shape, a.slices, paged, attention::RuleForStep(a.slices),
-                                        a.keyless);
-  prefix_batch_counts_ += tree.counts;
+  // Without the host table (batching off) every sequence reads its own keys (no roots): the
+  // table is in host memory here anyway.
   const std::span<const int32_t> table =
       paged.host_table.empty() ? TableSpan(paged, a.slices) : paged.host_table;
-  const attention::PagedGather g = attention::PlanPagedGather(tree, paged, table);
+  const PagedStepPlan& plan = PlanPagedStep(a, table, /*gather=*/true);
+  prefix_batch_counts_ += plan.tree.counts;
+  const attention::PagedGather& g = plan.gather;
   GatherRows(a, g, &p);
-  CPFILL_RETURN_IF_ERROR(AttendSlices(p, g.first, a.fold_into_output));
-  return AttendSlices(p, g.second, /*fold=*/true);
+  for (size_t l = 0; l < g.levels.size(); ++l) {
+    CPFILL_RETURN_IF_ERROR(AttendSlices(p, g.levels[l], l == 0 ? a.fold_into_output : true));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CpuRingOps::AttendSlices(AttentionParams p, std::span<const SequenceSlice> slices,

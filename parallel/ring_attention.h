@@ -147,7 +147,27 @@ class RingOps {
  protected:
   attention::PrefixBatchCounts prefix_batch_counts_;
 
+  // A paged step's prefix batching (attention::FindSharedBlocks: no roots without the host
+  // table) and, when `gather`, its gather plan over `table` (the block table in host memory).
+  // Kept for the later steps with the same slices, keyless rows and table (a nonzero
+  // PagedKv::generation names the table): a forward plans each ring step once, not once per
+  // layer. The reference is valid until the next call.
+  struct PagedStepPlan {
+    attention::SharedBlockTree tree;
+    attention::PagedGather gather;
+  };
+  const PagedStepPlan& PlanPagedStep(const RingStepArgs& a, std::span<const int32_t> table,
+                                     bool gather);
+
  private:
+  struct CachedStepPlan {
+    uint64_t generation = 0;
+    std::span<const int32_t> host_table, table;
+    std::vector<attention::SequenceSlice> slices, keyless;
+    bool gather = false;
+    PagedStepPlan plan;
+  };
+  std::vector<CachedStepPlan> step_plans_;  // one generation's
   friend class RingAttention;
   std::array<const RingAttention*, kPositionSlots> positions_of_{};  // whose plan each slot holds
   int next_position_slot_ = 0;  // the slot a new ring takes when none is free

@@ -70,6 +70,8 @@ struct LlamaModel::Running {
   Tensor block_table;
   std::vector<int32_t> host_block_table;  // the same on the host: who shares which blocks
   std::vector<int64_t> seq_kv_begin, seq_table_begin;
+  // The tables' name for the ring's plan cache (attention::PagedKv::generation); 0 until built.
+  uint64_t table_generation = 0;
 };
 
 absl::StatusOr<KvCacheSpec> KvSpecFor(const ModelConfig& config, int tp_size, KvDtype dtype,
@@ -525,8 +527,10 @@ absl::Status LlamaModel::EnqueueLayers(Running& r, PrefillTimings& t,
 }
 
 // The block tables of the batch's sequences that hold rows here, back to back, uploaded once
-// for every layer (a block id names the same slot in each layer's pool).
+// for every layer (a block id names the same slot in each layer's pool). Built once per forward
+// (the memory check and the upload both need them), under a fresh generation.
 absl::Status LlamaModel::BuildBlockTables(Running& r) {
+  if (r.table_generation != 0) return absl::OkStatus();
   CPFILL_CHECK_INTERNAL(KvDtypeBytes(kv_->spec().dtype) == ElemBytes(backend_->compute_type()),
                         "the KV cache's elements must be the attention's to be read in place");
   const sharding::LocalLayout& layout = r.b.layout;
@@ -545,6 +549,7 @@ absl::Status LlamaModel::BuildBlockTables(Running& r) {
     r.seq_table_begin.push_back(static_cast<int64_t>(table.size()));
     table.insert(table.end(), blocks.begin(), blocks.begin() + used);
   }
+  r.table_generation = ++table_generations_;
   return absl::OkStatus();
 }
 
@@ -605,7 +610,8 @@ attention::PagedKv LlamaModel::HostPagedKv(const Running& r) const {
           .block_stride_bytes = kv_->spec().block_bytes(),
           .seq_kv_begin = r.seq_kv_begin,
           .seq_table_begin = r.seq_table_begin,
-          .host_table = r.host_block_table};
+          .host_table = r.host_block_table,
+          .generation = r.table_generation};
 }
 
 // Layer l's attention over the CP ring, enqueued without a host wait (Forward waits once): K/V

@@ -167,6 +167,7 @@ class LlamaModel {
   std::map<std::string, Session> sessions_;
   std::vector<float> logits_host_;  // LastLogits' download, kept between steps
   KvCache::SeqId next_seq_ = 1;
+  uint64_t table_generations_ = 0;  // the last Running::table_generation given
 };
 
 // The KV cache's shape for `config` on this rank, its capacity from `options`: tokens when

@@ -477,10 +477,12 @@ TEST(LlamaModel, QuestionsAboutACachedDocumentPrefillTogether) {
   }
 }
 
-// Forks of two documents asked in one batch, interleaved as they arrived: the model orders each
-// document's forks side by side, so each document is one root (3 + 2 sequences batched on every
-// rank), and every answer equals one rank's prefill of its whole sequence.
-TEST(LlamaModel, InterleavedForksOfTwoDocumentsAreBatchedByDocument) {
+// Forks of two documents that continue one system prompt, asked in one batch, interleaved as they
+// arrived: the model orders each document's forks side by side, so on every rank the batch is a
+// tree (Hydragen's hierarchical case): the system prompt one root under all 5 forks, each
+// document one under its own (3 + 2). Every answer equals one rank's prefill of its whole
+// sequence.
+TEST(LlamaModel, ForksOfTwoDocumentsUnderOneSystemPromptAreATree) {
   const runtime::ModelConfig c = Tiny();
   runtime::PrefillOptions options;
   options.kv_block_tokens = 16;
@@ -490,12 +492,15 @@ TEST(LlamaModel, InterleavedForksOfTwoDocumentsAreBatchedByDocument) {
   auto made = MakeCpModel(options);
   ASSERT_TRUE(made.ok()) << made.status();
   runtime::LlamaModel& m = *made->model;
+  // 128 tokens: whole blocks of 16 on every rank up to CP4 (2N chunks of 16).
+  const std::vector<int32_t> system = Prompt(128, c.vocab_size, 40);
   const std::vector<int32_t> docs[2] = {Prompt(260, c.vocab_size, 41),
                                         Prompt(200, c.vocab_size, 42)};
+  ASSERT_TRUE(m.Prefill({{.tokens = system, .session = "system"}}, nullptr, nullptr).ok());
   for (int d = 0; d < 2; ++d) {
-    ASSERT_TRUE(
-        m.Prefill({{.tokens = docs[d], .session = "doc" + std::to_string(d)}}, nullptr, nullptr)
-            .ok());
+    const std::string doc = "doc" + std::to_string(d);
+    ASSERT_TRUE(m.ForkSession("system", doc, static_cast<int64_t>(system.size())).ok());
+    ASSERT_TRUE(m.Prefill({{.tokens = docs[d], .session = doc}}, nullptr, nullptr).ok());
   }
   const int of_doc[5] = {0, 1, 0, 1, 0};
   std::vector<PrefillRequest> batch;
@@ -503,21 +508,22 @@ TEST(LlamaModel, InterleavedForksOfTwoDocumentsAreBatchedByDocument) {
   for (int i = 0; i < 5; ++i) {
     const std::string name = "q" + std::to_string(i);
     const std::vector<int32_t>& doc = docs[of_doc[i]];
-    ASSERT_TRUE(
-        m.ForkSession("doc" + std::to_string(of_doc[i]), name, static_cast<int64_t>(doc.size()))
-            .ok());
+    ASSERT_TRUE(m.ForkSession("doc" + std::to_string(of_doc[i]), name,
+                              static_cast<int64_t>(system.size() + doc.size()))
+                    .ok());
     batch.push_back({.tokens = Prompt(40 + 5 * i, c.vocab_size, 60 + i), .session = name});
-    whole.push_back({.tokens = doc});
+    whole.push_back({.tokens = system});
+    whole.back().tokens.insert(whole.back().tokens.end(), doc.begin(), doc.end());
     whole.back().tokens.insert(whole.back().tokens.end(), batch.back().tokens.begin(),
                                batch.back().tokens.end());
   }
   runtime::PrefillTimings t;
   auto out = m.Prefill(batch, &t, nullptr);
   ASSERT_TRUE(out.ok()) << out.status();
-  // Counts sum over layers and pass-Q's steps: each step, 2 roots over the 5 forks.
+  // Counts sum over layers and pass-Q's steps: each step, 3 roots over 5 + 3 + 2 forks.
   const int64_t steps = int64_t{c.num_layers} * made->grid.cp_size;
   std::string error;
-  if (t.prefix_batch.roots != 2 * steps || t.prefix_batch.sequences != 5 * steps) {
+  if (t.prefix_batch.roots != 3 * steps || t.prefix_batch.sequences != 10 * steps) {
     error = std::to_string(t.prefix_batch.roots) + " roots over " +
             std::to_string(t.prefix_batch.sequences) + " sequences in " + std::to_string(steps) +
             " steps";

@@ -247,11 +247,36 @@ OutputMode ModeOf(size_t level) {
   return level == 0 ? OutputMode::kFloat32 : OutputMode::kMergeIntoFloat32;
 }
 
-// A gathered step's levels that hold slices (a step without roots has no second level).
-std::vector<std::span<const SequenceSlice>> GatheredLevels(const PagedGather& plan) {
-  std::vector<std::span<const SequenceSlice>> levels{plan.first};
-  if (!plan.second.empty()) levels.push_back(plan.second);
-  return levels;
+// A tree's levels in launch order: level 0, then every later level that holds slices.
+std::vector<std::span<const SequenceSlice>> LevelsToRun(const KvLevels& levels) {
+  std::vector<std::span<const SequenceSlice>> run;
+  for (size_t l = 0; l < levels.size(); ++l) {
+    if (l == 0 || !levels[l].empty()) run.emplace_back(levels[l]);
+  }
+  return run;
+}
+
+// Level 0 in args.output's mode (the ring's fresh or folded step), each later level merged into
+// it: one plain launch each.
+size_t LevelLaunchesBytes(const CudaAttentionArgs& args, const KvLevels& levels) {
+  size_t bytes = 0;
+  const auto run = LevelsToRun(levels);
+  for (size_t l = 0; l < run.size(); ++l) {
+    const OutputMode mode = l == 0 ? args.output : OutputMode::kMergeIntoFloat32;
+    bytes = std::max(bytes, AttentionWorkspaceBytes(LevelArgs(args, run[l], mode)));
+  }
+  return bytes;
+}
+
+absl::Status LaunchLevels(const CudaAttentionArgs& args, const KvLevels& levels, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream) {
+  const auto run = LevelsToRun(levels);
+  for (size_t l = 0; l < run.size(); ++l) {
+    const OutputMode mode = l == 0 ? args.output : OutputMode::kMergeIntoFloat32;
+    CPFILL_RETURN_IF_ERROR(
+        PartialAttentionCuda(LevelArgs(args, run[l], mode), workspace, workspace_bytes, stream));
+  }
+  return absl::OkStatus();
 }
 
 // Where a gathered step keeps its pieces in the workspace: the copies, the gathered K, V and
@@ -277,10 +302,9 @@ CudaAttentionArgs GatheredArgs(const CudaAttentionArgs& args, const PagedGather&
 // The levels' workspace: PrefixBatchedAttentionCuda's for a fresh step; a folded one (not a
 // ring step the model makes: pass-KV folds, and paged K/V runs on pass-Q) launches each level.
 size_t GatheredLevelsBytes(const CudaAttentionArgs& a, const PagedGather& plan) {
-  if (a.output == OutputMode::kFloat32) return PrefixBatchedWorkspaceBytes(a, GatheredLevels(plan));
-  return std::max(
-      AttentionWorkspaceBytes(LevelArgs(a, plan.first, a.output)),
-      AttentionWorkspaceBytes(LevelArgs(a, plan.second, OutputMode::kMergeIntoFloat32)));
+  if (a.output == OutputMode::kFloat32)
+    return PrefixBatchedWorkspaceBytes(a, LevelsToRun(plan.levels));
+  return LevelLaunchesBytes(a, plan.levels);
 }
 
 GatherLayout GatherLayoutOf(const CudaAttentionArgs& args, const PagedGather& plan) {
@@ -322,9 +346,7 @@ absl::Status PrefixBatchedAttentionCuda(const CudaAttentionArgs& args, KvTree le
 }
 
 size_t SharedBlocksWorkspaceBytes(const CudaAttentionArgs& args, const SharedBlockTree& tree) {
-  return std::max(
-      AttentionWorkspaceBytes(LevelArgs(args, tree.first, args.output)),
-      AttentionWorkspaceBytes(LevelArgs(args, tree.second, OutputMode::kMergeIntoFloat32)));
+  return LevelLaunchesBytes(args, tree.levels);
 }
 
 absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const SharedBlockTree& tree,
@@ -332,11 +354,7 @@ absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const Shar
                                        cudaStream_t stream) {
   CPFILL_CHECK_ARG(args.output != OutputMode::kBfloat16,
                    "prefix-batched attention merges its levels in fp32: no bf16 output");
-  CPFILL_RETURN_IF_ERROR(PartialAttentionCuda(LevelArgs(args, tree.first, args.output), workspace,
-                                              workspace_bytes, stream));
-  if (tree.second.empty()) return absl::OkStatus();
-  return PartialAttentionCuda(LevelArgs(args, tree.second, OutputMode::kMergeIntoFloat32),
-                              workspace, workspace_bytes, stream);
+  return LaunchLevels(args, tree.levels, workspace, workspace_bytes, stream);
 }
 
 size_t GatheredPagedWorkspaceBytes(const CudaAttentionArgs& args, const PagedGather& plan) {
@@ -375,14 +393,10 @@ absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const Pag
   void* attention_ws = ws + l.attention;
   const size_t attention_bytes = workspace_bytes - l.attention;
   if (a.output == OutputMode::kFloat32) {
-    const auto levels = GatheredLevels(plan);
+    const auto levels = LevelsToRun(plan.levels);
     return PrefixBatchedAttentionCuda(a, levels, attention_ws, attention_bytes, stream);
   }
-  CPFILL_RETURN_IF_ERROR(PartialAttentionCuda(LevelArgs(a, plan.first, a.output), attention_ws,
-                                              attention_bytes, stream));
-  if (plan.second.empty()) return absl::OkStatus();
-  return PartialAttentionCuda(LevelArgs(a, plan.second, OutputMode::kMergeIntoFloat32),
-                              attention_ws, attention_bytes, stream);
+  return LaunchLevels(a, plan.levels, attention_ws, attention_bytes, stream);
 }
 
 }  // namespace cpfill::attention::cuda

@@ -33,9 +33,9 @@ absl::Status PrefixBatchedAttentionCuda(const CudaAttentionArgs& args, KvTree le
                                         void* workspace, size_t workspace_bytes,
                                         cudaStream_t stream);
 
-// A paged decode step as FindSharedBlocks' two levels (prefix_batched.h): tree.first in
-// args.output's mode (kFloat32 or kMergeIntoFloat32: the ring's fresh or folded step), then
-// tree.second merged into it; both on the decode kernel, the only reader of paged K/V.
+// A paged decode step as FindSharedBlocks' levels (prefix_batched.h): level 0 in args.output's
+// mode (kFloat32 or kMergeIntoFloat32: the ring's fresh or folded step), then each later level
+// merged into it; all on the decode kernel, the only reader of paged K/V.
 // args.slices are ignored. InvalidArgument as PartialAttentionCuda, or for a bf16 output.
 size_t SharedBlocksWorkspaceBytes(const CudaAttentionArgs& args, const SharedBlockTree& tree);
 absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const SharedBlockTree& tree,
@@ -44,7 +44,7 @@ absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const Shar
 
 // A gathered paged step (prefix_batched.h GathersPagedKv, PlanPagedGather: a prefill after
 // cached rows): the plan's copies, uploaded into the workspace, gather K, V and positions out of
-// args.paged's blocks; then plan.first runs in args.output's mode and plan.second merges into it,
+// args.paged's blocks; then level 0 runs in args.output's mode and each later level merges into it,
 // on the prefill kernels (a fresh root of few tiles over long keys is split along its keys, as in
 // PrefixBatchedAttentionCuda). args.slices are ignored; the plan's host memory may go once the
 // call returns. InvalidArgument as PartialAttentionCuda, or for a bf16 output.

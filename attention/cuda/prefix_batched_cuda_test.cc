@@ -207,6 +207,27 @@ TEST(PrefixBatchedCuda, GatheredPrefillStepOverSharedBlocks) {
   }
 }
 
+// A document under a system prompt: 6 forks share 1K rows, the last 4 of them 512 more (a tree
+// of three levels), in a decode step on the decode kernel and a prefill step gathered.
+TEST(PrefixBatchedCuda, NestedSharingIsATreeOfThreeLevels) {
+  for (const auto& [heads, kv_heads] : {std::pair{32, 8}, std::pair{8, 1}}) {
+    for (int64_t queries : {1, 24}) {
+      SCOPED_TRACE("heads " + std::to_string(heads) + ":" + std::to_string(kv_heads) + ", " +
+                   std::to_string(queries) + " queries");
+      CheckPagedStep(testing::MakeShape(heads, kv_heads, 128, /*causal=*/true),
+                     {.block_tokens = 64,
+                      .shared_blocks = 16,
+                      .own_rows = {30, 700, 600, 530, 900, 512, 77},
+                      .sharing = 6,
+                      .nested_blocks = 8,
+                      .nested_sharing = 4,
+                      .queries = queries},
+                     3 * heads + queries, 6 + 4);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace cpfill::attention::cuda
 

@@ -92,8 +92,8 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
       .paged = a.paged_kv};
   if (a.paged_kv == nullptr) return Launch(args);
   if (attention::GathersPagedKv(a.slices)) return AttendGathered(a, args);
-  const attention::SharedBlockTree tree =
-      attention::FindSharedBlocks(a.shape, a.slices, *a.paged_kv, {}, a.keyless);
+  const attention::SharedBlockTree& tree =
+      PlanPagedStep(a, a.paged_kv->host_table, /*gather=*/false).tree;
   if (tree.counts.roots == 0) return Launch(args);
   prefix_batch_counts_ += tree.counts;
   CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
@@ -108,10 +108,9 @@ absl::Status CudaRingOps::AttendGathered(const RingStepArgs& a, const CudaAttent
                    "CUDA ring: a paged prefill step needs the block table in host memory");
   CPFILL_RETURN_IF_ERROR(paged.Validate(int64_t{a.shape.num_kv_heads} * a.shape.head_dim * 2,
                                         a.slices.data(), static_cast<int64_t>(a.slices.size())));
-  const attention::SharedBlockTree tree = attention::FindSharedBlocks(
-      a.shape, a.slices, paged, attention::RuleForStep(a.slices), a.keyless);
-  prefix_batch_counts_ += tree.counts;
-  const attention::PagedGather plan = attention::PlanPagedGather(tree, paged, paged.host_table);
+  const PagedStepPlan& step = PlanPagedStep(a, paged.host_table, /*gather=*/true);
+  prefix_batch_counts_ += step.tree.counts;
+  const attention::PagedGather& plan = step.gather;
   CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
       std::max(kMinBytes, attention::cuda::GatheredPagedWorkspaceBytes(args, plan))));
   return attention::cuda::GatheredPagedAttentionCuda(args, plan, workspace_.As<void>(),
