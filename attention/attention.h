@@ -46,6 +46,7 @@ struct SequenceSlice {
   int64_t q_len = 0;
   int64_t kv_begin = 0;
   int64_t kv_len = 0;
+  bool operator==(const SequenceSlice&) const = default;
 };
 
 // Tensor layouts (row-major, fp32, host memory for the CPU backend):

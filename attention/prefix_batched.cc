@@ -61,6 +61,7 @@ class RunFinder {
                               .q_len = rows,
                               .kv_begin = head.kv_begin,
                               .kv_len = shared_rows});
+      if (level == 0) tree_->outer_roots.push_back(Level(0).size() - 1);
       std::vector<SequenceSlice> rest;
       for (size_t m = i; m < end; ++m) {
         const SequenceSlice& s = slices[m];
@@ -131,6 +132,18 @@ class RunFinder {
   SharedBlockTree* tree_;
 };
 
+// Whether the tree's roots spare more reads than its levels cost (TreeCosts).
+bool TreePays(const AttentionShape& shape, const SharedBlockTree& tree, const TreeCosts& costs) {
+  const double row_values = double(shape.num_kv_heads) * shape.head_dim * 2;
+  const double saved = double(tree.counts.key_rows_saved) * row_values;
+  double merged_rows = 0;
+  for (size_t l = 1; l < tree.levels.size(); ++l) {
+    for (const SequenceSlice& s : tree.levels[l]) merged_rows += double(s.q_len);
+  }
+  const double merged = merged_rows * shape.num_heads * shape.head_dim;
+  return saved >= double(costs.min_saved_values) + costs.merge_cost * merged;
+}
+
 }  // namespace
 
 SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const SequenceSlice> slices,
@@ -139,7 +152,8 @@ SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const Se
   SharedBlockTree tree;
   tree.levels.emplace_back();
   RunFinder(shape, paged, rule, keyless, &tree).Find(slices, 0);
-  return tree;
+  if (tree.counts.roots == 0 || TreePays(shape, tree, rule.costs)) return tree;
+  return {.levels = {{slices.begin(), slices.end()}}};
 }
 
 std::vector<std::span<const SequenceSlice>> TreeOf(const KvLevels& levels) {
@@ -151,9 +165,10 @@ bool GathersPagedKv(std::span<const SequenceSlice> slices) {
                      [](const SequenceSlice& s) { return s.q_len > kMaxInPlaceQueryRows; });
 }
 
-SharedBlockRule RuleForStep(std::span<const SequenceSlice> slices) {
-  if (!GathersPagedKv(slices)) return {};
-  return {.max_root_rows = std::numeric_limits<int64_t>::max(), .always_root = true};
+SharedBlockRule RuleForStep(std::span<const SequenceSlice> slices, const TreeCosts& costs) {
+  if (!GathersPagedKv(slices)) return {.costs = costs};
+  return {
+      .max_root_rows = std::numeric_limits<int64_t>::max(), .always_root = true, .costs = costs};
 }
 
 PagedGather PlanPagedGather(const SharedBlockTree& tree, const PagedKv& paged,
@@ -187,6 +202,40 @@ PagedGather PlanPagedGather(const SharedBlockTree& tree, const PagedKv& paged,
     for (const SequenceSlice& s : level) to.push_back(place(s));
   }
   return g;
+}
+
+WideRootsPlan PlanWideRoots(const AttentionShape& shape, const SharedBlockTree& tree,
+                            const PagedKv& paged, std::span<const int32_t> table,
+                            const WideRootRule& rule) {
+  WideRootsPlan plan;
+  plan.in_place = tree.levels;
+  if (tree.levels.empty()) return plan;
+  const std::vector<SequenceSlice>& outer = tree.levels[0];
+  std::vector<bool> wide(outer.size(), false);
+  SharedBlockTree roots{.levels = {{}}};
+  int64_t rows = 0;
+  const double row_values = double(shape.num_kv_heads) * shape.head_dim * 2;
+  for (size_t i : tree.outer_roots) {
+    const SequenceSlice& r = outer[i];
+    const int64_t packed = r.q_len * shape.group_size();
+    const double rereads = (double(packed) / rule.rows_per_read - 1) * r.kv_len * row_values;
+    const int64_t tiles =
+        (packed + rule.rows_per_tile - 1) / rule.rows_per_tile * shape.num_kv_heads;
+    if (packed <= rule.min_packed_rows || rereads < double(rule.min_reread_values) ||
+        tiles < rule.min_tiles || rows + r.kv_len > rule.max_rows) {
+      continue;
+    }
+    wide[i] = true;
+    rows += r.kv_len;
+    roots.levels[0].push_back(r);
+  }
+  if (rows == 0) return plan;
+  plan.gathered = PlanPagedGather(roots, paged, table);
+  plan.in_place[0].clear();
+  for (size_t i = 0; i < outer.size(); ++i) {
+    if (!wide[i]) plan.in_place[0].push_back(outer[i]);
+  }
+  return plan;
 }
 
 absl::Status ValidateKvTree(const AttentionParams& p, KvTree levels) {

@@ -51,6 +51,21 @@ absl::Status PrefixBatchedAttentionCpu(const AttentionParams& p, KvTree levels, 
 // searched the same way, a level deeper: a system prompt under several documents, each asked
 // several questions, is a tree of three levels (Hydragen's hierarchical sharing), and each
 // document is read once, under its own root.
+// What a tree's levels cost where each is a kernel launch (the GPU): a step keeps its roots only
+// when the K and V values they spare from being read again (key rows saved x KV heads x head dim
+// x 2) reach min_saved_values plus merge_cost x the values its later levels merge (their query
+// rows x heads x head dim: each level writes and merges its partial output in fp32). Otherwise
+// every sequence reads its own keys, as without prefix batching. Zero (the CPU): roots always
+// pay.
+struct TreeCosts {
+  int64_t min_saved_values = 0;
+  double merge_cost = 0;
+};
+// Measured on an H100 (bench/RESULTS.md, 2026-11-27, bench/gpu/prefix_attention.sh): a root
+// under 16M values (32 MB of bf16 K and V, about 10 µs of HBM) lost to the flat step in decode,
+// and a suffix prefill's tree lost wherever it spared fewer than twice the values it merged.
+inline constexpr TreeCosts kGpuTreeCosts{.min_saved_values = int64_t{16} << 20, .merge_cost = 2.0};
+
 struct SharedBlockRule {
   // Packed (query row x query heads of a KV head) rows one read of a key tile serves: a root
   // pays when it reads the shared keys fewer times than its members would, each on its own
@@ -62,6 +77,8 @@ struct SharedBlockRule {
   // A root for every run of two or more sequences that share blocks, whatever the reads: a
   // gathered step's (below), where reading the shared rows once pays by itself.
   bool always_root = false;
+  // Whether the step's roots pay at all (above).
+  TreeCosts costs;
 };
 
 // A paged step whose slices hold more query rows than a decode step's (a prefill after cached
@@ -71,8 +88,8 @@ struct SharedBlockRule {
 inline constexpr int64_t kMaxInPlaceQueryRows = 4;
 bool GathersPagedKv(std::span<const SequenceSlice> slices);
 // The rule for a step's roots: the default (decode, in place), or a root for every run of
-// sequences that share blocks (gathered).
-SharedBlockRule RuleForStep(std::span<const SequenceSlice> slices);
+// sequences that share blocks (gathered); either under `costs`.
+SharedBlockRule RuleForStep(std::span<const SequenceSlice> slices, const TreeCosts& costs = {});
 
 // What prefix batching did: roots run, the sequences under them, and the key rows read once for
 // several sequences instead of once each (summed over calls; one head).
@@ -103,6 +120,7 @@ using KvLevels = std::vector<std::vector<SequenceSlice>>;
 struct SharedBlockTree {
   KvLevels levels;
   PrefixBatchCounts counts;
+  std::vector<size_t> outer_roots;  // which slices of levels[0] are roots
 };
 // The levels as a KvTree (spans into `levels`).
 std::vector<std::span<const SequenceSlice>> TreeOf(const KvLevels& levels);
@@ -131,5 +149,27 @@ struct PagedGather {
 // `table`: the block table in host memory (paged.host_table, or paged.table on the CPU).
 PagedGather PlanPagedGather(const SharedBlockTree& tree, const PagedKv& paged,
                             std::span<const int32_t> table);
+
+// A decode step read in place whose outer roots are wide. A GPU's decode kernel reads a root's
+// keys once per `rows_per_read` packed rows (query rows x query heads of a KV head), so a root
+// of more than `min_packed_rows` whose re-reads come to `min_reread_values` K and V values or
+// more has its shared rows gathered once, for the prefill kernels (once per `rows_per_tile`),
+// if it makes `min_tiles` (tiles x KV heads) at least; at most `max_rows` gathered rows in all
+// (the other roots stay in place).
+struct WideRootRule {
+  int64_t min_packed_rows = 0;
+  int64_t max_rows = 0;
+  int64_t rows_per_read = 16;
+  int64_t min_reread_values = 0;
+  int64_t rows_per_tile = 128;
+  int64_t min_tiles = 0;
+};
+struct WideRootsPlan {
+  PagedGather gathered;  // one level: the wide roots over their gathered rows; no copies: none
+  KvLevels in_place;     // the tree without them, level by level
+};
+WideRootsPlan PlanWideRoots(const AttentionShape& shape, const SharedBlockTree& tree,
+                            const PagedKv& paged, std::span<const int32_t> table,
+                            const WideRootRule& rule);
 
 }  // namespace cpfill::attention

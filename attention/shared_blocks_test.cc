@@ -43,6 +43,28 @@ TEST(FindSharedBlocks, ForksOfOnePromptShareOneRoot) {
   EXPECT_EQ(tree.levels[1][2].kv_begin, t.pb.slices[3].kv_begin + 48);
 }
 
+// Under TreeCosts a step keeps its roots only when they spare enough K/V values: the forks'
+// root spares 3 x 48 key rows x 2 KV heads x 32 dims x 2 = 18432 values, and its second level
+// merges 3 rows x 8 heads x 32 dims = 768; else the step is flat, every sequence whole.
+TEST(FindSharedBlocks, RootsThatSpareTooLittleAreNotWorthALevel) {
+  const AttentionShape shape = MakeShape(8, 2, 32, true);
+  const SharedBlocksProblem t = MakeSharedBlocksProblem(
+      shape, {.shared_blocks = 3, .own_rows = {5, 16, 0, 40, 7, 9}, .sharing = 4}, 1);
+  const auto roots = [&](const TreeCosts& costs) {
+    const SharedBlockTree tree = Find(t, {.costs = costs});
+    if (tree.counts.roots == 0) {
+      EXPECT_EQ(tree.levels.size(), 1u);
+      EXPECT_EQ(tree.levels[0].size(), t.pb.slices.size());
+    }
+    return tree.counts.roots;
+  };
+  EXPECT_EQ(roots({.min_saved_values = 18432}), 1);
+  EXPECT_EQ(roots({.min_saved_values = 18433}), 0);
+  EXPECT_EQ(roots({.merge_cost = 24.0}), 1);
+  EXPECT_EQ(roots({.merge_cost = 24.01}), 0);
+  EXPECT_EQ(roots(kGpuTreeCosts), 0);  // a few hundred rows: far too few for a GPU level
+}
+
 // Padding rows between the forks (a CP ring's pass-Q message) widen the root: it pays only while
 // it reads the shared keys fewer times (m16 tiles of packed rows) than its members would.
 TEST(FindSharedBlocks, PaddingRowsCountAgainstTheRoot) {
@@ -200,6 +222,54 @@ TEST(FindSharedBlocks, KeylessRowsBetweenForksSplitTheRun) {
   EXPECT_EQ(tree.counts.roots, 2);
   EXPECT_EQ(tree.counts.sequences, 4);
   EXPECT_EQ(PlanPagedGather(tree, paged, t.table).rows, 4 * 16 + 4 * 5);
+}
+
+// A decode step's outer roots wider than the rule's packed rows are gathered, the blocks once,
+// up to max_rows; the rest of the tree stays in place. Forks of a system prompt (2 blocks), the
+// last 4 of them also of a document (2 more blocks), then 20 forks of another prompt, 8:2 heads
+// (4 packed rows a query row).
+TEST(PlanWideRoots, GathersWideOuterRootsOnly) {
+  const AttentionShape shape = MakeShape(8, 2, 32, true);
+  std::vector<int64_t> own = {5, 9, 40, 50, 37, 60};
+  SharedBlocksProblem t = MakeSharedBlocksProblem(
+      shape,
+      {.shared_blocks = 2, .own_rows = own, .sharing = 6, .nested_blocks = 2, .nested_sharing = 4},
+      8);
+  const SharedBlockTree tree = Find(t, {.max_root_rows = 1 << 20});
+  ASSERT_EQ(tree.outer_roots.size(), 1u);
+  ASSERT_EQ(tree.levels.size(), 3u);
+  const PagedKv paged = t.Paged(t.table.data(), 4, /*batch=*/true);
+  // 6 query rows x 4 = 24 packed rows under the outer root: re-read 24 / 16 - 1 = 0.5 times, 32
+  // key rows x 2 KV heads x 32 dims x 2 = 4096 values once, 2048 again; 1 tile x 2 KV heads.
+  const auto plan = [&](WideRootRule rule) {
+    return PlanWideRoots(shape, tree, paged, t.table, rule);
+  };
+  const WideRootRule rule = {.min_packed_rows = 23,
+                             .max_rows = 32,
+                             .rows_per_read = 16,
+                             .min_reread_values = 2048,
+                             .rows_per_tile = 128,
+                             .min_tiles = 2};
+  const auto gathers = [&](WideRootRule r) { return !plan(r).gathered.copies.empty(); };
+  EXPECT_TRUE(gathers(rule));
+  WideRootRule narrow = rule, too_long = rule, too_few_rereads = rule, too_few_tiles = rule;
+  narrow.min_packed_rows = 24;
+  too_long.max_rows = 31;
+  too_few_rereads.min_reread_values = 2049;
+  too_few_tiles.min_tiles = 3;
+  for (const WideRootRule& r : {narrow, too_long, too_few_rereads, too_few_tiles}) {
+    EXPECT_FALSE(gathers(r));
+    EXPECT_EQ(plan(r).in_place, tree.levels);
+  }
+  const WideRootsPlan wide = plan(rule);
+  EXPECT_EQ(wide.gathered.rows, 32);
+  ASSERT_EQ(wide.gathered.levels.size(), 1u);
+  ASSERT_EQ(wide.gathered.levels[0].size(), 1u);
+  EXPECT_EQ(wide.gathered.levels[0][0].q_len, 6);
+  EXPECT_EQ(wide.gathered.levels[0][0].kv_begin, 0);
+  EXPECT_TRUE(wide.in_place[0].empty());        // the root was level 0's only slice
+  EXPECT_EQ(wide.in_place[1], tree.levels[1]);  // the document's root stays in place
+  EXPECT_EQ(wide.in_place[2], tree.levels[2]);
 }
 
 // Keys that start inside a sequence on a block boundary resolve to its later table entries.

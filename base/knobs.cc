@@ -45,6 +45,10 @@ constexpr KnobSpec kKnobs[] = {
      "CUDA prefix-batched attention: the shared prefix's level on the decode kernel or split "
      "along its keys on the prefill kernels (auto: the decode kernel up to 128 packed query "
      "rows per slice; the others for tests and measurement)"},
+    {kPrefixTree, KnobType::kChoice, "auto", "auto|always",
+     "CUDA prefix batching: a step's shared-prefix roots only where they spare more K/V reads "
+     "than their levels cost (auto: attention::kGpuTreeCosts), or wherever sequences share "
+     "blocks (always: tests on small models, and measurement)"},
     {kRanksPerNode, KnobType::kInt, "0", "0..1000000",
      "ranks per emulated node when --ranks-per-node is not given (0: the ranks of each host)"},
     {kTestExitRank, KnobType::kInt, "-1", "-1..1000000",

@@ -31,9 +31,9 @@ TEST_F(KnobsTest, EveryNameIsDeclaredOnceWithADefaultThatPassesItsOwnCheck) {
   }
   for (std::string_view n :
        {kAttentionKernel, kAttentionVariant, kHopperPingPong, kHopperPersistent, kHopperQBuffers,
-        kHopperMaxCtas, kHopperSchedule, kDecodeKernel, kPrefixRoot, kRanksPerNode, kTestExitRank,
-        kTestStallRank, kLocalRanks, kSlurmStepTasks, kSlurmStepNodes, kNcclP2pDisable,
-        kNcclShmDisable, kNcclNet}) {
+        kHopperMaxCtas, kHopperSchedule, kDecodeKernel, kPrefixRoot, kPrefixTree, kRanksPerNode,
+        kTestExitRank, kTestStallRank, kLocalRanks, kSlurmStepTasks, kSlurmStepNodes,
+        kNcclP2pDisable, kNcclShmDisable, kNcclNet}) {
     EXPECT_TRUE(seen.count(n)) << n;
   }
 }

@@ -4,14 +4,16 @@
 // parallel/cuda/cuda_ring_ops.cc runs it:
 //   decode:  one query per sequence (its newest token) against P + S keys, read in place:
 //            FindSharedBlocks' roots (attention/prefix_batched.h) on the decode kernel
-//            (SharedBlocksAttentionCuda), or the plain paged launch where it finds none;
+//            (SharedBlocksAttentionCuda), or the plain paged launch where it finds none; roots
+//            of more than 128 packed rows gathered first (WideRootsAttentionCuda);
 //   suffix:  S queries per sequence (the prefill of its suffix after the cached prefix), causal:
 //            gathered, the shared blocks once, one root over every sequence's queries on the
 //            prefill kernels (GatheredPagedAttentionCuda).
 // Each shape runs twice: "cpfill" with the block table in host memory (prefix batching, the
 // engine's default), and "cpfill-flat" without it, every sequence reading its own keys (the
 // engine's --no-prefix-batching; a suffix prefill then gathers each sequence's keys whole,
-// skipped past 16 GiB). Host planning is inside the timed call, as in the engine.
+// skipped past 16 GiB). Each step is planned (and a gathered step's copies uploaded) before
+// timing, as the engine plans once per forward for all its layers; "plan_us" is that host time.
 // Timed with CUDA events behind a spin kernel (median of 15 after 3 warm-ups); the prefix blocks
 // rotate over copies that together exceed 256 MiB, so every call reads them from HBM. The HBM
 // floor reads the prefix once, every suffix, Q, and writes O in bf16, at the device-to-device
@@ -23,6 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -163,33 +166,65 @@ Layout MakeLayout(const Shape& s, int copies) {
   return l;
 }
 
-// One step as CudaRingOps::Attend runs it: roots where FindSharedBlocks finds them (only with
-// the host table), else the plain launch; a prefill step gathered. `ws` grows as needed.
-absl::Status Step(const CudaAttentionArgs& args, const PagedKv& paged,
-                  std::span<const int32_t> host_table, void** ws, size_t* ws_bytes,
-                  PrefixBatchCounts* counts) {
+// One step as CudaRingOps::Attend runs it, planned once (the engine plans a forward's steps once
+// for all its layers, and uploads a gathered step's copies once): roots where FindSharedBlocks
+// finds them (only with the host table) under the GPU's costs, else the plain launch; a prefill
+// step gathered.
+struct PlannedStep {
+  SharedBlockTree tree;
+  PagedGather gather;
+  WideRootsPlan wide;  // a decode step's wide roots (gather.copies empty then)
+  bool gathered = false;
+  void* copies = nullptr;  // gather.copies, or wide.gathered.copies, in device memory
+  size_t workspace_bytes = 0;
+  double plan_us = 0;  // host time of FindSharedBlocks and PlanPagedGather
+  PlannedStep() = default;
+  PlannedStep(const PlannedStep&) = delete;
+  PlannedStep& operator=(const PlannedStep&) = delete;
+  ~PlannedStep() { cudaFree(copies); }
+};
+
+void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const int32_t> table,
+          PlannedStep* p) {
+  const auto start = std::chrono::steady_clock::now();
   const std::span<const SequenceSlice> slices(args.slices, args.num_slices);
-  const SharedBlockTree tree = FindSharedBlocks(args.shape, slices, paged, RuleForStep(slices));
-  *counts = tree.counts;
-  size_t need = 0;
-  PagedGather plan;
-  const bool gathered = GathersPagedKv(slices);
-  if (gathered) {
-    plan = PlanPagedGather(tree, paged, host_table);
-    need = GatheredPagedWorkspaceBytes(args, plan);
+  p->tree = FindSharedBlocks(args.shape, slices, paged, StepRuleOnGpu(slices, kGpuTreeCosts));
+  p->gathered = GathersPagedKv(slices);
+  if (p->gathered) {
+    p->gather = PlanPagedGather(p->tree, paged, table);
   } else {
-    need = tree.counts.roots > 0 ? SharedBlocksWorkspaceBytes(args, tree)
-                                 : AttentionWorkspaceBytes(args);
+    p->wide = PlanWideRoots(args.shape, p->tree, paged, table, WideRootRuleOf(args.shape));
   }
-  if (need > *ws_bytes) {
-    cudaFree(*ws);
-    *ws = Alloc(need);
-    *ws_bytes = *ws != nullptr ? need : 0;
-    if (*ws == nullptr) return absl::ResourceExhaustedError("workspace: out of memory");
+  p->plan_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+  const std::vector<PagedGather::Copy>& copies =
+      p->gathered ? p->gather.copies : p->wide.gathered.copies;
+  if (!copies.empty()) {
+    const size_t bytes = copies.size() * sizeof(PagedGather::Copy);
+    p->copies = Alloc(bytes);
+    cudaMemcpy(p->copies, copies.data(), bytes, cudaMemcpyHostToDevice);
   }
-  if (gathered) return GatheredPagedAttentionCuda(args, plan, *ws, *ws_bytes, nullptr);
-  if (tree.counts.roots > 0) return SharedBlocksAttentionCuda(args, tree, *ws, *ws_bytes, nullptr);
-  return PartialAttentionCuda(args, *ws, *ws_bytes, nullptr);
+  if (p->gathered) {
+    p->workspace_bytes = GatheredPagedWorkspaceBytes(args, p->gather);
+  } else if (p->copies != nullptr) {
+    p->workspace_bytes = WideRootsWorkspaceBytes(args, p->wide);
+  } else {
+    p->workspace_bytes = p->tree.counts.roots > 0 ? SharedBlocksWorkspaceBytes(args, p->tree)
+                                                  : AttentionWorkspaceBytes(args);
+  }
+}
+
+absl::Status Launch(const CudaAttentionArgs& args, const PlannedStep& p, void* ws, size_t bytes) {
+  if (p.gathered) {
+    return GatheredPagedAttentionCuda(args, p.gather, ws, bytes, nullptr,
+                                      static_cast<const PagedGather::Copy*>(p.copies));
+  }
+  if (p.copies != nullptr) {
+    return WideRootsAttentionCuda(args, p.wide, ws, bytes, nullptr,
+                                  static_cast<const PagedGather::Copy*>(p.copies));
+  }
+  if (p.tree.counts.roots > 0) return SharedBlocksAttentionCuda(args, p.tree, ws, bytes, nullptr);
+  return PartialAttentionCuda(args, ws, bytes, nullptr);
 }
 
 void PrintError(const Shape& s, const char* impl, const std::string& error) {
@@ -243,8 +278,6 @@ void Run(const Shape& s, double copy_gbps) {
   const double floor_bytes =
       double(s.prefix + s.batch * s.suffix) * row * 2 * 2 + double(q) * s.heads * kDim * 2 * 2;
   const double floor_us = floor_bytes / (copy_gbps * 1e9) * 1e6;
-  void* ws = nullptr;
-  size_t ws_bytes = 0;
   for (const bool batched : {true, false}) {
     const char* impl = batched ? "cpfill" : "cpfill-flat";
     if (!batched && s.mode == "suffix" && double(kv_tokens) * row * 2 * 2 > kMaxFlatGatherBytes) {
@@ -261,39 +294,48 @@ void Run(const Shape& s, double copy_gbps) {
                   .host_table =
                       batched ? std::span<const int32_t>(l.tables[c]) : std::span<const int32_t>()};
     }
-    std::string error;
-    PrefixBatchCounts counts;
-    const double us = MedianUs([&](int i) {
+    std::vector<CudaAttentionArgs> args(copies);
+    std::vector<PlannedStep> steps(copies);
+    size_t ws_bytes = 0;
+    for (int c = 0; c < copies; ++c) {
+      args[c] = {.shape = shape,
+                 .q = d.q,
+                 .q_pos = d.q_pos,
+                 .q_tokens = q,
+                 .k = d.k,
+                 .v = d.v,
+                 .k_pos = d.k_pos,
+                 .kv_tokens = kv_tokens,
+                 .slices = l.slices.data(),
+                 .num_slices = static_cast<int64_t>(l.slices.size()),
+                 .output = OutputMode::kFloat32,
+                 .o = d.o,
+                 .lse = d.lse,
+                 .paged = &paged[c]};
+      Plan(args[c], paged[c], l.tables[c], &steps[c]);
+      ws_bytes = std::max(ws_bytes, steps[c].workspace_bytes);
+    }
+    void* ws = Alloc(ws_bytes);
+    std::string error = ws == nullptr ? "workspace: out of memory" : "";
+    const double us = error.empty() ? MedianUs([&](int i) {
       const int c = i % copies;
-      const CudaAttentionArgs args{.shape = shape,
-                                   .q = d.q,
-                                   .q_pos = d.q_pos,
-                                   .q_tokens = q,
-                                   .k = d.k,
-                                   .v = d.v,
-                                   .k_pos = d.k_pos,
-                                   .kv_tokens = kv_tokens,
-                                   .slices = l.slices.data(),
-                                   .num_slices = static_cast<int64_t>(l.slices.size()),
-                                   .output = OutputMode::kFloat32,
-                                   .o = d.o,
-                                   .lse = d.lse,
-                                   .paged = &paged[c]};
-      const absl::Status st = Step(args, paged[c], l.tables[c], &ws, &ws_bytes, &counts);
+      const absl::Status st = Launch(args[c], steps[c], ws, ws_bytes);
       if (!st.ok()) error = std::string(st.message());
-    });
+    })
+                                    : 0;
+    cudaFree(ws);
     if (!error.empty()) {
       PrintError(s, impl, error);
       continue;
     }
     std::printf(
         "{\"impl\":\"%s\",\"mode\":\"%s\",\"heads\":%d,\"kv_heads\":%d,\"prefix\":%ld,"
-        "\"suffix\":%ld,\"batch\":%ld,\"us\":%.2f,\"floor_us\":%.2f,\"roots\":%ld}\n",
+        "\"suffix\":%ld,\"batch\":%ld,\"us\":%.2f,\"floor_us\":%.2f,\"roots\":%ld,"
+        "\"plan_us\":%.1f}\n",
         impl, s.mode.c_str(), s.heads, s.kv_heads, s.prefix, s.suffix, s.batch, us, floor_us,
-        counts.roots);
+        steps[0].tree.counts.roots, steps[0].plan_us);
     std::fflush(stdout);
   }
-  cudaFree(ws);
 }
 
 // The grid: prefixes 1K-64K, 8:1 and 32:8 heads, decode with suffixes of 1 and 2K keys

@@ -59,11 +59,7 @@ constexpr uint8_t kPadPositionByte = 0xFF;
 static_assert(attention::kPadPosition == -1, "padding positions are filled with 0xFF bytes");
 
 bool SameSlices(std::span<const SequenceSlice> a, std::span<const SequenceSlice> b) {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
-                    [](const SequenceSlice& x, const SequenceSlice& y) {
-                      return x.q_begin == y.q_begin && x.q_len == y.q_len &&
-                             x.kv_begin == y.kv_begin && x.kv_len == y.kv_len;
-                    });
+  return std::equal(a.begin(), a.end(), b.begin(), b.end());
 }
 
 bool SameSpan(std::span<const int32_t> a, std::span<const int32_t> b) {
@@ -78,14 +74,16 @@ constexpr size_t kMaxStepPlans = 16;
 // ---- Prefix batching's plans -------------------------------------------------------------
 
 const RingOps::PagedStepPlan& RingOps::PlanPagedStep(const RingStepArgs& a,
-                                                     std::span<const int32_t> table, bool gather) {
+                                                     std::span<const int32_t> table, bool gather,
+                                                     const attention::WideRootRule& wide) {
   const attention::PagedKv& paged = *a.paged_kv;
   const uint64_t generation = paged.generation;
   if (generation != 0) {
     for (const CachedStepPlan& c : step_plans_) {
-      if (c.generation == generation && c.gather == gather && SameSpan(c.table, table) &&
-          SameSpan(c.host_table, paged.host_table) && SameSlices(c.slices, a.slices) &&
-          SameSlices(c.keyless, a.keyless)) {
+      if (c.generation == generation && c.gather == gather &&
+          c.wide.min_packed_rows == wide.min_packed_rows && c.wide.max_rows == wide.max_rows &&
+          SameSpan(c.table, table) && SameSpan(c.host_table, paged.host_table) &&
+          SameSlices(c.slices, a.slices) && SameSlices(c.keyless, a.keyless)) {
         return c.plan;
       }
     }
@@ -101,9 +99,16 @@ const RingOps::PagedStepPlan& RingOps::PlanPagedStep(const RingStepArgs& a,
   c.slices.assign(a.slices.begin(), a.slices.end());
   c.keyless.assign(a.keyless.begin(), a.keyless.end());
   c.gather = gather;
-  c.plan.tree = attention::FindSharedBlocks(a.shape, a.slices, paged,
-                                            attention::RuleForStep(a.slices), a.keyless);
-  if (gather) c.plan.gather = attention::PlanPagedGather(c.plan.tree, paged, table);
+  c.wide = wide;
+  c.plan.id = ++last_plan_id_;
+  c.plan.generation = generation;
+  c.plan.tree =
+      attention::FindSharedBlocks(a.shape, a.slices, paged, StepRule(a.slices), a.keyless);
+  if (gather) {
+    c.plan.gather = attention::PlanPagedGather(c.plan.tree, paged, table);
+  } else if (wide.max_rows > 0) {
+    c.plan.wide = attention::PlanWideRoots(a.shape, c.plan.tree, paged, table, wide);
+  }
   return c.plan;
 }
 

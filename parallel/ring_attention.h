@@ -143,21 +143,32 @@ class RingOps {
   // Prefix batching so far (paged K/V whose sequences share leading blocks,
   // attention/prefix_batched.h FindSharedBlocks): every backend's Attend does it.
   const attention::PrefixBatchCounts& prefix_batch_counts() const { return prefix_batch_counts_; }
+  // What prefix batching's levels cost here (attention::TreeCosts): none on the CPU.
+  virtual attention::TreeCosts tree_costs() const { return {}; }
+  // The rule a paged step's roots are found by (attention::RuleForStep under tree_costs()).
+  virtual attention::SharedBlockRule StepRule(
+      std::span<const attention::SequenceSlice> slices) const {
+    return attention::RuleForStep(slices, tree_costs());
+  }
 
  protected:
   attention::PrefixBatchCounts prefix_batch_counts_;
 
-  // A paged step's prefix batching (attention::FindSharedBlocks: no roots without the host
-  // table) and, when `gather`, its gather plan over `table` (the block table in host memory).
+  // A paged step's prefix batching (attention::FindSharedBlocks under StepRule: no roots
+  // without the host table) and, when `gather`, its gather plan over `table` (the block table
+  // in host memory); else, with `wide`, its wide roots' (attention::PlanWideRoots).
   // Kept for the later steps with the same slices, keyless rows and table (a nonzero
   // PagedKv::generation names the table): a forward plans each ring step once, not once per
   // layer. The reference is valid until the next call.
   struct PagedStepPlan {
     attention::SharedBlockTree tree;
     attention::PagedGather gather;
+    attention::WideRootsPlan wide;
+    uint64_t id = 0;          // unique among this ops' plans
+    uint64_t generation = 0;  // the table's (0: planned for this call only)
   };
   const PagedStepPlan& PlanPagedStep(const RingStepArgs& a, std::span<const int32_t> table,
-                                     bool gather);
+                                     bool gather, const attention::WideRootRule& wide = {});
 
  private:
   struct CachedStepPlan {
@@ -165,9 +176,11 @@ class RingOps {
     std::span<const int32_t> host_table, table;
     std::vector<attention::SequenceSlice> slices, keyless;
     bool gather = false;
+    attention::WideRootRule wide;
     PagedStepPlan plan;
   };
   std::vector<CachedStepPlan> step_plans_;  // one generation's
+  uint64_t last_plan_id_ = 0;
   friend class RingAttention;
   std::array<const RingAttention*, kPositionSlots> positions_of_{};  // whose plan each slot holds
   int next_position_slot_ = 0;  // the slot a new ring takes when none is free

@@ -573,10 +573,11 @@ absl::Status LlamaModel::CheckGatheredMemory(Running& r) {
     }
     const attention::PagedKv paged = HostPagedKv(r);
     const attention::AttentionShape shape = AttentionShapeOf();
-    rows = attention::PlanPagedGather(
-               attention::FindSharedBlocks(shape, slices, paged, attention::RuleForStep(slices)),
-               paged, r.host_block_table)
-               .rows;
+    rows =
+        attention::PlanPagedGather(attention::FindSharedBlocks(
+                                       shape, slices, paged, backend_->ring_ops().StepRule(slices)),
+                                   paged, r.host_block_table)
+            .rows;
   } else {
     for (int s = 0; s < r.b.plan.num_sequences(); ++s) rows += layout.kv_len[s];
   }

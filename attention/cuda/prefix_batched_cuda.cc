@@ -1,6 +1,7 @@
 #include "attention/cuda/prefix_batched_cuda.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -16,15 +17,17 @@ namespace {
 //   - the split-KV decode kernel: it splits the keys itself, but reads them once per m16 tile of
 //     packed (token x GQA group) rows: cheap for a few rows, costly for many over long keys;
 //   - the prefill kernels, which give one CTA a 128-row folded tile and one KV head and walk all
-//     of its keys (a few CTAs on 132 SMs): so the level is split along its keys into up to
-//     kMaxSplits parts (each at least kMinSplitKeys keys), run in one launch on copies of the
-//     query rows, and the parts merged exactly (MergePartialsCuda, at most kMaxMergeParts a
-//     call: two rounds).
+//     of its keys (a few CTAs on 132 SMs): so a level of fewer items than SMs is split along its
+//     keys into up to kMaxSplits parts (each at least kMinSplitKeys keys), as many as one wave
+//     holds, run in one launch on copies of the query rows, and the parts merged exactly
+//     (MergePartialsCuda, at most kMaxMergeParts a call: two rounds). One wave: items of equal
+//     length finish together, and a second, partial wave (17 splits of 16 items on 132 SMs) cost
+//     a third more than 8 splits (bench/RESULTS.md, 2026-11-27).
 // A root of at most one folded tile per slice takes the decode kernel, the rest are split: the
 // rule measured on an H100 (bench/RESULTS.md, 2026-11-26). CPFILL_PREFIX_ROOT forces either way.
 constexpr int kFoldedTileRows = 128;
 constexpr int kMaxSplits = kMaxMergeParts * kMaxMergeParts;
-constexpr int64_t kMinSplitKeys = 256;
+constexpr int64_t kMinSplitKeys = 1024;
 constexpr size_t kAlign = 256;
 
 size_t Aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
@@ -63,8 +66,8 @@ bool RootOnDecodeKernel(const CudaAttentionArgs& args, std::span<const SequenceS
   return widest <= kFoldedTileRows;
 }
 
-// Key splits for a root level the decode kernel does not take: enough (tile, KV head, split)
-// items for two waves.
+// Key splits for a root level the decode kernel does not take: as many (tile, KV head, split)
+// items as one wave holds.
 int RootSplits(const CudaAttentionArgs& args, std::span<const SequenceSlice> root) {
   const int64_t group = args.shape.group_size();
   int64_t tiles = 0, longest = 0;
@@ -74,7 +77,7 @@ int RootSplits(const CudaAttentionArgs& args, std::span<const SequenceSlice> roo
     longest = std::max(longest, s.kv_len);
   }
   const int64_t items = std::max<int64_t>(1, tiles * args.shape.num_kv_heads);
-  const int64_t wanted = (2 * SmCount() + items - 1) / items;
+  const int64_t wanted = SmCount() / items;
   return static_cast<int>(
       std::clamp<int64_t>(std::min<int64_t>(wanted, longest / kMinSplitKeys), 1, kMaxSplits));
 }
@@ -363,7 +366,8 @@ size_t GatheredPagedWorkspaceBytes(const CudaAttentionArgs& args, const PagedGat
 
 absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const PagedGather& plan,
                                         void* workspace, size_t workspace_bytes,
-                                        cudaStream_t stream) {
+                                        cudaStream_t stream,
+                                        const PagedGather::Copy* device_copies) {
   CPFILL_CHECK_ARG(args.paged != nullptr, "gathered paged attention: no paged K/V");
   CPFILL_CHECK_ARG(args.output != OutputMode::kBfloat16,
                    "prefix-batched attention merges its levels in fp32: no bf16 output");
@@ -373,13 +377,17 @@ absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const Pag
   char* ws = static_cast<char*>(workspace);
   const size_t copy_bytes = plan.copies.size() * sizeof(PagedGather::Copy);
   // From pageable memory: returns once the bytes are staged, so the plan may go.
-  if (copy_bytes > 0 && cudaMemcpyAsync(ws + l.copies, plan.copies.data(), copy_bytes,
-                                        cudaMemcpyHostToDevice, stream) != cudaSuccess) {
+  if (device_copies == nullptr && copy_bytes > 0 &&
+      cudaMemcpyAsync(ws + l.copies, plan.copies.data(), copy_bytes, cudaMemcpyHostToDevice,
+                      stream) != cudaSuccess) {
     return absl::InternalError("gathered paged attention: uploading the copies failed");
   }
+  const auto* copies = device_copies != nullptr
+                           ? device_copies
+                           : reinterpret_cast<const PagedGather::Copy*>(ws + l.copies);
   const CudaAttentionArgs a = GatheredArgs(args, plan, ws, &l);
   CPFILL_RETURN_IF_ERROR(
-      GatherPagedRowsCuda({.copies = reinterpret_cast<const PagedGather::Copy*>(ws + l.copies),
+      GatherPagedRowsCuda({.copies = copies,
                            .num_copies = static_cast<int64_t>(plan.copies.size()),
                            .k_pool = args.k,
                            .v_pool = args.v,
@@ -397,6 +405,52 @@ absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const Pag
     return PrefixBatchedAttentionCuda(a, levels, attention_ws, attention_bytes, stream);
   }
   return LaunchLevels(a, plan.levels, attention_ws, attention_bytes, stream);
+}
+
+SharedBlockRule StepRuleOnGpu(std::span<const SequenceSlice> slices, const TreeCosts& costs) {
+  SharedBlockRule rule = RuleForStep(slices, costs);
+  if (!GathersPagedKv(slices)) rule.max_root_rows = std::numeric_limits<int64_t>::max();
+  return rule;
+}
+
+WideRootRule WideRootRuleOf(const AttentionShape& shape) {
+  const int64_t row_bytes = int64_t{shape.num_kv_heads} * shape.head_dim * 2 * 2;  // K and V
+  return {.min_packed_rows = kMinWideRootRows,
+          .max_rows = kMaxWideRootBytes / row_bytes,
+          .rows_per_read = 16,
+          .min_reread_values = kMinWideRootRereads,
+          .rows_per_tile = kFoldedTileRows,
+          .min_tiles = kMinWideRootTiles};
+}
+
+size_t WideRootsWorkspaceBytes(const CudaAttentionArgs& args, const WideRootsPlan& plan) {
+  size_t bytes = GatheredPagedWorkspaceBytes(args, plan.gathered);
+  for (const std::vector<SequenceSlice>& level : plan.in_place) {
+    if (level.empty()) continue;
+    bytes = std::max(
+        bytes, AttentionWorkspaceBytes(LevelArgs(args, level, OutputMode::kMergeIntoFloat32)));
+  }
+  return bytes;
+}
+
+absl::Status WideRootsAttentionCuda(const CudaAttentionArgs& args, const WideRootsPlan& plan,
+                                    void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                    const PagedGather::Copy* device_copies) {
+  CPFILL_CHECK_ARG(args.output == OutputMode::kFloat32,
+                   "wide roots: a fresh fp32 output only (the gathered roots write every row)");
+  CPFILL_CHECK_ARG(!plan.gathered.copies.empty(), "wide roots: none to gather");
+  CPFILL_CHECK_ARG(workspace_bytes >= WideRootsWorkspaceBytes(args, plan),
+                   "wide roots: ", workspace_bytes, " workspace bytes, ",
+                   WideRootsWorkspaceBytes(args, plan), " needed (WideRootsWorkspaceBytes)");
+  CPFILL_RETURN_IF_ERROR(GatheredPagedAttentionCuda(args, plan.gathered, workspace, workspace_bytes,
+                                                    stream, device_copies));
+  // The gathered rows are not read again: the workspace serves the in-place levels, in order.
+  for (const std::vector<SequenceSlice>& level : plan.in_place) {
+    if (level.empty()) continue;
+    CPFILL_RETURN_IF_ERROR(PartialAttentionCuda(
+        LevelArgs(args, level, OutputMode::kMergeIntoFloat32), workspace, workspace_bytes, stream));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace cpfill::attention::cuda

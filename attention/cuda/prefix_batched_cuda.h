@@ -47,10 +47,38 @@ absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const Shar
 // args.paged's blocks; then level 0 runs in args.output's mode and each later level merges into it,
 // on the prefill kernels (a fresh root of few tiles over long keys is split along its keys, as in
 // PrefixBatchedAttentionCuda). args.slices are ignored; the plan's host memory may go once the
-// call returns. InvalidArgument as PartialAttentionCuda, or for a bf16 output.
+// call returns. `device_copies`: plan.copies already in device memory (uploaded once for the
+// steps that share the plan: an upload from pageable memory may wait for the stream); null, they
+// are uploaded into the workspace. InvalidArgument as PartialAttentionCuda, or for a bf16 output.
 size_t GatheredPagedWorkspaceBytes(const CudaAttentionArgs& args, const PagedGather& plan);
 absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const PagedGather& plan,
                                         void* workspace, size_t workspace_bytes,
-                                        cudaStream_t stream);
+                                        cudaStream_t stream,
+                                        const PagedGather::Copy* device_copies = nullptr);
+
+// How a ring step on the GPU finds its roots: RuleForStep under `costs`, with a decode step's
+// roots not cut at 128 packed rows (a wide one is gathered, WideRootRuleOf; in a folded step the
+// decode kernel reads it in as many m16 tiles as its pieces would take).
+SharedBlockRule StepRuleOnGpu(std::span<const SequenceSlice> slices, const TreeCosts& costs);
+// A decode step's roots of more than 128 packed rows (8 of the decode kernel's m16 tiles) that
+// re-read at least 64M K/V values (128 MB of bf16) in place and make 4 prefill tiles (x KV
+// heads) or more read their shared rows gathered, on the prefill kernels; up to 256 MiB of
+// gathered K and V a step (the rest stay in place: the gather is workspace that the KV cache's
+// sizing did not count). Measured on an H100 (bench/RESULTS.md, 2026-11-27): with these, every
+// decode shape of the grid ran within 7% of the faster of the two ways.
+inline constexpr int64_t kMinWideRootRows = 128;
+inline constexpr int64_t kMinWideRootRereads = int64_t{64} << 20;
+inline constexpr int64_t kMinWideRootTiles = 4;
+inline constexpr int64_t kMaxWideRootBytes = int64_t{256} << 20;
+WideRootRule WideRootRuleOf(const AttentionShape& shape);
+
+// A fresh paged decode step whose wide roots are gathered (prefix_batched.h PlanWideRoots):
+// those roots as a gathered step (GatheredPagedAttentionCuda, fresh: every row written), then
+// the rest of the tree, level by level, in place on the decode kernel, merged in. `device_copies`
+// as there. InvalidArgument for a folded output, or as the calls it makes.
+size_t WideRootsWorkspaceBytes(const CudaAttentionArgs& args, const WideRootsPlan& plan);
+absl::Status WideRootsAttentionCuda(const CudaAttentionArgs& args, const WideRootsPlan& plan,
+                                    void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                    const PagedGather::Copy* device_copies = nullptr);
 
 }  // namespace cpfill::attention::cuda

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -112,10 +113,18 @@ void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec
       FindSharedBlocks(shape, t.pb.slices, paged, RuleForStep(t.pb.slices));
   EXPECT_EQ(tree.counts.sequences, expect_batched);
   const PagedGather plan = PlanPagedGather(tree, paged, t.table);
-  for (OutputMode mode : {OutputMode::kFloat32, OutputMode::kMergeIntoFloat32}) {
-    SCOPED_TRACE(std::string(gathered ? "gathered prefill" : "decode in place") +
-                 (mode == OutputMode::kFloat32 ? "" : ", folded"));
-    // Folded into a running result that has seen no key: the same reference.
+  // A decode step as the GPU ring plans it (roots not cut), every outer root gathered.
+  const SharedBlockTree gpu_tree =
+      FindSharedBlocks(shape, t.pb.slices, paged, StepRuleOnGpu(t.pb.slices, {}));
+  const WideRootsPlan wide =
+      PlanWideRoots(shape, gpu_tree, paged, t.table,
+                    {.min_packed_rows = 0,
+                     .max_rows = 1 << 30,
+                     .min_reread_values = std::numeric_limits<int64_t>::min()});
+  // One run in `mode` (folded into a running result that has seen no key: the same reference).
+  const auto check = [&](const std::string& what, OutputMode mode, const auto& bytes_of,
+                         const auto& launch) {
+    SCOPED_TRACE(what + (mode == OutputMode::kFloat32 ? "" : ", folded"));
     const bool fold = mode == OutputMode::kMergeIntoFloat32;
     float* o = Upload(std::vector<float>(t.pb.o.size(), fold ? 0.0f : testing::kNaN));
     float* lse = Upload(std::vector<float>(t.pb.lse.size(), fold ? -INFINITY : testing::kNaN));
@@ -131,13 +140,11 @@ void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec
                                  .o = o,
                                  .lse = lse,
                                  .paged = &paged};
-    const size_t bytes =
-        gathered ? GatheredPagedWorkspaceBytes(args, plan) : SharedBlocksWorkspaceBytes(args, tree);
+    const size_t bytes = bytes_of(args);
     void* ws = nullptr;
     ASSERT_EQ(cudaMalloc(&ws, std::max<size_t>(bytes, 1)), cudaSuccess);
     cudaMemset(ws, 0x7f, std::max<size_t>(bytes, 1));
-    const absl::Status s = gathered ? GatheredPagedAttentionCuda(args, plan, ws, bytes, nullptr)
-                                    : SharedBlocksAttentionCuda(args, tree, ws, bytes, nullptr);
+    const absl::Status s = launch(args, ws, bytes);
     ASSERT_TRUE(s.ok()) << s;
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     cudaMemcpy(t.pb.o.data(), o, t.pb.o.size() * 4, cudaMemcpyDeviceToHost);
@@ -145,6 +152,32 @@ void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec
     testing::ExpectOutputsMatch(shape, t.pb.q_tokens, t.pb.o.data(), t.pb.lse.data(), t.ref_o,
                                 t.ref_lse, 1e-2, 2e-2);
     for (void* p : {static_cast<void*>(o), static_cast<void*>(lse), ws}) cudaFree(p);
+  };
+  for (OutputMode mode : {OutputMode::kFloat32, OutputMode::kMergeIntoFloat32}) {
+    if (gathered) {
+      check(
+          "gathered prefill", mode,
+          [&](const CudaAttentionArgs& a) { return GatheredPagedWorkspaceBytes(a, plan); },
+          [&](const CudaAttentionArgs& a, void* ws, size_t bytes) {
+            return GatheredPagedAttentionCuda(a, plan, ws, bytes, nullptr);
+          });
+    } else {
+      check(
+          "decode in place", mode,
+          [&](const CudaAttentionArgs& a) { return SharedBlocksWorkspaceBytes(a, tree); },
+          [&](const CudaAttentionArgs& a, void* ws, size_t bytes) {
+            return SharedBlocksAttentionCuda(a, tree, ws, bytes, nullptr);
+          });
+    }
+    if (::testing::Test::HasFatalFailure()) break;
+  }
+  if (!gathered && !wide.gathered.copies.empty() && !::testing::Test::HasFatalFailure()) {
+    check(
+        "decode, wide roots gathered", OutputMode::kFloat32,
+        [&](const CudaAttentionArgs& a) { return WideRootsWorkspaceBytes(a, wide); },
+        [&](const CudaAttentionArgs& a, void* ws, size_t bytes) {
+          return WideRootsAttentionCuda(a, wide, ws, bytes, nullptr);
+        });
   }
   for (void* p :
        {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),

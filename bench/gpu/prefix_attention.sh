@@ -2,7 +2,7 @@
 # One device call for prefix-batched attention (issue 21): its GPU test, then
 # prefix_attention_cuda_bench and the per-sequence peers (prefix_peer.py: FA3 from .wheels/ over
 # a paged cache sharing the prefix pages, cuDNN) on the same grid, and the table
-# (prefix_report.py). QUICK=1: the 4K prefix only.
+# (prefix_report.py). QUICK=1: the 4K prefix only; TESTS=0: no tests first.
 #   run(command="bash bench/gpu/prefix_attention.sh", carry=[".gpu-carry", ".wheels"])
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -12,12 +12,14 @@ if ls .wheels/fa3_fwd-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa3 \
     .wheels/fa3_fwd-*.whl > "$out/fa3_install.log" 2>&1 && export PYTHONPATH=/tmp/fa3:${PYTHONPATH:-}
 fi
-timeout 120 "$carry/prefix_batched_cuda_test" > "$out/test.log" 2>&1
-echo "prefix_batched_cuda_test: rc $? $(grep -E '^\[  (PASSED|FAILED)' "$out/test.log" | tr '\n' ' ')"
-grep -E 'Failure|error' "$out/test.log" | head -5
-if [ -x "$carry/attention_cuda_test" ]; then  # the decode kernel's dispatch changed with it
-  timeout 200 "$carry/attention_cuda_test" --gtest_filter='*Small*:*Decode*' > "$out/attention_test.log" 2>&1
-  echo "attention_cuda_test (Small, Decode): rc $? $(grep -E '^\[  (PASSED|FAILED)' "$out/attention_test.log" | tr '\n' ' ')"
+if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: the tests ran in an earlier call on this build
+  timeout 120 "$carry/prefix_batched_cuda_test" > "$out/test.log" 2>&1
+  echo "prefix_batched_cuda_test: rc $? $(grep -E '^\[  (PASSED|FAILED)' "$out/test.log" | tr '\n' ' ')"
+  grep -E 'Failure|error' "$out/test.log" | head -5
+  if [ -x "$carry/attention_cuda_test" ]; then  # the decode kernel's dispatch changed with it
+    timeout 200 "$carry/attention_cuda_test" --gtest_filter='*Small*:*Decode*' > "$out/attention_test.log" 2>&1
+    echo "attention_cuda_test (Small, Decode): rc $? $(grep -E '^\[  (PASSED|FAILED)' "$out/attention_test.log" | tr '\n' ' ')"
+  fi
 fi
 timeout 300 "$carry/prefix_attention_cuda_bench" $quick > "$out/cpfill.jsonl" 2> "$out/bench.err"
 echo "bench: rc $? $(wc -l < "$out/cpfill.jsonl") lines"

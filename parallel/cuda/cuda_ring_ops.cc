@@ -6,6 +6,7 @@
 
 #include "attention/cuda/attention_cuda.h"
 #include "attention/cuda/prefix_batched_cuda.h"
+#include "base/knobs.h"
 #include "base/status.h"
 
 namespace cpfill::parallel {
@@ -92,14 +93,35 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
       .paged = a.paged_kv};
   if (a.paged_kv == nullptr) return Launch(args);
   if (attention::GathersPagedKv(a.slices)) return AttendGathered(a, args);
-  const attention::SharedBlockTree& tree =
-      PlanPagedStep(a, a.paged_kv->host_table, /*gather=*/false).tree;
+  const PagedStepPlan& step = PlanPagedStep(a, a.paged_kv->host_table, /*gather=*/false,
+                                            attention::cuda::WideRootRuleOf(a.shape));
+  const attention::SharedBlockTree& tree = step.tree;
   if (tree.counts.roots == 0) return Launch(args);
   prefix_batch_counts_ += tree.counts;
+  // A fresh step's wide roots read their gathered rows (a folded one's stay in place: the
+  // gathered roots would overwrite the running result).
+  if (!step.wide.gathered.copies.empty() && args.output == OutputMode::kFloat32) {
+    CPFILL_ASSIGN_OR_RETURN(const attention::PagedGather::Copy* copies,
+                            DeviceCopies(step, step.wide.gathered.copies));
+    CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
+        std::max(kMinBytes, attention::cuda::WideRootsWorkspaceBytes(args, step.wide))));
+    return attention::cuda::WideRootsAttentionCuda(args, step.wide, workspace_.As<void>(),
+                                                   workspace_.capacity(), stream_, copies);
+  }
   CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
       std::max(kMinBytes, attention::cuda::SharedBlocksWorkspaceBytes(args, tree))));
   return attention::cuda::SharedBlocksAttentionCuda(args, tree, workspace_.As<void>(),
                                                     workspace_.capacity(), stream_);
+}
+
+attention::SharedBlockRule CudaRingOps::StepRule(
+    std::span<const attention::SequenceSlice> slices) const {
+  return attention::cuda::StepRuleOnGpu(slices, tree_costs());
+}
+
+attention::TreeCosts CudaRingOps::tree_costs() const {
+  static const bool always = knobs::Choice(knobs::kPrefixTree) == "always";
+  return always ? attention::TreeCosts{} : attention::kGpuTreeCosts;
 }
 
 absl::Status CudaRingOps::AttendGathered(const RingStepArgs& a, const CudaAttentionArgs& args) {
@@ -111,10 +133,33 @@ absl::Status CudaRingOps::AttendGathered(const RingStepArgs& a, const CudaAttent
   const PagedStepPlan& step = PlanPagedStep(a, paged.host_table, /*gather=*/true);
   prefix_batch_counts_ += step.tree.counts;
   const attention::PagedGather& plan = step.gather;
+  CPFILL_ASSIGN_OR_RETURN(const attention::PagedGather::Copy* copies,
+                          DeviceCopies(step, plan.copies));
   CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
       std::max(kMinBytes, attention::cuda::GatheredPagedWorkspaceBytes(args, plan))));
   return attention::cuda::GatheredPagedAttentionCuda(args, plan, workspace_.As<void>(),
-                                                     workspace_.capacity(), stream_);
+                                                     workspace_.capacity(), stream_, copies);
+}
+
+absl::StatusOr<const attention::PagedGather::Copy*> CudaRingOps::DeviceCopies(
+    const PagedStepPlan& plan, const std::vector<attention::PagedGather::Copy>& copies) {
+  if (plan.generation == 0 || copies.empty()) return nullptr;  // uploaded with the call
+  if (plan.generation != uploaded_generation_) {
+    for (UploadedCopies& u : uploaded_copies_) u.plan_id = 0;
+    uploaded_generation_ = plan.generation;
+  }
+  UploadedCopies* slot = nullptr;
+  for (UploadedCopies& u : uploaded_copies_) {
+    if (u.plan_id == plan.id) return u.copies.As<const attention::PagedGather::Copy>();
+    if (u.plan_id == 0 && slot == nullptr) slot = &u;
+  }
+  if (slot == nullptr) slot = &uploaded_copies_.emplace_back();
+  const size_t bytes = copies.size() * sizeof(attention::PagedGather::Copy);
+  CPFILL_RETURN_IF_ERROR(slot->copies.Reserve(bytes));
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(slot->copies.As<void>(), copies.data(), bytes,
+                                    cudaMemcpyHostToDevice, stream_));
+  slot->plan_id = plan.id;
+  return slot->copies.As<const attention::PagedGather::Copy>();
 }
 
 absl::Status CudaRingOps::Launch(const CudaAttentionArgs& args) {

@@ -43,6 +43,13 @@ class CudaRingOps : public RingOps {
   CudaRingOps& operator=(const CudaRingOps&) = delete;
 
   size_t elem_bytes() const override { return 2; }  // bf16
+  // Each level of a prefix-batched step is a launch and an fp32 merge (CPFILL_PREFIX_TREE=always:
+  // none counted).
+  attention::TreeCosts tree_costs() const override;
+  // attention::cuda::StepRuleOnGpu; a fresh decode step's wide roots are gathered
+  // (attention::cuda::WideRootRuleOf).
+  attention::SharedBlockRule StepRule(
+      std::span<const attention::SequenceSlice> slices) const override;
   // Head dims with a kernel; CP at most kMaxMergeParts (the pass-Q merge takes all parts at once).
   absl::Status CheckShape(const attention::AttentionShape& shape, int cp_size) const override;
   absl::Status SetPositions(int slot, std::span<const int32_t> q_pos,
@@ -82,6 +89,17 @@ class CudaRingOps : public RingOps {
   std::array<DeviceBuffer, kPositionSlots> q_pos_, kv_pos_;  // the plans' positions, by slot
   std::vector<DeviceBuffer> buffers_;  // scratch by slot
   DeviceBuffer workspace_;             // the attention kernel's
+  // Gathered steps' copies in device memory, one slot per plan of the table generation in use:
+  // uploaded at a forward's first layer, read by every later one. A new generation starts once
+  // the last forward has finished, so its slots are free again.
+  struct UploadedCopies {
+    uint64_t plan_id = 0;
+    DeviceBuffer copies;
+  };
+  std::vector<UploadedCopies> uploaded_copies_;
+  uint64_t uploaded_generation_ = 0;
+  absl::StatusOr<const attention::PagedGather::Copy*> DeviceCopies(
+      const PagedStepPlan& plan, const std::vector<attention::PagedGather::Copy>& copies);
   std::vector<cudaEvent_t> events_;    // created in BeginRun, reused by every run
   int next_mark_ = 0;
 };
