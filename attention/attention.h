@@ -37,6 +37,7 @@ struct AttentionShape {
   bool causal = true;          // key visible iff k_pos <= q_pos (and k_pos is not padding)
 
   int group_size() const { return num_heads / num_kv_heads; }
+  bool operator==(const AttentionShape&) const = default;
 };
 
 // One sequence's part of a fused batch: query rows [q_begin, q_begin + q_len) attend to key rows

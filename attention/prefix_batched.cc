@@ -33,20 +33,20 @@ bool AnyRowIn(std::span<const SequenceSlice> ranges, int64_t begin, int64_t end)
 class RunFinder {
  public:
   RunFinder(const AttentionShape& shape, const PagedKv& paged, const SharedBlockRule& rule,
-            std::span<const SequenceSlice> keyless, SharedBlockTree* tree)
+            SharedBlockTree* tree)
       : group_(shape.group_size()),
         causal_(shape.causal),
         paged_(paged),
         rule_(rule),
-        keyless_(keyless),
         tree_(tree) {}
 
   // `slices` (ascending) into level `level`: each a root over a run or whole; each root's
-  // members' rows past it into the next levels.
-  void Find(std::span<const SequenceSlice> slices, size_t level) {
+  // members' rows past it into the next levels. No run spans a row of `keyless`.
+  void Find(std::span<const SequenceSlice> slices, size_t level,
+            std::span<const SequenceSlice> keyless) {
     for (size_t i = 0; i < slices.size();) {
       int64_t common = 0;
-      const size_t end = RunEnd(slices, i, &common);
+      const size_t end = RunEnd(slices, i, keyless, &common);
       const SequenceSlice& head = slices[i];
       const int64_t members = static_cast<int64_t>(end - i);
       const int64_t rows = slices[end - 1].q_begin + slices[end - 1].q_len - head.q_begin;
@@ -63,9 +63,15 @@ class RunFinder {
                               .kv_len = shared_rows});
       if (level == 0) tree_->outer_roots.push_back(Level(0).size() - 1);
       std::vector<SequenceSlice> rest;
+      // A member with no rows past the root has no slice a level deeper, but its queries still
+      // lie between the others': no deeper root may span them (it would give them its keys).
+      std::vector<SequenceSlice> fenced(keyless.begin(), keyless.end());
       for (size_t m = i; m < end; ++m) {
         const SequenceSlice& s = slices[m];
-        if (s.kv_len == shared_rows) continue;
+        if (s.kv_len == shared_rows) {
+          fenced.push_back({.q_begin = s.q_begin, .q_len = s.q_len});
+          continue;
+        }
         rest.push_back({.q_begin = s.q_begin,
                         .q_len = s.q_len,
                         .kv_begin = s.kv_begin + shared_rows,
@@ -73,7 +79,7 @@ class RunFinder {
       }
       tree_->counts +=
           {.roots = 1, .sequences = members, .key_rows_saved = (members - 1) * shared_rows};
-      if (!rest.empty()) Find(rest, level + 1);
+      if (!rest.empty()) Find(rest, level + 1, fenced);
       i = end;
     }
   }
@@ -103,7 +109,8 @@ class RunFinder {
   // The end of the run that starts at slices[i], and the blocks its members all start with. A
   // run takes every next slice that shares a block with it: what its members share beyond that
   // is found a level deeper, so joining loses no shared read.
-  size_t RunEnd(std::span<const SequenceSlice> slices, size_t i, int64_t* common) const {
+  size_t RunEnd(std::span<const SequenceSlice> slices, size_t i,
+                std::span<const SequenceSlice> keyless, int64_t* common) const {
     const SequenceSlice& head = slices[i];
     int64_t head_table = 0;
     *common = BlocksOf(head, &head_table);
@@ -116,7 +123,7 @@ class RunFinder {
       const SequenceSlice& prev = slices[end - 1];
       const int64_t prev_end = prev.q_begin + prev.q_len;
       if (next.q_begin < prev_end || (!causal_ && next.q_begin != prev_end)) break;
-      if (AnyRowIn(keyless_, prev_end, next.q_begin)) break;
+      if (AnyRowIn(keyless, prev_end, next.q_begin)) break;
       const int64_t shared = Common(head, next, *common);
       if (shared == 0) break;
       *common = shared;
@@ -128,7 +135,6 @@ class RunFinder {
   const bool causal_;
   const PagedKv& paged_;
   const SharedBlockRule& rule_;
-  const std::span<const SequenceSlice> keyless_;
   SharedBlockTree* tree_;
 };
 
@@ -151,7 +157,7 @@ SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const Se
                                  std::span<const SequenceSlice> keyless) {
   SharedBlockTree tree;
   tree.levels.emplace_back();
-  RunFinder(shape, paged, rule, keyless, &tree).Find(slices, 0);
+  RunFinder(shape, paged, rule, &tree).Find(slices, 0, keyless);
   if (tree.counts.roots == 0 || TreePays(shape, tree, rule.costs)) return tree;
   return {.levels = {{slices.begin(), slices.end()}}};
 }

@@ -163,6 +163,7 @@ struct WideRootRule {
   int64_t min_reread_values = 0;
   int64_t rows_per_tile = 128;
   int64_t min_tiles = 0;
+  bool operator==(const WideRootRule&) const = default;
 };
 struct WideRootsPlan {
   PagedGather gathered;  // one level: the wide roots over their gathered rows; no copies: none

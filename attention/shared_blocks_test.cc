@@ -186,6 +186,23 @@ TEST(FindSharedBlocks, ADocumentUnderASystemPromptIsALevelOfItsOwn) {
   }
 }
 
+// A member with no rows past the root (a fork of the system prompt alone) between two forks that
+// share more: no deeper root spans its queries, which would see that root's keys. Last, it is
+// no obstacle.
+TEST(FindSharedBlocks, AMemberWithNothingPastTheRootFencesDeeperRoots) {
+  for (bool between : {true, false}) {
+    SCOPED_TRACE(between ? "between" : "last");
+    const std::vector<int64_t> own =
+        between ? std::vector<int64_t>{40, 0, 40} : std::vector<int64_t>{40, 40, 0};
+    SharedBlocksProblem t = MakeSharedBlocksProblem(
+        MakeShape(8, 2, 32, true),
+        {.shared_blocks = 2, .own_rows = own, .sharing = 3, .queries = 9}, 12);
+    const int64_t a = t.seq_table_begin[0], c = t.seq_table_begin[between ? 2 : 1];
+    for (int64_t b = 2; b < 4; ++b) t.table[c + b] = t.table[a + b];  // 2 more blocks shared
+    EXPECT_EQ(Find(t, RuleForStep(t.pb.slices)).counts.roots, between ? 1 : 2);
+  }
+}
+
 // Three levels from the test problem's nested sharing (the numeric checks' trees): 6 forks of a
 // system prompt, the last 4 of them also of one document.
 TEST(FindSharedBlocks, NestedSharingMakesThreeLevels) {
@@ -226,8 +243,7 @@ TEST(FindSharedBlocks, KeylessRowsBetweenForksSplitTheRun) {
 
 // A decode step's outer roots wider than the rule's packed rows are gathered, the blocks once,
 // up to max_rows; the rest of the tree stays in place. Forks of a system prompt (2 blocks), the
-// last 4 of them also of a document (2 more blocks), then 20 forks of another prompt, 8:2 heads
-// (4 packed rows a query row).
+// last 4 of them also of a document (2 more blocks), 8:2 heads (4 packed rows a query row).
 TEST(PlanWideRoots, GathersWideOuterRootsOnly) {
   const AttentionShape shape = MakeShape(8, 2, 32, true);
   std::vector<int64_t> own = {5, 9, 40, 50, 37, 60};

@@ -29,7 +29,8 @@ endif()
 
 # cpfill_test(name SOURCES ... LIBS ... [LABEL unit] [TIMEOUT s]); "NAME name" also accepted.
 function(cpfill_test name)
-  cmake_parse_arguments(T "" "LABEL;TIMEOUT" "SOURCES;LIBS" ${ARGN})
+  # LABEL takes several values (a list: LABEL unit cuda).
+  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;LABEL" ${ARGN})
   if(name STREQUAL "NAME")
     list(GET T_UNPARSED_ARGUMENTS 0 name)
   endif()
@@ -42,7 +43,7 @@ function(cpfill_test name)
   add_executable(${name} ${T_SOURCES})
   target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
   add_test(NAME ${name} COMMAND ${name})
-  set_tests_properties(${name} PROPERTIES LABELS ${T_LABEL} TIMEOUT ${T_TIMEOUT})
+  set_tests_properties(${name} PROPERTIES LABELS "${T_LABEL}" TIMEOUT ${T_TIMEOUT})
   if(CPFILL_SANITIZE_TEST_ENV)
     set_tests_properties(${name} PROPERTIES ENVIRONMENT "${CPFILL_SANITIZE_TEST_ENV}")
   endif()
@@ -51,7 +52,7 @@ endfunction()
 # cpfill_mpi_test(NAME SOURCES ... LIBS ... RANKS 2 3 4 [LABEL mpi]): one CTest per rank count,
 # each started by mpirun. The binary provides its own main (MPI init, verdict agreed across ranks).
 function(cpfill_mpi_test name)
-  cmake_parse_arguments(T "" "TIMEOUT;LABEL" "SOURCES;LIBS;RANKS" ${ARGN})
+  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;RANKS;LABEL" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 600)
   endif()
@@ -63,7 +64,7 @@ function(cpfill_mpi_test name)
   foreach(n IN LISTS T_RANKS)
     add_test(NAME ${name}_np${n}
              COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} $<TARGET_FILE:${name}>)
-    set_tests_properties(${name}_np${n} PROPERTIES LABELS ${T_LABEL} TIMEOUT ${T_TIMEOUT}
+    set_tests_properties(${name}_np${n} PROPERTIES LABELS "${T_LABEL}" TIMEOUT ${T_TIMEOUT}
                          ENVIRONMENT "${CPFILL_MPI_TEST_ENV}" PROCESSORS ${n})
   endforeach()
 endfunction()

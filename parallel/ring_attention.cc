@@ -80,10 +80,10 @@ const RingOps::PagedStepPlan& RingOps::PlanPagedStep(const RingStepArgs& a,
   const uint64_t generation = paged.generation;
   if (generation != 0) {
     for (const CachedStepPlan& c : step_plans_) {
-      if (c.generation == generation && c.gather == gather &&
-          c.wide.min_packed_rows == wide.min_packed_rows && c.wide.max_rows == wide.max_rows &&
-          SameSpan(c.table, table) && SameSpan(c.host_table, paged.host_table) &&
-          SameSlices(c.slices, a.slices) && SameSlices(c.keyless, a.keyless)) {
+      if (c.generation == generation && c.gather == gather && c.wide == wide &&
+          c.shape == a.shape && SameSpan(c.table, table) &&
+          SameSpan(c.host_table, paged.host_table) && SameSlices(c.slices, a.slices) &&
+          SameSlices(c.keyless, a.keyless)) {
         return c.plan;
       }
     }
@@ -100,6 +100,7 @@ const RingOps::PagedStepPlan& RingOps::PlanPagedStep(const RingStepArgs& a,
   c.keyless.assign(a.keyless.begin(), a.keyless.end());
   c.gather = gather;
   c.wide = wide;
+  c.shape = a.shape;
   c.plan.id = ++last_plan_id_;
   c.plan.generation = generation;
   c.plan.tree =

@@ -177,6 +177,7 @@ class RingOps {
     std::vector<attention::SequenceSlice> slices, keyless;
     bool gather = false;
     attention::WideRootRule wide;
+    attention::AttentionShape shape;
     PagedStepPlan plan;
   };
   std::vector<CachedStepPlan> step_plans_;  // one generation's

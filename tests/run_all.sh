@@ -2,8 +2,8 @@
 # The whole test suite, as CI runs it (.ci/run) and as the README's second command gives it:
 #   1. launch/setup.sh (packages, build/), then the CTests of build/ that drive the program from
 #      outside (label e2e: the CLI, the server, the Slurm scripts, the embedding examples), the
-#      CLI fuzz suite (label fuzz) and the gpu and multigpu tests, which skip with a message
-#      where there is no GPU;
+#      CLI fuzz suite (label fuzz), the gpu and multigpu tests, which skip with a message where
+#      there is no GPU, and the CPU tests of CUDA-only code (label cuda: the next build has none);
 #   2. build-asan: the same sources under AddressSanitizer + UndefinedBehaviorSanitizer (CPU
 #      only), running the GoogleTest unit and mpi tests and the e2e tests labelled sanitize (the
 #      server, bad input): any finding fails;
@@ -18,7 +18,7 @@ stage() { echo; echo "=== run_all: $* ==="; }
 
 stage "1/3 build and ctest (build/)"
 bash launch/setup.sh
-ctest --test-dir build -L 'e2e|fuzz|gpu|multigpu' --output-on-failure -j 2
+ctest --test-dir build -L 'e2e|fuzz|gpu|multigpu|cuda' --output-on-failure -j 2
 
 stage "2/3 ASan + UBSan (build-asan/): unit and mpi GoogleTests, the server and bad input"
 asan=${ASAN_BUILD_DIR:-build-asan}

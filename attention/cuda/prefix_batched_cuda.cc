@@ -28,6 +28,7 @@ namespace {
 constexpr int kFoldedTileRows = 128;
 constexpr int kMaxSplits = kMaxMergeParts * kMaxMergeParts;
 constexpr int64_t kMinSplitKeys = 1024;
+constexpr int64_t kMinForcedSplitKeys = 256;
 constexpr size_t kAlign = 256;
 
 size_t Aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
@@ -67,8 +68,11 @@ bool RootOnDecodeKernel(const CudaAttentionArgs& args, std::span<const SequenceS
 }
 
 // Key splits for a root level the decode kernel does not take: as many (tile, KV head, split)
-// items as one wave holds.
+// items as one wave holds. Forced (CPFILL_PREFIX_ROOT=split, the tests), the rule before
+// 2026-11-27, which splits more: enough items for two waves, 256 keys a part at least, so short
+// roots split too and 8K keys take two merge rounds.
 int RootSplits(const CudaAttentionArgs& args, std::span<const SequenceSlice> root) {
+  static const bool forced = knobs::Choice(knobs::kPrefixRoot) == "split";
   const int64_t group = args.shape.group_size();
   int64_t tiles = 0, longest = 0;
   for (const SequenceSlice& s : root) {
@@ -77,9 +81,10 @@ int RootSplits(const CudaAttentionArgs& args, std::span<const SequenceSlice> roo
     longest = std::max(longest, s.kv_len);
   }
   const int64_t items = std::max<int64_t>(1, tiles * args.shape.num_kv_heads);
-  const int64_t wanted = SmCount() / items;
+  const int64_t wanted = forced ? (2 * SmCount() + items - 1) / items : SmCount() / items;
+  const int64_t min_keys = forced ? kMinForcedSplitKeys : kMinSplitKeys;
   return static_cast<int>(
-      std::clamp<int64_t>(std::min<int64_t>(wanted, longest / kMinSplitKeys), 1, kMaxSplits));
+      std::clamp<int64_t>(std::min<int64_t>(wanted, longest / min_keys), 1, kMaxSplits));
 }
 
 // The root level split `splits` ways: split s's slices read query rows [s * q_tokens, ...) of

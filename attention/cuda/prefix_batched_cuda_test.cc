@@ -43,9 +43,9 @@ TEST(PrefixBatchedCuda, TreeEqualsEachSequenceOverItsConcatenatedKeys) {
   using testing::TreeSpec;
   std::vector<TreeSpec::Sequence> decode(24, {.suffix = 33, .queries = 1});
   for (size_t i = 0; i < decode.size(); ++i) decode[i].suffix = 1 + 37 * int64_t(i) % 300;
-  // The root under 24 decode rows: at 8:1 (192 packed rows) split along its keys (16 ways at 4K;
-  // 32 at 8K: two merge rounds), at 32:8 (96 packed rows) on the decode kernel; and not split
-  // (1000 keys under 335 rows).
+  // The root under 24 decode rows: at 8:1 (192 packed rows) split along its keys (4 ways at 4K,
+  // 8 at 8K; forced, CPFILL_PREFIX_ROOT=split: 16 and 32, two merge rounds), at 32:8 (96 packed
+  // rows) on the decode kernel; and not split (1000 keys under 335 rows).
   const TreeSpec specs[] = {{.root = 4096, .groups = {{.prefix = 0, .sequences = decode}}},
                             {.root = 8197, .groups = {{.prefix = 0, .sequences = decode}}},
                             {.root = 1000,

@@ -153,6 +153,9 @@ absl::StatusOr<const attention::PagedGather::Copy*> CudaRingOps::DeviceCopies(
     if (u.plan_id == plan.id) return u.copies.As<const attention::PagedGather::Copy>();
     if (u.plan_id == 0 && slot == nullptr) slot = &u;
   }
+  // A forward with more distinct steps than slots (its plans replanned once the plan cache was
+  // full) uploads with each call instead: a slot is free again only in the next forward.
+  if (slot == nullptr && uploaded_copies_.size() >= kMaxUploadedPlans) return nullptr;
   if (slot == nullptr) slot = &uploaded_copies_.emplace_back();
   const size_t bytes = copies.size() * sizeof(attention::PagedGather::Copy);
   CPFILL_RETURN_IF_ERROR(slot->copies.Reserve(bytes));

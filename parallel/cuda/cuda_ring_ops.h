@@ -96,6 +96,7 @@ class CudaRingOps : public RingOps {
     uint64_t plan_id = 0;
     DeviceBuffer copies;
   };
+  static constexpr size_t kMaxUploadedPlans = 32;
   std::vector<UploadedCopies> uploaded_copies_;
   uint64_t uploaded_generation_ = 0;
   absl::StatusOr<const attention::PagedGather::Copy*> DeviceCopies(
