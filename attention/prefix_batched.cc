@@ -162,10 +162,6 @@ SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const Se
   return {.levels = {{slices.begin(), slices.end()}}};
 }
 
-std::vector<std::span<const SequenceSlice>> TreeOf(const KvLevels& levels) {
-  return {levels.begin(), levels.end()};
-}
-
 bool GathersPagedKv(std::span<const SequenceSlice> slices) {
   return std::any_of(slices.begin(), slices.end(),
                      [](const SequenceSlice& s) { return s.q_len > kMaxInPlaceQueryRows; });

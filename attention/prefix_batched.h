@@ -122,8 +122,6 @@ struct SharedBlockTree {
   PrefixBatchCounts counts;
   std::vector<size_t> outer_roots;  // which slices of levels[0] are roots
 };
-// The levels as a KvTree (spans into `levels`).
-std::vector<std::span<const SequenceSlice>> TreeOf(const KvLevels& levels);
 // `keyless`: query rows of the step that see no key here (a pass-Q message's sequences with
 // none on this rank; their q ranges): a root never spans them, as it would give them its keys.
 SharedBlockTree FindSharedBlocks(const AttentionShape& shape, std::span<const SequenceSlice> slices,
