@@ -21,6 +21,9 @@
 // same shapes.
 //
 //   build/bench/prefix_attention_cuda_bench [--quick] > prefix.jsonl   (one JSON object a line)
+//   build/bench/prefix_attention_cuda_bench --shape suffix:32:8:4096:256:1 [--shape ...]
+//                                            (mode:heads:kv_heads:prefix:suffix:batch, e.g. for
+//                                            ncu)
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -360,19 +363,52 @@ std::vector<Shape> Grid(bool quick) {
   return grid;
 }
 
+// "mode:heads:kv_heads:prefix:suffix:batch", or false.
+bool ParseShape(const char* text, Shape* s) {
+  char mode[16] = {};
+  long p = 0, suffix = 0, batch = 0;
+  if (std::sscanf(text, "%15[a-z]:%d:%d:%ld:%ld:%ld", mode, &s->heads, &s->kv_heads, &p, &suffix,
+                  &batch) != 6) {
+    return false;
+  }
+  s->mode = mode;
+  s->prefix = p;
+  s->suffix = suffix;
+  s->batch = batch;
+  return (s->mode == "decode" || s->mode == "suffix") && s->heads > 0 && s->kv_heads > 0 &&
+         s->heads % s->kv_heads == 0 && p >= 0 && p % kBlockTokens == 0 && suffix > 0 && batch > 0;
+}
+
 }  // namespace
 }  // namespace cpfill::attention::cuda
 
 int main(int argc, char** argv) {
   using namespace cpfill::attention::cuda;
+  bool quick = false;
+  std::vector<Shape> shapes;
+  for (int i = 1; i < argc; ++i) {
+    Shape s;
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc && ParseShape(argv[++i], &s)) {
+      shapes.push_back(s);
+    } else {
+      std::fprintf(stderr,
+                   "usage: prefix_attention_cuda_bench [--quick] "
+                   "[--shape mode:heads:kv_heads:prefix:suffix:batch ...]\n"
+                   "  mode decode|suffix, prefix a multiple of %d\n",
+                   kBlockTokens);
+      return 2;
+    }
+  }
+  if (shapes.empty()) shapes = Grid(quick);
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::fprintf(stderr, "prefix_attention_cuda_bench: no CUDA device visible\n");
     return 77;
   }
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const double gbps = CopyGBps();
   std::printf("{\"copy_GBps\":%.1f}\n", gbps);
-  for (const Shape& s : Grid(quick)) Run(s, gbps);
+  for (const Shape& s : shapes) Run(s, gbps);
   return 0;
 }

@@ -284,8 +284,9 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
         internal::PrepareLaunch(a, std::span<const int64_t>(work).subspan(first, count), BlockM(),
                                 BlockN(), summaries + summary_offset, &p, p.slices, &extent));
     const int64_t q_tiles = extent.q_tiles, k_tiles = extent.k_tiles;
-    KeyTileSummaryKernel<<<static_cast<int>((k_tiles + 127) / 128), 128, 0, stream>>>(
-        p, static_cast<int>(k_tiles), summaries + summary_offset, nullptr);
+    KeyTileSummaryKernel<<<internal::SummaryCtas(k_tiles), internal::kSummaryThreads, 0, stream>>>(
+        internal::SummaryParamsOf(p, p.slices), static_cast<int>(k_tiles),
+        summaries + summary_offset, nullptr);
     CPFILL_CUDA_CHECK(cudaGetLastError());
     if (dim == 128) {
       CPFILL_RETURN_IF_ERROR(

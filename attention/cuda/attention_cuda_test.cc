@@ -241,7 +241,9 @@ void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<floa
   DeviceArray<char> ws(ws_bytes);
   // Workspace garbage too: the kernel must not trust what an earlier call left there (the Hopper
   // scheduler's counter would read as "no items left" and CTAs would stop early).
-  if (ws_bytes > 0) ASSERT_CUDA(cudaMemset(ws.get(), 0x7f, ws_bytes));
+  if (ws_bytes > 0) {
+    ASSERT_CUDA(cudaMemset(ws.get(), 0x7f, ws_bytes));
+  }
   absl::Status s = PartialAttentionCuda(a, ws.get(), ws_bytes, nullptr);
   ASSERT_TRUE(s.ok()) << s;
   ASSERT_CUDA(cudaDeviceSynchronize());
@@ -629,10 +631,11 @@ TEST(CudaDecodeAttention, MixedKvLengthsGqaGroupsCausalAndNot) {
 }
 
 TEST(CudaDecodeAttention, HeadDim64AndMoreSlicesThanOneLaunch) {
-  // 70 sequences of one query each: two launch groups of the split and combine kernels.
+  // 530 sequences of one query each: two launch groups of the split and combine kernels (512
+  // slices a launch), each slice found by bisection; lengths spread 1 to 1500.
   std::vector<DecodeSeq> seqs;
-  for (int s = 0; s < 70; ++s) seqs.push_back({1, 1 + (s * 397) % 3000});
-  CheckDecodeCase(DecodeCase("decode d64 70 seqs", 16, 2, 64, true, seqs), 41);
+  for (int s = 0; s < 530; ++s) seqs.push_back({1, 1 + (s * 397) % 1500});
+  CheckDecodeCase(DecodeCase("decode d64 530 seqs", 16, 2, 64, true, seqs), 41);
 }
 
 TEST(CudaDecodeAttention, ManySplitsAndPeakySoftmax) {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -30,7 +31,10 @@ constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kDecodeStages = 3;      // cp.async ring of K/V tiles: two in flight per CTA
 constexpr int kMinTilesPerSplit = 2;  // below this a split is mostly its prologue and epilogue
-constexpr int kMaxDecodeSlices = 64;  // slices per launch (kernel parameters, 4 KiB)
+// Slices per launch, in the large kernel-parameter space of CUDA 12.1+ (32764 bytes). A batch
+// of up to this many sequences is one launch that fills the GPU; with 64 (the 4 KiB limit) a
+// decode batch of 256 ran as four launches one after another, each a quarter of a wave.
+constexpr int kMaxDecodeSlices = 512;
 constexpr int kCombineThreads = 256;
 constexpr int kMaxSplits = 1024;  // per slice: the combine keeps every split's LSE in shared memory
 
@@ -46,7 +50,8 @@ struct DecodeSlice {
   int32_t table_begin;      // paged K/V: the slice's first block-table entry
 };
 
-struct DecodeParams {
+// The launch parameters but the slices.
+struct DecodeCommon {
   const __nv_bfloat16* q;
   const __nv_bfloat16* k;
   const __nv_bfloat16* v;
@@ -63,9 +68,18 @@ struct DecodeParams {
   int32_t block_tokens;
   int32_t num_heads, num_kv_heads, group, causal, out_mode, num_slices;
   float scale_log2;  // softmax_scale * log2(e)
-  DecodeSlice slices[kMaxDecodeSlices];
 };
-static_assert(sizeof(DecodeParams) <= 4096, "kernel parameters must fit the 4 KiB limit");
+
+// With room for kSlices slices, in two sizes: a launch copies its whole parameter block, and
+// the 512-slice one (25 KiB) cost a short decode step about 2 µs a launch more than the
+// 64-slice one (3 KiB) on an H100.
+template <int kSlices>
+struct DecodeParams : DecodeCommon {
+  DecodeSlice slices[kSlices];
+};
+inline constexpr int kFewDecodeSlices = 64;
+static_assert(sizeof(DecodeParams<kMaxDecodeSlices>) <= 32764,
+              "kernel parameters must fit 32764 bytes");
 
 template <int kDim>
 struct DecodeConfig {
@@ -88,12 +102,20 @@ __host__ __device__ inline int32_t KeyTiles(int64_t kv_len) {
   return static_cast<int32_t>((kv_len + kDecodeBlockN - 1) / kDecodeBlockN);
 }
 
-// The slice of launch-wide index x, by one of the slices' start fields (CTAs or pairs).
-template <int32_t DecodeSlice::*kStart>
-__device__ __forceinline__ int FindSlice(const DecodeParams& p, int x) {
-  int s = 0;
-  while (s + 1 < p.num_slices && x >= p.slices[s + 1].*kStart) ++s;
-  return s;
+// The slice of launch-wide index x, by one of the slices' start fields (CTAs or pairs, which
+// grow with the slice): the last slice that starts at or before x, found by bisection.
+template <int32_t DecodeSlice::*kStart, typename Params>
+__device__ __forceinline__ int FindSlice(const Params& p, int x) {
+  int lo = 0, hi = p.num_slices - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (x >= p.slices[mid].*kStart) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
 }
 
 __device__ __forceinline__ int64_t PartialRow(const DecodeSlice& sl, int split, int token, int head,
@@ -108,7 +130,7 @@ __device__ __forceinline__ int64_t PartialRow(const DecodeSlice& sl, int split, 
 // Writes the CTA's partial (O, LSE) per packed row: the four warps' states, each relative to
 // its own running max, merged through shared memory (s_o: [warps][16][kExchangeStride]).
 template <int kDim>
-__device__ __forceinline__ void StoreSplit(const DecodeParams& p, const DecodeSlice& sl, int split,
+__device__ __forceinline__ void StoreSplit(const DecodeCommon& p, const DecodeSlice& sl, int split,
                                            int row0, const float* s_o, const float (*s_m)[16],
                                            const float (*s_l)[16]) {
   using Cfg = DecodeConfig<kDim>;
@@ -144,9 +166,9 @@ __device__ __forceinline__ void StoreSplit(const DecodeParams& p, const DecodeSl
   }
 }
 
-template <int kDim>
+template <int kDim, int kSlices>
 __global__ void __launch_bounds__(kDecodeThreads, 2)
-    DecodeSplitKernel(const __grid_constant__ DecodeParams p) {
+    DecodeSplitKernel(const __grid_constant__ DecodeParams<kSlices> p) {
   using Cfg = DecodeConfig<kDim>;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* s_q = smem;
@@ -351,7 +373,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
 // The call's result (o, lse) for one (token, head) row, as the output mode wants it: lane c of
 // the row's kDim / 4 threads holds columns 4c..4c+3. `lanes` masks those threads in their warp.
 template <int kDim>
-__device__ __forceinline__ void WriteRow(const DecodeParams& p, int64_t out_row, int c,
+__device__ __forceinline__ void WriteRow(const DecodeCommon& p, int64_t out_row, int c,
                                          unsigned lanes, float4 o, float lse) {
   if (p.out_mode == kOutMergeF32) {
     // Fold into the running (O, LSE): every lane reads the old LSE before lane 0 rewrites it.
@@ -389,9 +411,9 @@ __device__ __forceinline__ void WriteRow(const DecodeParams& p, int64_t out_row,
 // kDim / 4 threads each summing every kGroups-th split, then the output mode. Launched as a
 // programmatic dependent of the split kernel: it may start while the split kernel's last CTAs
 // run, and waits for their results before its first read.
-template <int kDim>
+template <int kDim, int kSlices>
 __global__ void __launch_bounds__(kCombineThreads)
-    DecodeCombineKernel(const __grid_constant__ DecodeParams p) {
+    DecodeCombineKernel(const __grid_constant__ DecodeParams<kSlices> p) {
   constexpr int kLanes = kDim / 4;
   constexpr int kGroups = kCombineThreads / kLanes;
   __shared__ float4 s_acc[kGroups][kLanes];
@@ -466,16 +488,16 @@ struct SplitKernelInfo {
   cudaError_t attr_error;
   int ctas_per_sm;
 };
-template <int kDim>
+template <int kDim, int kSlices>
 const SplitKernelInfo& SplitKernel() {
   static const SplitKernelInfo info = [] {
     constexpr int kSmem = DecodeConfig<kDim>::kSmemBytes;
-    SplitKernelInfo i{cudaFuncSetAttribute(DecodeSplitKernel<kDim>,
+    SplitKernelInfo i{cudaFuncSetAttribute(DecodeSplitKernel<kDim, kSlices>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                       1};
-    if (i.attr_error == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&i.ctas_per_sm, DecodeSplitKernel<kDim>,
-                                                      kDecodeThreads, kSmem) != cudaSuccess) {
+    if (i.attr_error == cudaSuccess && cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                           &i.ctas_per_sm, DecodeSplitKernel<kDim, kSlices>,
+                                           kDecodeThreads, kSmem) != cudaSuccess) {
       i.ctas_per_sm = 1;
     }
     cudaGetLastError();  // a failure is reported at launch, through attr_error
@@ -495,8 +517,8 @@ int64_t Slots(const CudaAttentionArgs& a) {
     sms = 1;
   }
   if (a.communication_in_flight) sms = std::max(1, sms - kSmsForCommunication);
-  const int per_sm =
-      a.shape.head_dim == 64 ? SplitKernel<64>().ctas_per_sm : SplitKernel<128>().ctas_per_sm;
+  const int per_sm = a.shape.head_dim == 64 ? SplitKernel<64, kMaxDecodeSlices>().ctas_per_sm
+                                            : SplitKernel<128, kMaxDecodeSlices>().ctas_per_sm;
   return static_cast<int64_t>(sms) * per_sm;
 }
 
@@ -505,49 +527,60 @@ struct DecodePlan {
   int64_t partial_rows = 0;
 };
 
-// CTAs of the split kernel when every split holds at most `tiles_per_split` key tiles.
-int64_t CountCtas(const CudaAttentionArgs& a, int64_t tiles_per_split) {
+// CTAs of the split kernel for `group` when every split holds at most `tiles_per_split` tiles.
+int64_t CountCtas(const CudaAttentionArgs& a, std::span<const SequenceSlice> group,
+                  int64_t tiles_per_split) {
   int64_t ctas = 0;
-  for (int64_t i = 0; i < a.num_slices; ++i) {
-    const SequenceSlice& s = a.slices[i];
-    if (s.q_len == 0) continue;
+  for (const SequenceSlice& s : group) {
     ctas += MTiles(s.q_len, a.shape.group_size()) *
             ((KeyTiles(s.kv_len) + tiles_per_split - 1) / tiles_per_split);
   }
   return ctas * a.shape.num_kv_heads;
 }
 
-// The splits: the fewest tiles per split that keeps the CTAs within one wave (a second, partly
-// filled wave would cost a whole CTA's time; CPFILL_DECODE_SPLIT_WAVES aims at more, shorter
-// splits), at least kMinTilesPerSplit; then each slice's tiles spread evenly over its splits.
-DecodePlan PlanDecode(const CudaAttentionArgs& a) {
+// Key tiles per split for one launch's slices: the fewest that keep its CTAs within one wave (a
+// second, partly filled wave would cost a whole CTA's time; CPFILL_DECODE_SPLIT_WAVES aims at
+// more, shorter splits), at least kMinTilesPerSplit.
+int64_t TilesPerSplit(const CudaAttentionArgs& a, std::span<const SequenceSlice> group) {
   static const int64_t waves = knobs::Int(knobs::kDecodeSplitWaves);
   const int64_t slots = Slots(a) * waves;
   int64_t total = 0, longest = 1;
-  for (int64_t i = 0; i < a.num_slices; ++i) {
-    const SequenceSlice& s = a.slices[i];
-    if (s.q_len == 0) continue;
+  for (const SequenceSlice& s : group) {
     total += int64_t{MTiles(s.q_len, a.shape.group_size())} * KeyTiles(s.kv_len);
     longest = std::max<int64_t>(longest, KeyTiles(s.kv_len));
   }
   total *= a.shape.num_kv_heads;
   int64_t tps = std::max<int64_t>(
       {kMinTilesPerSplit, (total + slots - 1) / slots, (longest + kMaxSplits - 1) / kMaxSplits});
-  while (tps < longest && CountCtas(a, tps) > slots) tps += std::max<int64_t>(1, tps / 32);
-  DecodePlan plan;
+  while (tps < longest && CountCtas(a, group, tps) > slots) tps += std::max<int64_t>(1, tps / 32);
+  return tps;
+}
+
+// The slices with query rows, launched kMaxDecodeSlices at a time: each launch's splits sized
+// for a wave of its own (the launches run one after another), then each slice's tiles spread
+// evenly over its splits.
+DecodePlan PlanDecode(const CudaAttentionArgs& a) {
+  std::vector<SequenceSlice> rows;
   for (int64_t i = 0; i < a.num_slices; ++i) {
-    const SequenceSlice& s = a.slices[i];
-    if (s.q_len == 0) continue;
-    const int32_t tiles = KeyTiles(s.kv_len);
-    int32_t splits = static_cast<int32_t>((tiles + tps - 1) / tps);
-    const int32_t even = splits == 0 ? 0 : (tiles + splits - 1) / splits;
-    splits = even == 0 ? 0 : (tiles + even - 1) / even;
-    const int64_t table_begin = a.paged == nullptr ? 0 : a.paged->TableBegin(s.kv_begin);
-    plan.slices.push_back({s.q_begin, s.kv_begin, static_cast<int32_t>(s.q_len),
-                           static_cast<int32_t>(s.kv_len), 0, splits, even,
-                           static_cast<int32_t>(plan.partial_rows), 0,
-                           static_cast<int32_t>(std::max<int64_t>(0, table_begin))});
-    plan.partial_rows += int64_t{splits} * s.q_len;
+    if (a.slices[i].q_len > 0) rows.push_back(a.slices[i]);
+  }
+  DecodePlan plan;
+  for (size_t first = 0; first < rows.size(); first += kMaxDecodeSlices) {
+    const std::span<const SequenceSlice> group(
+        rows.data() + first, std::min<size_t>(kMaxDecodeSlices, rows.size() - first));
+    const int64_t tps = TilesPerSplit(a, group);
+    for (const SequenceSlice& s : group) {
+      const int32_t tiles = KeyTiles(s.kv_len);
+      int32_t splits = static_cast<int32_t>((tiles + tps - 1) / tps);
+      const int32_t even = splits == 0 ? 0 : (tiles + splits - 1) / splits;
+      splits = even == 0 ? 0 : (tiles + even - 1) / even;
+      const int64_t table_begin = a.paged == nullptr ? 0 : a.paged->TableBegin(s.kv_begin);
+      plan.slices.push_back({s.q_begin, s.kv_begin, static_cast<int32_t>(s.q_len),
+                             static_cast<int32_t>(s.kv_len), 0, splits, even,
+                             static_cast<int32_t>(plan.partial_rows), 0,
+                             static_cast<int32_t>(std::max<int64_t>(0, table_begin))});
+      plan.partial_rows += int64_t{splits} * s.q_len;
+    }
   }
   return plan;
 }
@@ -557,12 +590,12 @@ size_t PartialBytes(const CudaAttentionArgs& a, int64_t partial_rows) {
          sizeof(float);
 }
 
-template <int kDim>
-absl::Status LaunchGroup(const DecodeParams& p, int32_t ctas, int32_t pairs, int num_kv_heads,
-                         cudaStream_t stream) {
+template <int kDim, int kSlices>
+absl::Status LaunchGroup(const DecodeParams<kSlices>& p, int32_t ctas, int32_t pairs,
+                         int num_kv_heads, cudaStream_t stream) {
   if (ctas > 0) {
-    CPFILL_CUDA_CHECK(SplitKernel<kDim>().attr_error);
-    DecodeSplitKernel<kDim>
+    CPFILL_CUDA_CHECK((SplitKernel<kDim, kSlices>().attr_error));
+    DecodeSplitKernel<kDim, kSlices>
         <<<dim3(ctas, num_kv_heads), kDecodeThreads, DecodeConfig<kDim>::kSmemBytes, stream>>>(p);
     CPFILL_CUDA_CHECK(cudaGetLastError());
   }
@@ -577,7 +610,39 @@ absl::Status LaunchGroup(const DecodeParams& p, int32_t ctas, int32_t pairs, int
   cfg.stream = stream;
   cfg.attrs = &pdl;
   cfg.numAttrs = 1;
-  CPFILL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, DecodeCombineKernel<kDim>, p));
+  CPFILL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, DecodeCombineKernel<kDim, kSlices>, p));
+  return absl::OkStatus();
+}
+
+// The plan's slices kSlices at a time (PlanDecode sized each group's splits for a wave of its
+// own), each group a launch pair.
+template <int kSlices>
+absl::Status LaunchGroups(const DecodeCommon& common, std::span<const DecodeSlice> slices,
+                          const AttentionShape& shape, cudaStream_t stream) {
+  static_assert(kMaxDecodeSlices % kSlices == 0, "groups of PlanDecode's size or smaller");
+  DecodeParams<kSlices> p{};
+  static_cast<DecodeCommon&>(p) = common;
+  for (size_t first = 0; first < slices.size(); first += kSlices) {
+    const size_t count = std::min<size_t>(kSlices, slices.size() - first);
+    int64_t ctas = 0, pairs = 0;
+    for (size_t i = 0; i < count; ++i) {
+      DecodeSlice d = slices[first + i];
+      d.item_start = static_cast<int32_t>(ctas);
+      d.pair_start = static_cast<int32_t>(pairs);
+      ctas += int64_t{MTiles(d.q_len, p.group)} * d.splits;
+      pairs += int64_t{d.q_len} * p.num_heads;
+      p.slices[i] = d;
+    }
+    p.num_slices = static_cast<int32_t>(count);
+    CPFILL_CHECK_ARG(ctas < (int64_t{1} << 31) && pairs < (int64_t{1} << 31),
+                     "decode attention: ", ctas, " CTAs exceed one launch");
+    CPFILL_RETURN_IF_ERROR(
+        shape.head_dim == 64
+            ? LaunchGroup<64>(p, static_cast<int32_t>(ctas), static_cast<int32_t>(pairs),
+                              shape.num_kv_heads, stream)
+            : LaunchGroup<128>(p, static_cast<int32_t>(ctas), static_cast<int32_t>(pairs),
+                               shape.num_kv_heads, stream));
+  }
   return absl::OkStatus();
 }
 
@@ -618,7 +683,7 @@ absl::Status LaunchDecodeAttention(const CudaAttentionArgs& a, void* workspace,
   CPFILL_CHECK_ARG(workspace_bytes >= PartialBytes(a, plan.partial_rows),
                    "decode attention: ", workspace_bytes, " workspace bytes, ",
                    PartialBytes(a, plan.partial_rows), " needed");
-  DecodeParams p{};
+  DecodeCommon p{};
   p.q = a.q;
   p.k = a.k;
   p.v = a.v;
@@ -641,29 +706,11 @@ absl::Status LaunchDecodeAttention(const CudaAttentionArgs& a, void* workspace,
                : a.output == OutputMode::kFloat32 ? kOutF32
                                                   : kOutMergeF32;
   p.scale_log2 = a.shape.softmax_scale * kLog2e;
-  // One launch pair (split, combine) per kMaxDecodeSlices slices.
-  for (size_t first = 0; first < plan.slices.size(); first += kMaxDecodeSlices) {
-    const size_t count = std::min<size_t>(kMaxDecodeSlices, plan.slices.size() - first);
-    int64_t ctas = 0, pairs = 0;
-    for (size_t i = 0; i < count; ++i) {
-      DecodeSlice d = plan.slices[first + i];
-      d.item_start = static_cast<int32_t>(ctas);
-      d.pair_start = static_cast<int32_t>(pairs);
-      ctas += int64_t{MTiles(d.q_len, p.group)} * d.splits;
-      pairs += int64_t{d.q_len} * p.num_heads;
-      p.slices[i] = d;
-    }
-    p.num_slices = static_cast<int32_t>(count);
-    CPFILL_CHECK_ARG(ctas < (int64_t{1} << 31) && pairs < (int64_t{1} << 31),
-                     "decode attention: ", ctas, " CTAs exceed one launch");
-    CPFILL_RETURN_IF_ERROR(
-        a.shape.head_dim == 64
-            ? LaunchGroup<64>(p, static_cast<int32_t>(ctas), static_cast<int32_t>(pairs),
-                              a.shape.num_kv_heads, stream)
-            : LaunchGroup<128>(p, static_cast<int32_t>(ctas), static_cast<int32_t>(pairs),
-                               a.shape.num_kv_heads, stream));
-  }
-  return absl::OkStatus();
+  // One launch pair (split, combine) per kMaxDecodeSlices slices, in the smaller parameter
+  // block where the slices fit it.
+  return plan.slices.size() <= kFewDecodeSlices
+             ? LaunchGroups<kFewDecodeSlices>(p, plan.slices, a.shape, stream)
+             : LaunchGroups<kMaxDecodeSlices>(p, plan.slices, a.shape, stream);
 }
 
 }  // namespace cpfill::attention::cuda::internal

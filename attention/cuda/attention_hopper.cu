@@ -153,9 +153,10 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
                                             a.shape.num_kv_heads, a.shape.head_dim));
     }
     const int64_t q_tiles = extent.q_tiles, k_tiles = extent.k_tiles;
-    KeyTileSummaryKernel<<<static_cast<int>(std::max<int64_t>(1, (k_tiles + 127) / 128)), 128, 0,
-                           stream>>>(p, static_cast<int>(k_tiles), summaries + summary_offset,
-                                     p.item_counter);
+    static_assert(kMaxHopperSlices <= kMaxSlicesPerLaunch, "the pre-pass holds every slice");
+    KeyTileSummaryKernel<<<SummaryCtas(k_tiles), kSummaryThreads, 0, stream>>>(
+        SummaryParamsOf(p, p.slices), static_cast<int>(k_tiles), summaries + summary_offset,
+        p.item_counter);
     CPFILL_CUDA_CHECK(cudaGetLastError());
     p.num_q_tiles = static_cast<int32_t>(q_tiles);
     const int64_t items = q_tiles * a.shape.num_kv_heads;

@@ -185,35 +185,74 @@ __device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
 
 // ---- pre-pass: what each key tile holds ------------------------------------------------
 
-// Params: any launch parameter block with slices, num_slices, key_tile and k_pos.
+// A warp per key tile, its lanes reading the positions side by side: with a thread per tile,
+// each walked its 128 positions one load after another, and the pre-pass took 17-22 µs on an
+// H100 even for one or two tiles (ncu, 2026-11-27), longer than the kernel after it on short
+// prefills.
+inline constexpr int kSummaryThreads = 128;
+inline constexpr int kSummaryTilesPerCta = kSummaryThreads / 32;
+inline int SummaryCtas(int64_t total_k_tiles) {
+  return static_cast<int>(
+      total_k_tiles <= 0 ? 1 : (total_k_tiles + kSummaryTilesPerCta - 1) / kSummaryTilesPerCta);
+}
+
+// What the pre-pass reads of a launch: 2 KiB, not the Hopper kernel's 14 KiB of tensor maps (a
+// launch copies its whole parameter block, about a microsecond per 20 KiB on an H100).
+struct SummaryParams {
+  const int32_t* k_pos;
+  int32_t key_tile, num_slices;
+  SliceDesc slices[kMaxSlicesPerLaunch];
+};
+inline SummaryParams SummaryParamsOf(const LaunchCommon& c, const SliceDesc* slices) {
+  SummaryParams s{c.k_pos, c.key_tile, c.num_slices, {}};
+  for (int i = 0; i < c.num_slices && i < kMaxSlicesPerLaunch; ++i) s.slices[i] = slices[i];
+  return s;
+}
+
+// Params: SummaryParams (or any block with slices, num_slices, key_tile and k_pos). Launched as
+// SummaryCtas(total_k_tiles) CTAs of kSummaryThreads.
 template <typename Params>
-__global__ void KeyTileSummaryKernel(const __grid_constant__ Params p, int total_k_tiles,
-                                     KeyTileSummary* out, int32_t* item_counter) {
-  const int tile = blockIdx.x * blockDim.x + threadIdx.x;
+__global__ void __launch_bounds__(kSummaryThreads)
+    KeyTileSummaryKernel(const __grid_constant__ Params p, int total_k_tiles, KeyTileSummary* out,
+                         int32_t* item_counter) {
+  const int lane = threadIdx.x % 32;
+  const int tile = blockIdx.x * kSummaryTilesPerCta + threadIdx.x / 32;
   // The persistent Hopper kernel's scheduler counter, reset here: this pre-pass runs just
   // before the kernel on the same stream, so the reset costs no launch of its own.
-  if (tile == 0 && item_counter != nullptr) *item_counter = 0;
-  if (tile >= total_k_tiles) return;
-  int s = 0;
-  while (s + 1 < p.num_slices && tile >= p.slices[s + 1].k_tile_start) ++s;
-  const SliceDesc& sl = p.slices[s];
-  const int64_t key0 = static_cast<int64_t>(tile - sl.k_tile_start) * p.key_tile;
-  KeyTileSummary r{INT32_MAX, -1, 0, 0};
-  for (int i = 0; i < p.key_tile; ++i) {
-    if (key0 + i >= sl.kv_len) {
-      r.any_invalid = 1;
-      break;
-    }
-    const int32_t pos = p.k_pos[sl.kv_begin + key0 + i];
-    if (pos < 0) {
-      r.any_invalid = 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0 && item_counter != nullptr) *item_counter = 0;
+  if (tile >= total_k_tiles) return;  // the whole warp: tile is the same on every lane
+  // The last slice that starts at or before the tile (tile starts grow with the slice).
+  int lo = 0, hi = p.num_slices - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile >= p.slices[mid].k_tile_start) {
+      lo = mid;
     } else {
-      r.any_valid = 1;
-      r.min_pos = min(r.min_pos, pos);
-      r.max_pos = max(r.max_pos, pos);
+      hi = mid - 1;
     }
   }
-  out[tile] = r;
+  const SliceDesc& sl = p.slices[lo];
+  const int64_t key0 = static_cast<int64_t>(tile - sl.k_tile_start) * p.key_tile;
+  int32_t mn = INT32_MAX, mx = -1;
+  unsigned valid = 0, invalid = 0;
+  for (int i = lane; i < p.key_tile; i += 32) {
+    const int32_t pos = key0 + i < sl.kv_len ? p.k_pos[sl.kv_begin + key0 + i] : -1;
+    if (pos < 0) {
+      invalid = 1;  // padding, or past the slice's keys
+    } else {
+      valid = 1;
+      mn = min(mn, pos);
+      mx = max(mx, pos);
+    }
+  }
+  constexpr unsigned kAll = 0xffffffffu;
+  mn = __reduce_min_sync(kAll, mn);
+  mx = __reduce_max_sync(kAll, mx);
+  valid = __reduce_or_sync(kAll, valid);
+  invalid = __reduce_or_sync(kAll, invalid);
+  if (lane == 0) {
+    out[tile] = KeyTileSummary{mn, mx, static_cast<int32_t>(invalid), static_cast<int32_t>(valid)};
+  }
 }
 
 // The slice and query tile of launch-wide tile index `x` (blockIdx.x for the mma.sync kernel, a

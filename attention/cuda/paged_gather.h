@@ -1,6 +1,6 @@
 // cpfill/attention/cuda/paged_gather.h — a gathered paged step's rows (attention/prefix_batched.h
-// PlanPagedGather) copied out of a KV cache's blocks on the GPU: K, V and their positions, one
-// CTA per block piece, 16 bytes a load.
+// PlanPagedGather) copied out of a KV cache's blocks on the GPU: K, V and their positions, each
+// block piece over as many CTAs as its bytes need (8 KiB of K and of V each), 16 bytes a load.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -15,6 +15,7 @@ namespace cpfill::attention::cuda {
 struct PagedGatherLaunch {
   const PagedGather::Copy* copies = nullptr;  // device memory
   int64_t num_copies = 0;
+  int64_t max_copy_rows = 0;     // the most rows of any copy: a block's tokens will do
   const void* k_pool = nullptr;  // block 0 of the layer's pools
   const void* v_pool = nullptr;
   int64_t block_stride_bytes = 0;

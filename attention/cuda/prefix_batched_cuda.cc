@@ -394,6 +394,7 @@ absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const Pag
   CPFILL_RETURN_IF_ERROR(
       GatherPagedRowsCuda({.copies = copies,
                            .num_copies = static_cast<int64_t>(plan.copies.size()),
+                           .max_copy_rows = args.paged->block_tokens,
                            .k_pool = args.k,
                            .v_pool = args.v,
                            .block_stride_bytes = args.paged->block_stride_bytes,
