@@ -50,7 +50,9 @@ function(cpfill_test name)
 endfunction()
 
 # cpfill_mpi_test(NAME SOURCES ... LIBS ... RANKS 2 3 4 [LABEL mpi]): one CTest per rank count,
-# each started by mpirun. The binary provides its own main (MPI init, verdict agreed across ranks).
+# each started by mpirun and labelled with it too (np2, np4: tests/run_all.sh runs the np2 ones in
+# the optimized build, the rest under the sanitizers). The binary provides its own main (MPI
+# init, verdict agreed across ranks).
 function(cpfill_mpi_test name)
   cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS;RANKS;LABEL" ${ARGN})
   if(NOT T_TIMEOUT)
@@ -64,7 +66,7 @@ function(cpfill_mpi_test name)
   foreach(n IN LISTS T_RANKS)
     add_test(NAME ${name}_np${n}
              COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${n} $<TARGET_FILE:${name}>)
-    set_tests_properties(${name}_np${n} PROPERTIES LABELS "${T_LABEL}" TIMEOUT ${T_TIMEOUT}
+    set_tests_properties(${name}_np${n} PROPERTIES LABELS "${T_LABEL};np${n}" TIMEOUT ${T_TIMEOUT}
                          ENVIRONMENT "${CPFILL_MPI_TEST_ENV}" PROCESSORS ${n})
   endforeach()
 endfunction()

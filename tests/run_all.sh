@@ -3,10 +3,12 @@
 #   1. launch/setup.sh (packages, build/), then the CTests of build/ that drive the program from
 #      outside (label e2e: the CLI, the server, the Slurm scripts, the embedding examples), the
 #      CLI fuzz suite (label fuzz), the gpu and multigpu tests, which skip with a message where
-#      there is no GPU, and the CPU tests of CUDA-only code (label cuda: the next build has none);
+#      there is no GPU, the CPU tests of CUDA-only code (label cuda: the next build has none),
+#      and the two-rank runs of the mpi tests (label np2: their code runs again, on more ranks,
+#      in the next build, where they took about a third of its time);
 #   2. build-asan: the same sources under AddressSanitizer + UndefinedBehaviorSanitizer (CPU
-#      only), running the GoogleTest unit and mpi tests and the e2e tests labelled sanitize (the
-#      server, bad input): any finding fails;
+#      only), running the GoogleTest unit and mpi tests but the np2 runs, and the e2e tests
+#      labelled sanitize (the server, bad input): any finding fails;
 #   3. build-fuzz: the libFuzzer targets of the safetensors and config.json readers, each for
 #      FUZZ_SECONDS (default 45) from a valid seed: any crash or sanitizer report fails.
 # Each stage says where it failed; later stages do not run after a failure. Each test runs once,
@@ -18,9 +20,9 @@ stage() { echo; echo "=== run_all: $* ==="; }
 
 stage "1/3 build and ctest (build/)"
 bash launch/setup.sh
-ctest --test-dir build -L 'e2e|fuzz|gpu|multigpu|cuda' --output-on-failure -j 2
+ctest --test-dir build -L 'e2e|fuzz|gpu|multigpu|cuda|np2' --output-on-failure -j 2
 
-stage "2/3 ASan + UBSan (build-asan/): unit and mpi GoogleTests, the server and bad input"
+stage "2/3 ASan + UBSan (build-asan/): unit and mpi GoogleTests (np2: stage 1), the server and bad input"
 asan=${ASAN_BUILD_DIR:-build-asan}
 if [ ! -f "$asan/build.ninja" ]; then
   # -O1: ASan's reports stay exact and the kernels stay fast enough for the mpi tests.
@@ -34,7 +36,7 @@ if [ ! -f "$asan/build.ninja" ]; then
 fi
 cmake --build "$asan" -j "${JOBS:-$(nproc)}" ||
   { echo "run_all: building the sanitized build ($asan) failed" >&2; exit 1; }
-ctest --test-dir "$asan" -L 'unit|mpi' -LE e2e --output-on-failure -j 2
+ctest --test-dir "$asan" -L 'unit|mpi' -LE 'e2e|np2' --output-on-failure -j 2
 ctest --test-dir "$asan" -L sanitize --output-on-failure -j 2
 
 stage "3/3 libFuzzer (build-fuzz/): safetensors and config.json readers"
