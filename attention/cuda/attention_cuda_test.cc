@@ -638,6 +638,22 @@ TEST(CudaDecodeAttention, HeadDim64AndMoreSlicesThanOneLaunch) {
   CheckDecodeCase(DecodeCase("decode d64 530 seqs", 16, 2, 64, true, seqs), 41);
 }
 
+TEST(CudaDecodeAttention, ManyShortSequencesWriteTheirRowsWithoutACombine) {
+  // 300 sequences of one query over up to 600 keys, 16:1: a CTA per sequence fills an H100, so
+  // each slice is one split and the split kernel writes the output itself, no combine (the
+  // masked rows of DecodeCase's last slices too); then one sequence without keys, which sends
+  // the launch back to the combine for its zeros.
+  std::vector<DecodeSeq> seqs;
+  for (int s = 0; s < 300; ++s) seqs.push_back({1, 1 + (s * 211) % 600});
+  for (bool causal : {true, false}) {
+    CheckDecodeCase(DecodeCase(absl::StrCat("decode 300 short", causal ? " causal" : ""), 16, 1,
+                               128, causal, seqs),
+                    47 + causal);
+  }
+  seqs[7] = {1, 0};
+  CheckDecodeCase(DecodeCase("decode 300 short, one without keys", 16, 1, 128, true, seqs), 49);
+}
+
 TEST(CudaDecodeAttention, ManySplitsAndPeakySoftmax) {
   // One query over 128K keys: hundreds of splits for the combine; large scores.
   Case c = DecodeCase("decode 128K peaky", 16, 1, 128, true, {{1, 131072}});

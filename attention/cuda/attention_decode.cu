@@ -3,7 +3,9 @@
 // Work of one call: every slice with query rows, its q_len * group packed rows in m16 tiles,
 // its keys in splits of whole 64-key tiles. One CTA = (slice, m16 tile, split) x KV head
 // (blockIdx.y); its four warps each take 16 keys of every tile and keep their own online
-// softmax state, merged in shared memory at the end.
+// softmax state, merged in shared memory at the end. A launch of up to 512 slices; where every
+// slice is one split (a batch that fills the GPU with a CTA per slice), the split kernel writes
+// the call's output and no combine runs.
 //
 // Workspace (DecodeWorkspaceBytes), partial rows numbered per slice from its partial_row:
 //   o_part   [partial rows][num_heads][head_dim] fp32  partial row of (split j, token t) is
@@ -67,6 +69,9 @@ struct DecodeCommon {
   int64_t block_stride;  // elements from one block to the next
   int32_t block_tokens;
   int32_t num_heads, num_kv_heads, group, causal, out_mode, num_slices;
+  // Every slice of the launch in one split: the split kernel writes the call's output itself
+  // and no combine runs (a large batch fills the GPU with a CTA per slice and KV head).
+  int32_t direct;
   float scale_log2;  // softmax_scale * log2(e)
 };
 
@@ -125,10 +130,49 @@ __device__ __forceinline__ int64_t PartialRow(const DecodeSlice& sl, int split, 
          head;
 }
 
+// ---- the call's output ------------------------------------------------------------------
+
+// The call's result (o, lse) for one (token, head) row, as the output mode wants it: lane c of
+// the row's kDim / 4 threads holds columns 4c..4c+3. `lanes` masks those threads in their warp.
+template <int kDim>
+__device__ __forceinline__ void WriteRow(const DecodeCommon& p, int64_t out_row, int c,
+                                         unsigned lanes, float4 o, float lse) {
+  if (p.out_mode == kOutMergeF32) {
+    // Fold into the running (O, LSE): every lane reads the old LSE before lane 0 rewrites it.
+    const float old_lse = p.lse[out_row];
+    __syncwarp(lanes);
+    LseMerge<float> merge;
+    merge.Add(old_lse, 0);
+    merge.Add(lse, 1);
+    if (merge.empty()) return;  // both empty: the running values stay as they are
+    const float w_old = merge.Weight(old_lse, 0), w_new = merge.Weight(lse, 1);
+    const float rest = merge.arg_max() == 0 ? w_new : w_old;
+    const float norm = LseMerge<float>::Normalizer(rest);
+    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.o) + out_row * kDim) + c;
+    // An empty running row (w_old = 0) is not read: O = 0 is its contract, not its memory.
+    const float4 x = w_old == 0.f ? make_float4(0.f, 0.f, 0.f, 0.f) : *dst;
+    const float a = w_old * norm, b = w_new * norm;
+    *dst = make_float4(a * x.x + b * o.x, a * x.y + b * o.y, a * x.z + b * o.z, a * x.w + b * o.w);
+    if (c == 0) p.lse[out_row] = merge.Lse(rest);
+    return;
+  }
+  if (p.out_mode == kOutF32) {
+    reinterpret_cast<float4*>(static_cast<float*>(p.o) + out_row * kDim)[c] = o;
+  } else {
+    __nv_bfloat162* dst =
+        reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.o) + out_row * kDim) +
+        2 * c;
+    dst[0] = __floats2bfloat162_rn(o.x, o.y);
+    dst[1] = __floats2bfloat162_rn(o.z, o.w);
+  }
+  if (c == 0) p.lse[out_row] = lse;
+}
+
 // ---- the split kernel --------------------------------------------------------------------
 
 // Writes the CTA's partial (O, LSE) per packed row: the four warps' states, each relative to
-// its own running max, merged through shared memory (s_o: [warps][16][kExchangeStride]).
+// its own running max, merged through shared memory (s_o: [warps][16][kExchangeStride]); with
+// p.direct, the call's output rows instead (the combine of one split is the identity).
 template <int kDim>
 __device__ __forceinline__ void StoreSplit(const DecodeCommon& p, const DecodeSlice& sl, int split,
                                            int row0, const float* s_o, const float (*s_m)[16],
@@ -158,11 +202,19 @@ __device__ __forceinline__ void StoreSplit(const DecodeCommon& p, const DecodeSl
     }
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int row = row0 + r;
-    const int64_t pr =
-        PartialRow(sl, split, row / p.group, blockIdx.y * p.group + row % p.group, p.num_heads);
-    reinterpret_cast<float4*>(p.o_part + pr * kDim)[c] =
-        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    if (c == 0) p.lse_part[pr] = l > 0.f ? (m * p.scale_log2 + __log2f(l)) * kLn2 : -INFINITY;
+    const int token = row / p.group, head = blockIdx.y * p.group + row % p.group;
+    const float4 o = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    const float lse = l > 0.f ? (m * p.scale_log2 + __log2f(l)) * kLn2 : -INFINITY;
+    if (p.direct) {
+      // A row's kQuads threads: a whole warp at head dim 128, a half warp at 64.
+      const unsigned lanes =
+          kQuads >= 32 ? 0xffffffffu : ((1u << kQuads) - 1) << (threadIdx.x % 32 / kQuads * kQuads);
+      WriteRow<kDim>(p, (sl.q_begin + token) * p.num_heads + head, c, lanes, o, lse);
+      continue;
+    }
+    const int64_t pr = PartialRow(sl, split, token, head, p.num_heads);
+    reinterpret_cast<float4*>(p.o_part + pr * kDim)[c] = o;
+    if (c == 0) p.lse_part[pr] = lse;
   }
 }
 
@@ -370,42 +422,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
 
 // ---- the combine kernel --------------------------------------------------------------------
 
-// The call's result (o, lse) for one (token, head) row, as the output mode wants it: lane c of
-// the row's kDim / 4 threads holds columns 4c..4c+3. `lanes` masks those threads in their warp.
-template <int kDim>
-__device__ __forceinline__ void WriteRow(const DecodeCommon& p, int64_t out_row, int c,
-                                         unsigned lanes, float4 o, float lse) {
-  if (p.out_mode == kOutMergeF32) {
-    // Fold into the running (O, LSE): every lane reads the old LSE before lane 0 rewrites it.
-    const float old_lse = p.lse[out_row];
-    __syncwarp(lanes);
-    LseMerge<float> merge;
-    merge.Add(old_lse, 0);
-    merge.Add(lse, 1);
-    if (merge.empty()) return;  // both empty: the running values stay as they are
-    const float w_old = merge.Weight(old_lse, 0), w_new = merge.Weight(lse, 1);
-    const float rest = merge.arg_max() == 0 ? w_new : w_old;
-    const float norm = LseMerge<float>::Normalizer(rest);
-    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.o) + out_row * kDim) + c;
-    // An empty running row (w_old = 0) is not read: O = 0 is its contract, not its memory.
-    const float4 x = w_old == 0.f ? make_float4(0.f, 0.f, 0.f, 0.f) : *dst;
-    const float a = w_old * norm, b = w_new * norm;
-    *dst = make_float4(a * x.x + b * o.x, a * x.y + b * o.y, a * x.z + b * o.z, a * x.w + b * o.w);
-    if (c == 0) p.lse[out_row] = merge.Lse(rest);
-    return;
-  }
-  if (p.out_mode == kOutF32) {
-    reinterpret_cast<float4*>(static_cast<float*>(p.o) + out_row * kDim)[c] = o;
-  } else {
-    __nv_bfloat162* dst =
-        reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.o) + out_row * kDim) +
-        2 * c;
-    dst[0] = __floats2bfloat162_rn(o.x, o.y);
-    dst[1] = __floats2bfloat162_rn(o.z, o.w);
-  }
-  if (c == 0) p.lse[out_row] = lse;
-}
-
 // One CTA per (token, head) of a slice: the exact merge of its splits (weights relative to the
 // largest LSE; a -inf split weighs 0, and its O, written 0, adds nothing), split groups of
 // kDim / 4 threads each summing every kGroups-th split, then the output mode. Launched as a
@@ -599,6 +615,7 @@ absl::Status LaunchGroup(const DecodeParams<kSlices>& p, int32_t ctas, int32_t p
         <<<dim3(ctas, num_kv_heads), kDecodeThreads, DecodeConfig<kDim>::kSmemBytes, stream>>>(p);
     CPFILL_CUDA_CHECK(cudaGetLastError());
   }
+  if (p.direct) return absl::OkStatus();
   // The combine as a programmatic dependent launch: its CTAs are placed once every split CTA
   // has started (the split kernel triggers at its start), hiding the launch gap.
   cudaLaunchAttribute pdl{};
@@ -615,7 +632,7 @@ absl::Status LaunchGroup(const DecodeParams<kSlices>& p, int32_t ctas, int32_t p
 }
 
 // The plan's slices kSlices at a time (PlanDecode sized each group's splits for a wave of its
-// own), each group a launch pair.
+// own), each group a split launch and, unless every slice is one split, its combine.
 template <int kSlices>
 absl::Status LaunchGroups(const DecodeCommon& common, std::span<const DecodeSlice> slices,
                           const AttentionShape& shape, cudaStream_t stream) {
@@ -625,8 +642,10 @@ absl::Status LaunchGroups(const DecodeCommon& common, std::span<const DecodeSlic
   for (size_t first = 0; first < slices.size(); first += kSlices) {
     const size_t count = std::min<size_t>(kSlices, slices.size() - first);
     int64_t ctas = 0, pairs = 0;
+    p.direct = 1;
     for (size_t i = 0; i < count; ++i) {
       DecodeSlice d = slices[first + i];
+      p.direct &= d.splits == 1 ? 1 : 0;  // a slice without keys still needs the combine's zeros
       d.item_start = static_cast<int32_t>(ctas);
       d.pair_start = static_cast<int32_t>(pairs);
       ctas += int64_t{MTiles(d.q_len, p.group)} * d.splits;

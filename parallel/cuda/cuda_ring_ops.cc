@@ -99,14 +99,19 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
   if (tree.counts.roots == 0) return Launch(args);
   prefix_batch_counts_ += tree.counts;
   // A fresh step's wide roots read their gathered rows (a folded one's stay in place: the
-  // gathered roots would overwrite the running result).
+  // gathered roots would overwrite the running result). The gathered rows take up to 256 MiB
+  // more workspace; where that is not free, the roots are read in place below: slower, the same
+  // result, and no step fails for the want of a speed-up.
   if (!step.wide.gathered.copies.empty() && args.output == OutputMode::kFloat32) {
-    CPFILL_ASSIGN_OR_RETURN(const attention::PagedGather::Copy* copies,
-                            DeviceCopies(step, step.wide.gathered.copies));
-    CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
-        std::max(kMinBytes, attention::cuda::WideRootsWorkspaceBytes(args, step.wide))));
-    return attention::cuda::WideRootsAttentionCuda(args, step.wide, workspace_.As<void>(),
-                                                   workspace_.capacity(), stream_, copies);
+    if (workspace_
+            .Reserve(std::max(kMinBytes, attention::cuda::WideRootsWorkspaceBytes(args, step.wide)))
+            .ok()) {
+      CPFILL_ASSIGN_OR_RETURN(const attention::PagedGather::Copy* copies,
+                              DeviceCopies(step, step.wide.gathered.copies));
+      return attention::cuda::WideRootsAttentionCuda(args, step.wide, workspace_.As<void>(),
+                                                     workspace_.capacity(), stream_, copies);
+    }
+    cudaGetLastError();  // the failed allocation's error: no later launch check may see it
   }
   CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
       std::max(kMinBytes, attention::cuda::SharedBlocksWorkspaceBytes(args, tree))));
