@@ -99,6 +99,12 @@ struct PagedKv {
   // calls (a forward's layers): a ring backend then plans prefix batching once for all the calls
   // with the same generation and slices (RingOps::PlanPagedStep). 0: planned every call.
   uint64_t generation = 0;
+  // Blocks in each pool (0: not given). The Hopper prefill kernel reads paged K/V through a
+  // tensor map over the whole pool, so it needs the pool's size, or host_table to bound it.
+  int64_t pool_blocks = 0;
+  // A prefill step over these blocks reads them in place where the backend can, rather than
+  // gathering them first (which is faster where the copy fits in memory).
+  bool prefill_in_place = false;
 
   // The table entry where the keys starting at local row `kv_begin` begin: that of the last
   // sequence that starts at or before it (sequences with no rows share the next one's begin),

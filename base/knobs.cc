@@ -49,6 +49,11 @@ constexpr KnobSpec kKnobs[] = {
      "CUDA prefix batching: a step's shared-prefix roots only where they spare more K/V reads "
      "than their levels cost (auto: attention::kGpuTreeCosts), or wherever sequences share "
      "blocks (always: tests on small models, and measurement)"},
+    {kPagedPrefill, KnobType::kChoice, "auto", "auto|in-place|gather",
+     "CUDA paged prefill steps over cached rows: gather the keys first where their copy fits in "
+     "memory and read the blocks in place (the Hopper kernel) where it does not (auto); always in "
+     "place where the GPU can (in-place: slower at 64-token blocks, bench/RESULTS.md); always "
+     "gathered, a batch whose copy does not fit refused (gather)"},
     {kRanksPerNode, KnobType::kInt, "0", "0..1000000",
      "ranks per emulated node when --ranks-per-node is not given (0: the ranks of each host)"},
     {kTestExitRank, KnobType::kInt, "-1", "-1..1000000",

@@ -50,6 +50,7 @@ inline constexpr std::string_view kDecodeGemv = "CPFILL_DECODE_GEMV";
 inline constexpr std::string_view kDecodeSplitWaves = "CPFILL_DECODE_SPLIT_WAVES";
 inline constexpr std::string_view kPrefixRoot = "CPFILL_PREFIX_ROOT";
 inline constexpr std::string_view kPrefixTree = "CPFILL_PREFIX_TREE";
+inline constexpr std::string_view kPagedPrefill = "CPFILL_PAGED_PREFILL";
 inline constexpr std::string_view kRanksPerNode = "CPFILL_RANKS_PER_NODE";
 inline constexpr std::string_view kTestExitRank = "CPFILL_TEST_EXIT_RANK";
 inline constexpr std::string_view kTestStallRank = "CPFILL_TEST_STALL_RANK";

@@ -7,18 +7,19 @@
 //            (SharedBlocksAttentionCuda), or the plain paged launch where it finds none; roots
 //            of more than 128 packed rows gathered first (WideRootsAttentionCuda);
 //   suffix:  S queries per sequence (the prefill of its suffix after the cached prefix), causal:
-//            gathered, the shared blocks once, one root over every sequence's queries on the
-//            prefill kernels (GatheredPagedAttentionCuda).
-// Each shape runs twice: "cpfill" with the block table in host memory (prefix batching, the
-// engine's default), and "cpfill-flat" without it, every sequence reading its own keys (the
-// engine's --no-prefix-batching; a suffix prefill then gathers each sequence's keys whole,
-// skipped past 16 GiB). Each step is planned (and a gathered step's copies uploaded) before
-// timing, as the engine plans once per forward for all its layers; "plan_us" is that host time.
-// Timed with CUDA events behind a spin kernel (median of 15 after 3 warm-ups); the prefix blocks
-// rotate over copies that together exceed 256 MiB, so every call reads them from HBM. The HBM
-// floor reads the prefix once, every suffix, Q, and writes O in bf16, at the device-to-device
-// copy rate measured in the same run. bench/gpu/prefix_peer.py times per-sequence peers on the
-// same shapes.
+//            gathered, the shared blocks once (GatheredPagedAttentionCuda), or with
+//            CPFILL_PAGED_PREFILL=in-place read in place by the Hopper kernel
+//            (InPlacePagedAttentionCuda); one root over every sequence's queries on the prefill
+//            kernels.
+// Each shape runs twice: "cpfill" with prefix batching (the engine's default), and "cpfill-flat"
+// with no roots, every sequence reading its own keys (a gathered suffix prefill then gathers
+// each sequence's keys whole, skipped past 16 GiB). Each step is planned (and a gathered step's
+// copies uploaded) before timing, as the engine plans once per forward for all its layers;
+// "plan_us" is that host time. Timed with CUDA events behind a spin kernel (median of 15 after 3
+// warm-ups); the prefix blocks rotate over copies that together exceed 256 MiB, so every call reads
+// them from HBM. The HBM floor reads the prefix once, every suffix, Q, and writes O in bf16, at the
+// device-to-device copy rate measured in the same run. bench/gpu/prefix_peer.py times per-sequence
+// peers on the same shapes.
 //
 //   build/bench/prefix_attention_cuda_bench [--quick] > prefix.jsonl   (one JSON object a line)
 //   build/bench/prefix_attention_cuda_bench --shape suffix:32:8:4096:256:1 [--shape ...]
@@ -31,6 +32,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -39,13 +41,14 @@
 #include "attention/cuda/attention_cuda.h"
 #include "attention/cuda/prefix_batched_cuda.h"
 #include "attention/prefix_batched.h"
+#include "base/knobs.h"
 #include "bench/gpu_spin.h"
 
 namespace cpfill::attention::cuda {
 namespace {
 
 constexpr int kDim = 128;
-constexpr int kBlockTokens = 64;
+int block_tokens = 64;  // --block-tokens: the KV cache's (64, the engine's default)
 constexpr size_t kRotateBytes = size_t{256} << 20;
 
 struct Shape {
@@ -143,8 +146,8 @@ struct Layout {
 Layout MakeLayout(const Shape& s, int copies) {
   Layout l;
   const int64_t len = s.prefix + s.suffix;
-  l.prefix_blocks = s.prefix / kBlockTokens;
-  l.blocks_per_seq = (len + kBlockTokens - 1) / kBlockTokens;
+  l.prefix_blocks = s.prefix / block_tokens;
+  l.blocks_per_seq = (len + block_tokens - 1) / block_tokens;
   const int64_t own = l.blocks_per_seq - l.prefix_blocks;
   l.pool_blocks = copies * l.prefix_blocks + s.batch * own;
   l.tables.resize(copies);
@@ -169,6 +172,13 @@ Layout MakeLayout(const Shape& s, int copies) {
   return l;
 }
 
+// CPFILL_PAGED_PREFILL=in-place: suffix prefills read the blocks in place (the engine does where
+// their gathered copy would not fit, or always under the same knob).
+bool InPlaceAsked() {
+  static const bool asked = knobs::Choice(knobs::kPagedPrefill) == "in-place";
+  return asked;
+}
+
 // One step as CudaRingOps::Attend runs it, planned once (the engine plans a forward's steps once
 // for all its layers, and uploads a gathered step's copies once): roots where FindSharedBlocks
 // finds them (only with the host table) under the GPU's costs, else the plain launch; a prefill
@@ -178,6 +188,7 @@ struct PlannedStep {
   PagedGather gather;
   WideRootsPlan wide;  // a decode step's wide roots (gather.copies empty then)
   bool gathered = false;
+  bool in_place = false;   // a gathered step read in place instead (the Hopper kernel)
   void* copies = nullptr;  // gather.copies, or wide.gathered.copies, in device memory
   size_t workspace_bytes = 0;
   double plan_us = 0;  // host time of FindSharedBlocks and PlanPagedGather
@@ -188,14 +199,19 @@ struct PlannedStep {
 };
 
 void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const int32_t> table,
-          PlannedStep* p) {
+          bool batched, PlannedStep* p) {
   const auto start = std::chrono::steady_clock::now();
   const std::span<const SequenceSlice> slices(args.slices, args.num_slices);
-  p->tree = FindSharedBlocks(args.shape, slices, paged, StepRuleOnGpu(slices, kGpuTreeCosts));
+  // Flat: a tree of no roots (no sharing spares enough).
+  const SharedBlockRule rule = batched
+                                   ? StepRuleOnGpu(slices, kGpuTreeCosts)
+                                   : RuleForStep(slices, {.min_saved_values = int64_t{1} << 62});
+  p->tree = FindSharedBlocks(args.shape, slices, paged, rule);
   p->gathered = GathersPagedKv(slices);
-  if (p->gathered) {
+  p->in_place = p->gathered && InPlaceAsked() && ReadsPagedPrefillInPlace(args.shape, paged);
+  if (p->gathered && !p->in_place) {
     p->gather = PlanPagedGather(p->tree, paged, table);
-  } else {
+  } else if (!p->gathered) {
     p->wide = PlanWideRoots(args.shape, p->tree, paged, table, WideRootRuleOf(args.shape));
   }
   p->plan_us =
@@ -207,7 +223,9 @@ void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const i
     p->copies = Alloc(bytes);
     cudaMemcpy(p->copies, copies.data(), bytes, cudaMemcpyHostToDevice);
   }
-  if (p->gathered) {
+  if (p->in_place) {
+    p->workspace_bytes = InPlacePagedWorkspaceBytes(args, p->tree);
+  } else if (p->gathered) {
     p->workspace_bytes = GatheredPagedWorkspaceBytes(args, p->gather);
   } else if (p->copies != nullptr) {
     p->workspace_bytes = WideRootsWorkspaceBytes(args, p->wide);
@@ -218,6 +236,7 @@ void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const i
 }
 
 absl::Status Launch(const CudaAttentionArgs& args, const PlannedStep& p, void* ws, size_t bytes) {
+  if (p.in_place) return InPlacePagedAttentionCuda(args, p.tree, ws, bytes, nullptr);
   if (p.gathered) {
     return GatheredPagedAttentionCuda(args, p.gather, ws, bytes, nullptr,
                                       static_cast<const PagedGather::Copy*>(p.copies));
@@ -249,7 +268,7 @@ void Run(const Shape& s, double copy_gbps) {
   const Layout l = MakeLayout(s, copies);
   const int64_t q = s.queries();
   const int64_t kv_tokens = s.batch * (s.prefix + s.suffix);
-  const size_t pool_elems = size_t(l.pool_blocks) * kBlockTokens * row;
+  const size_t pool_elems = size_t(l.pool_blocks) * block_tokens * row;
   Buffers d;
   d.Get(&d.k, pool_elems * 2);
   d.Get(&d.v, pool_elems * 2);
@@ -283,19 +302,25 @@ void Run(const Shape& s, double copy_gbps) {
   const double floor_us = floor_bytes / (copy_gbps * 1e9) * 1e6;
   for (const bool batched : {true, false}) {
     const char* impl = batched ? "cpfill" : "cpfill-flat";
-    if (!batched && s.mode == "suffix" && double(kv_tokens) * row * 2 * 2 > kMaxFlatGatherBytes) {
+    const bool in_place =
+        s.mode == "suffix" && InPlaceAsked() &&
+        ReadsPagedPrefillInPlace(shape, {.block_tokens = block_tokens,
+                                         .block_stride_bytes = block_tokens * row * 2,
+                                         .host_table = l.tables[0]});
+    if (!batched && !in_place && s.mode == "suffix" &&
+        double(kv_tokens) * row * 2 * 2 > kMaxFlatGatherBytes) {
       PrintError(s, impl, "skipped: the gathered keys exceed 16 GiB");
       continue;
     }
     std::vector<PagedKv> paged(copies);
     for (int c = 0; c < copies; ++c) {
       paged[c] = {.table = d.table + c * table_entries,
-                  .block_tokens = kBlockTokens,
-                  .block_stride_bytes = int64_t{kBlockTokens} * row * 2,
+                  .block_tokens = block_tokens,
+                  .block_stride_bytes = int64_t{block_tokens} * row * 2,
                   .seq_kv_begin = l.seq_kv_begin,
                   .seq_table_begin = l.seq_table_begin,
-                  .host_table =
-                      batched ? std::span<const int32_t>(l.tables[c]) : std::span<const int32_t>()};
+                  .host_table = l.tables[c],
+                  .pool_blocks = l.pool_blocks};
     }
     std::vector<CudaAttentionArgs> args(copies);
     std::vector<PlannedStep> steps(copies);
@@ -315,7 +340,7 @@ void Run(const Shape& s, double copy_gbps) {
                  .o = d.o,
                  .lse = d.lse,
                  .paged = &paged[c]};
-      Plan(args[c], paged[c], l.tables[c], &steps[c]);
+      Plan(args[c], paged[c], l.tables[c], batched, &steps[c]);
       ws_bytes = std::max(ws_bytes, steps[c].workspace_bytes);
     }
     void* ws = Alloc(ws_bytes);
@@ -376,7 +401,7 @@ bool ParseShape(const char* text, Shape* s) {
   s->suffix = suffix;
   s->batch = batch;
   return (s->mode == "decode" || s->mode == "suffix") && s->heads > 0 && s->kv_heads > 0 &&
-         s->heads % s->kv_heads == 0 && p >= 0 && p % kBlockTokens == 0 && suffix > 0 && batch > 0;
+         s->heads % s->kv_heads == 0 && p >= 0 && p % block_tokens == 0 && suffix > 0 && batch > 0;
 }
 
 }  // namespace
@@ -392,12 +417,15 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc && ParseShape(argv[++i], &s)) {
       shapes.push_back(s);
+    } else if (std::strcmp(argv[i], "--block-tokens") == 0 && i + 1 < argc &&
+               std::atoi(argv[i + 1]) >= 16) {
+      block_tokens = std::atoi(argv[++i]);
     } else {
       std::fprintf(stderr,
                    "usage: prefix_attention_cuda_bench [--quick] "
-                   "[--shape mode:heads:kv_heads:prefix:suffix:batch ...]\n"
+                   "[--block-tokens N] [--shape mode:heads:kv_heads:prefix:suffix:batch ...]\n"
                    "  mode decode|suffix, prefix a multiple of %d\n",
-                   kBlockTokens);
+                   block_tokens);
       return 2;
     }
   }

@@ -143,6 +143,17 @@ class RingOps {
   // Prefix batching so far (paged K/V whose sequences share leading blocks,
   // attention/prefix_batched.h FindSharedBlocks): every backend's Attend does it.
   const attention::PrefixBatchCounts& prefix_batch_counts() const { return prefix_batch_counts_; }
+  // Whether a paged prefill step copies its cached K/V out of the blocks first (rows in memory
+  // the KV cache's sizing did not count), rather than reading them in place; and whether it can
+  // read them in place instead when asked (attention::PagedKv::prefill_in_place).
+  virtual bool GathersPagedPrefill(const attention::AttentionShape& shape,
+                                   const attention::PagedKv& paged) const {
+    return true;
+  }
+  virtual bool CanReadPagedPrefillInPlace(const attention::AttentionShape& shape,
+                                          const attention::PagedKv& paged) const {
+    return false;
+  }
   // What prefix batching's levels cost here (attention::TreeCosts): none on the CPU.
   virtual attention::TreeCosts tree_costs() const { return {}; }
   // The rule a paged step's roots are found by (attention::RuleForStep under tree_costs()).

@@ -67,6 +67,9 @@ struct LlamaModel::Running {
   // Prefill steps over cached rows read them in place too (LlamaModel::PrefillReadsKvInPlace):
   // the ring gathers them, each shared block once.
   bool kv_gathered = false;
+  // Their gathered copy would not fit in memory: the ring reads the blocks in place instead,
+  // where it can (attention::PagedKv::prefill_in_place).
+  bool prefill_in_place = false;
   Tensor block_table;
   std::vector<int32_t> host_block_table;  // the same on the host: who shares which blocks
   std::vector<int64_t> seq_kv_begin, seq_table_begin;
@@ -554,12 +557,17 @@ absl::Status LlamaModel::BuildBlockTables(Running& r) {
 }
 
 // Step 0c (a prefill that reads cached rows in place): what the ring gathers in one step must
-// fit too, agreed by every rank, else the batch is refused and its blocks given back. One rank:
-// exactly the rows its one step gathers (the shared blocks once); a CP ring's steps see subsets
-// of the batch, so there the bound is every sequence's rows (what the copy path holds).
+// fit too, agreed by every rank. Where it does not, every rank's ring reads the blocks in place
+// instead if all can (the Hopper kernel; slower than the gathered rows at 64-token blocks), else
+// the batch is refused and its blocks given back. One rank: exactly the rows its one step
+// gathers (the shared blocks once); a CP ring's steps see subsets of the batch, so there the
+// bound is every sequence's rows (what the copy path holds).
 absl::Status LlamaModel::CheckGatheredMemory(Running& r) {
   if (!r.kv_gathered) return absl::OkStatus();
   CPFILL_RETURN_IF_ERROR(BuildBlockTables(r));
+  const parallel::RingOps& ops = backend_->ring_ops();
+  const attention::AttentionShape shape = AttentionShapeOf();
+  if (!ops.GathersPagedPrefill(shape, HostPagedKv(r))) return absl::OkStatus();  // in place
   const sharding::LocalLayout& layout = r.b.layout;
   int64_t rows = 0;
   if (backend_->cp().size() == 1) {
@@ -572,22 +580,28 @@ absl::Status LlamaModel::CheckGatheredMemory(Running& r) {
                         .kv_len = layout.kv_len[s]});
     }
     const attention::PagedKv paged = HostPagedKv(r);
-    const attention::AttentionShape shape = AttentionShapeOf();
-    rows =
-        attention::PlanPagedGather(attention::FindSharedBlocks(
-                                       shape, slices, paged, backend_->ring_ops().StepRule(slices)),
-                                   paged, r.host_block_table)
-            .rows;
+    rows = attention::PlanPagedGather(
+               attention::FindSharedBlocks(shape, slices, paged, ops.StepRule(slices)), paged,
+               r.host_block_table)
+               .rows;
   } else {
     for (int s = 0; s < r.b.plan.num_sequences(); ++s) rows += layout.kv_len[s];
   }
   const KvCacheSpec& spec = kv_->spec();
   const int64_t row_bytes =
       int64_t{spec.kv_heads} * spec.head_dim * ElemBytes(backend_->compute_type());
-  return CheckFitsOnEveryRank(
+  absl::Status fits = CheckFitsOnEveryRank(
       world_, "the batch's cached K/V gathered for attention", rows * (2 * row_bytes + 4),
       [&] { return backend_->FreeMemoryBytes(); },
       "send fewer requests per batch, or use more ranks (CP splits the rows)");
+  if (!absl::IsResourceExhausted(fits)) return fits;
+  // Every rank saw the same shortfall: each reads its blocks in place instead, if all can.
+  int64_t in_place = ops.CanReadPagedPrefillInPlace(shape, HostPagedKv(r)) ? 1 : 0;
+  CPFILL_RETURN_IF_ERROR(
+      world_.AllReduce(&in_place, 1, parallel::DataType::kInt64, parallel::ReduceOp::kMin));
+  if (in_place == 0) return fits;
+  r.prefill_in_place = true;
+  return absl::OkStatus();
 }
 
 absl::Status LlamaModel::UploadBlockTables(Running& r) {
@@ -612,7 +626,9 @@ attention::PagedKv LlamaModel::HostPagedKv(const Running& r) const {
           .seq_kv_begin = r.seq_kv_begin,
           .seq_table_begin = r.seq_table_begin,
           .host_table = r.host_block_table,
-          .generation = r.table_generation};
+          .generation = r.table_generation,
+          .pool_blocks = kv_->num_blocks(),
+          .prefill_in_place = r.prefill_in_place};
 }
 
 // Layer l's attention over the CP ring, enqueued without a host wait (Forward waits once): K/V

@@ -171,6 +171,28 @@ inline constexpr size_t kSchedulerCounterBytes = 16;
 
 }  // namespace
 
+bool ReadsPagedPrefillInPlace(const AttentionShape& shape, const PagedKv& paged) {
+#ifdef CPFILL_HAVE_HOPPER_KERNEL
+  return internal::HopperKernelOnThisDevice() && SupportedHeadDim(shape.head_dim) &&
+         internal::HopperReadsPagedKv(paged);
+#else
+  return false;
+#endif
+}
+
+namespace internal {
+bool PagedPrefillOnHopper(const CudaAttentionArgs& a) {
+  if (!a.paged_prefill || a.paged == nullptr || !ReadsPagedPrefillInPlace(a.shape, *a.paged) ||
+      !Aligned16(a.q) || !Aligned16(a.k) || !Aligned16(a.v)) {
+    return false;
+  }
+  for (int64_t i = 0; i < a.num_slices; ++i) {
+    if (a.slices[i].q_len > kMaxDecodeQueryRows && a.slices[i].kv_len > 0) return true;
+  }
+  return false;
+}
+}  // namespace internal
+
 bool SupportedHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 const char* AttentionKernelName() {
@@ -223,7 +245,7 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
     CPFILL_CHECK_ARG(a.paged->block_stride_bytes % 16 == 0,
                      "CUDA attention: paged K/V needs 16-byte aligned blocks, stride ",
                      a.paged->block_stride_bytes);
-    // The decode kernel is paged K/V's only reader, and it loads 16 bytes at a time.
+    // Its readers (the decode kernel, the Hopper kernel's TMA) load 16 bytes at a time.
     CPFILL_CHECK_ARG(
         internal::Aligned16(a.q) && internal::Aligned16(a.k) && internal::Aligned16(a.v),
         "CUDA attention: paged K/V needs 16-byte aligned q, k and v (their "
@@ -235,10 +257,13 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
   CPFILL_CHECK_ARG(workspace_bytes >= need && (need == 0 || workspace != nullptr),
                    "CUDA attention: workspace of ", workspace_bytes, " bytes, ", need, " needed");
 
-  // Rows no slice covers are written empty first (not in merge mode: merging nothing is a
-  // no-op). Slices do not overlap, so covered rows sum to q_tokens exactly when all are covered.
+  // Rows no slice with keys covers are written empty first (not in merge mode: merging nothing
+  // is a no-op; the prefill kernels skip slices without keys). Slices do not overlap, so covered
+  // rows sum to q_tokens exactly when all are covered.
   int64_t covered = 0;
-  for (int64_t i = 0; i < a.num_slices; ++i) covered += a.slices[i].q_len;
+  for (int64_t i = 0; i < a.num_slices; ++i) {
+    if (a.slices[i].kv_len > 0) covered += a.slices[i].q_len;
+  }
   const int dim = a.shape.head_dim;
   if (covered < a.q_tokens && a.output != OutputMode::kMergeIntoFloat32) {
     const int64_t n = a.q_tokens * a.shape.num_heads * dim;
@@ -257,7 +282,7 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
   if (internal::DecodeAttentionApplies(a)) {
     return internal::LaunchDecodeAttention(a, workspace, workspace_bytes, stream);
   }
-  if (a.paged != nullptr) {
+  if (a.paged != nullptr && !internal::PagedPrefillOnHopper(a)) {
     // Checked above: the decode kernel refuses paged args only when no slice has a query row.
     CPFILL_CHECK_ARG(covered == 0, "CUDA attention: paged K/V that the decode kernel cannot read");
     return absl::OkStatus();

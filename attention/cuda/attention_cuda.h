@@ -53,10 +53,15 @@ struct CudaAttentionArgs {
   // Hopper kernel then leaves kSmsForCommunication SMs free, or it would hold every SM until it
   // ends and the exchange could not start (measured: CP4 over sockets 46 ms instead of 32).
   bool communication_in_flight = false;
-  // Set: k/v are a KV cache's block pools, read in place through this table (attention.h);
-  // only the decode kernel reads them (any rows per slice; it reads a slice's keys once per m16
-  // tile of packed rows, so many rows per slice cost many reads).
+  // Set: k/v are a KV cache's block pools, read in place through this table (attention.h); the
+  // decode kernel reads them (any rows per slice; it reads a slice's keys once per m16 tile of
+  // packed rows, so many rows per slice cost many reads).
   const PagedKv* paged = nullptr;
+  // A prefill step's paged K/V (InPlacePagedAttentionCuda sets it): where the Hopper kernel reads
+  // them in place (ReadsPagedPrefillInPlace), a call with a slice of more than a few rows goes to
+  // it, not to the decode kernel. Decode steps leave it unset: their roots stay on the decode
+  // kernel, which splits the keys.
+  bool paged_prefill = false;
 };
 
 inline constexpr int kSmsForCommunication = 4;
@@ -91,6 +96,12 @@ absl::Status MergePartialsCuda(const AttentionShape& shape, int64_t rows,
 // TMA, wgmma, warp-specialized) on compute capability 9.0, else "mma-sync" (sm_80+).
 // CPFILL_ATTENTION_KERNEL=mma forces the mma.sync kernel everywhere (for comparison).
 const char* AttentionKernelName();
+
+// True when PartialAttentionCuda reads paged K/V of this shape and layout in place for query
+// rows of a prefill (the Hopper kernel through tensor maps over the pools: compute capability
+// 9.0, head dim 64 or 128, `host_table` given, blocks of a multiple of 32 tokens). Elsewhere only
+// the decode kernel reads paged K/V, and a prefill step gathers its keys first.
+bool ReadsPagedPrefillInPlace(const AttentionShape& shape, const PagedKv& paged);
 
 // Number of CUDA devices (0 when there is no driver or no GPU); never fails.
 int DeviceCount();

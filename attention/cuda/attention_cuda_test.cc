@@ -147,6 +147,7 @@ void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<floa
 // slices) in shuffled blocks of `block_tokens` rows of a pool whose every other row is NaN.
 struct PagedPool {
   int block_tokens = 0;
+  bool host_table = false;  // give the table in host memory too (the Hopper kernel's condition)
   int64_t row_elems = 0;
   std::vector<__nv_bfloat16> k, v;  // [blocks][block_tokens][row_elems]
   std::vector<int32_t> table;
@@ -232,10 +233,13 @@ void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<floa
              .block_tokens = pool->block_tokens,
              .block_stride_bytes = pool->block_tokens * pool->row_elems * 2,
              .seq_kv_begin = pool->seq_kv_begin,
-             .seq_table_begin = pool->seq_table_begin};
+             .seq_table_begin = pool->seq_table_begin,
+             .host_table = pool->host_table ? std::span<const int32_t>(pool->table)
+                                            : std::span<const int32_t>()};
     a.k = pk.get();
     a.v = pv.get();
     a.paged = &paged;
+    a.paged_prefill = pool->host_table;
   }
   const size_t ws_bytes = AttentionWorkspaceBytes(a);
   DeviceArray<char> ws(ws_bytes);
@@ -695,6 +699,40 @@ TEST(CudaDecodeAttention, PagedKvFromShuffledBlocks) {
     Reference(c, in, &o_ref, &lse_ref);
     for (int block_tokens : {16, 64, 256}) {
       const PagedPool pool = MakePagedPool(c, in, block_tokens, block_tokens + h);
+      for (OutputMode mode : {OutputMode::kBfloat16, OutputMode::kFloat32}) {
+        std::vector<float> o, lse;
+        RunOnGpu(c, in, mode, &o, &lse, nullptr, nullptr, &pool);
+        if (::testing::Test::HasFatalFailure()) return;
+        ExpectGood(Compare(c, o, lse, o_ref, lse_ref),
+                   absl::StrCat(c.name, " blocks of ", block_tokens,
+                                mode == OutputMode::kBfloat16 ? " (bf16 O)" : " (fp32 O)"));
+      }
+    }
+  }
+}
+
+// Prefill rows over paged K/V, read in place by the Hopper kernel (tensor maps over the pools):
+// shuffled blocks, NaN in every row no sequence holds (the tail of each last block too), blocks
+// of 32, 96 (parts of 32 keys), 64 and 256 tokens, GQA packed and not, every output mode but the
+// merge, against the fp64 reference over the same rows contiguous.
+TEST(CudaPagedPrefillAttention, HopperReadsShuffledBlocksInPlace) {
+  if (std::string(AttentionKernelName()) != "hopper-wgmma") {
+    GTEST_SKIP() << "no Hopper kernel on this device (" << AttentionKernelName() << ")";
+  }
+  for (auto [h, kvh] : {std::pair{16, 1}, std::pair{32, 8}}) {
+    const std::vector<DecodeSeq> seqs = {{300, 300}, {1, 17},  {129, 1000},
+                                         {64, 4000}, {17, 77}, {200, 3001}};
+    const Case c = DecodeCase(absl::StrCat("paged prefill ", h, ":", kvh), h, kvh, 128, true, seqs);
+    const Inputs in = MakeInputs(c, 71 + h);
+    std::vector<double> o_ref, lse_ref;
+    Reference(c, in, &o_ref, &lse_ref);
+    for (int block_tokens : {32, 96, 64, 256}) {
+      PagedPool pool = MakePagedPool(c, in, block_tokens, block_tokens * 3 + h);
+      pool.host_table = true;
+      const PagedKv layout{.block_tokens = block_tokens,
+                           .block_stride_bytes = block_tokens * pool.row_elems * 2,
+                           .host_table = pool.table};
+      ASSERT_TRUE(ReadsPagedPrefillInPlace(ShapeOf(c), layout));
       for (OutputMode mode : {OutputMode::kBfloat16, OutputMode::kFloat32}) {
         std::vector<float> o, lse;
         RunOnGpu(c, in, mode, &o, &lse, nullptr, nullptr, &pool);

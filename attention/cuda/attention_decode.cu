@@ -682,9 +682,9 @@ bool DecodeKernelCanRun(const CudaAttentionArgs& a) {
 
 bool DecodeAttentionApplies(const CudaAttentionArgs& a) {
   if (!DecodeKernelCanRun(a)) return false;
-  // Paged K/V has no other reader: any rows per slice (a shared prefix's root under a batch of
-  // decode rows, prefix_batched.h FindSharedBlocks).
-  if (a.paged != nullptr) return true;
+  // Paged K/V: any rows per slice (a shared prefix's root under a batch of decode rows,
+  // prefix_batched.h FindSharedBlocks), unless the Hopper kernel reads the long ones.
+  if (a.paged != nullptr) return !PagedPrefillOnHopper(a);
   for (int64_t i = 0; i < a.num_slices; ++i) {
     if (a.slices[i].q_len > kMaxDecodeQueryRows) return false;
   }

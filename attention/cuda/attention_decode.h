@@ -39,8 +39,13 @@ inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 
 // True when `a` goes to the decode kernel: CPFILL_DECODE_KERNEL is on, the head dim is
 // compiled (64, 128), Q/K/V are 16-byte aligned, and some slice has query rows while none has
-// more than kMaxDecodeQueryRows (paged K/V: any number, the kernel is its only reader).
+// more than kMaxDecodeQueryRows (paged K/V: any number, unless PagedPrefillOnHopper).
 bool DecodeAttentionApplies(const CudaAttentionArgs& a);
+
+// A paged prefill call (CudaAttentionArgs::paged_prefill) with a slice of more than
+// kMaxDecodeQueryRows rows, on a device and in a layout the Hopper kernel reads in place
+// (ReadsPagedPrefillInPlace); elsewhere the decode kernel reads paged K/V, whatever its rows.
+bool PagedPrefillOnHopper(const CudaAttentionArgs& a);
 // The same without the row limit: the kernel runs any rows per slice, reading each slice's keys
 // once per m16 tile of packed rows (prefix_batched_cuda.h gives it a shared prefix under a few
 // decode rows this way).

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <numeric>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -38,25 +39,68 @@ PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   return fn;
 }
 
-// A 2-D map over one slice's key rows of K or V: [kv_len rows, num_kv_heads * head_dim
-// columns], boxes of 64 columns x kHopperBlockN rows, 128-byte swizzle; rows past the slice read
-// as zeros.
+// A map over K or V rows of num_kv_heads * head_dim bf16 columns, boxes of 64 columns x
+// box_rows rows, 128-byte swizzle: `rows` rows from `base` (2-D), or with `blocks` > 0, that many
+// blocks of `rows` rows each `block_stride` bytes apart (3-D). Rows past the map read as zeros.
+absl::Status EncodeRowsMap(CUtensorMap* map, const void* base, int64_t rows, int64_t blocks,
+                           int64_t block_stride, int num_kv_heads, int head_dim, int box_rows) {
+  const int64_t row_elems = static_cast<int64_t>(num_kv_heads) * head_dim;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_elems), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(std::max<int64_t>(blocks, 1))};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_elems * 2),
+                                 static_cast<cuuint64_t>(block_stride)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r = TensorMapEncoder()(
+      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, blocks > 0 ? 3 : 2, const_cast<void*>(base), dims,
+      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(
+        absl::StrCat("cuTensorMapEncodeTiled failed (CUresult ", r, ") for ", rows, " key rows",
+                     blocks > 0 ? absl::StrCat(" x ", blocks, " blocks") : std::string()));
+  }
+  return absl::OkStatus();
+}
+
+// A map over one slice's key rows [kv_begin, kv_begin + kv_len), boxes of a whole key tile.
 absl::Status EncodeSliceMap(CUtensorMap* map, const __nv_bfloat16* base, int64_t kv_begin,
                             int64_t kv_len, int num_kv_heads, int head_dim) {
-  const int64_t row_elems = static_cast<int64_t>(num_kv_heads) * head_dim;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_elems), static_cast<cuuint64_t>(kv_len)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_elems * 2)};
-  const cuuint32_t box[2] = {64, kHopperBlockN};
-  const cuuint32_t element_strides[2] = {1, 1};
-  void* addr = const_cast<__nv_bfloat16*>(base + kv_begin * row_elems);
-  const CUresult r =
-      TensorMapEncoder()(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr, dims, strides, box,
-                         element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return absl::InternalError(absl::StrCat("cuTensorMapEncodeTiled failed (CUresult ", r,
-                                            ") for key rows [", kv_begin, ", ", kv_begin + kv_len,
-                                            ")"));
+  return EncodeRowsMap(map, base + kv_begin * num_kv_heads * head_dim, kv_len, 0, 0, num_kv_heads,
+                       head_dim, kHopperBlockN);
+}
+
+// Paged K/V: the pools' maps and the table, once per call.
+absl::Status SetPagedPools(const CudaAttentionArgs& a, HopperParams* p) {
+  const PagedKv& paged = *a.paged;
+  int64_t blocks = paged.pool_blocks;
+  if (blocks <= 0) {
+    for (int32_t b : paged.host_table) blocks = std::max<int64_t>(blocks, int64_t{b} + 1);
+  }
+  p->block_table = paged.table;
+  p->block_tokens = paged.block_tokens;
+  p->box_rows = std::gcd(paged.block_tokens, kHopperBlockN);
+  for (auto [map, pool] : {std::pair{&p->k_pool_map, a.k}, std::pair{&p->v_pool_map, a.v}}) {
+    CPFILL_RETURN_IF_ERROR(EncodeRowsMap(map, pool, paged.block_tokens, blocks,
+                                         paged.block_stride_bytes, a.shape.num_kv_heads,
+                                         a.shape.head_dim, p->box_rows));
+  }
+  return absl::OkStatus();
+}
+
+// Paged K/V: slice i's map over its last block's rows that hold its keys.
+absl::Status SetLastBlockMaps(const CudaAttentionArgs& a, const SliceDesc& s, int i,
+                              HopperParams* p) {
+  const PagedKv& paged = *a.paged;
+  const int64_t last = (s.kv_len - 1) / paged.block_tokens;
+  const int64_t entry = s.table_begin + last;
+  CPFILL_CHECK_ARG(entry < static_cast<int64_t>(paged.host_table.size()), "paged K/V: slice ", i,
+                   " needs table entry ", entry, " of ", paged.host_table.size());
+  const int64_t offset = int64_t{paged.host_table[entry]} * paged.block_stride_bytes;
+  const int64_t rows = s.kv_len - last * paged.block_tokens;
+  for (auto [map, pool] : {std::pair{&p->k_maps[i], a.k}, std::pair{&p->v_maps[i], a.v}}) {
+    CPFILL_RETURN_IF_ERROR(EncodeRowsMap(map, reinterpret_cast<const char*>(pool) + offset, rows, 0,
+                                         0, a.shape.num_kv_heads, a.shape.head_dim, p->box_rows));
   }
   return absl::OkStatus();
 }
@@ -124,6 +168,12 @@ bool HopperKernelOnThisDevice() {
   return major == 9 && minor == 0 && TensorMapEncoder() != nullptr;
 }
 
+bool HopperReadsPagedKv(const PagedKv& paged) {
+  // Parts of at least 32 keys: at most kMaxPagedParts a key tile.
+  return !paged.host_table.empty() && paged.block_tokens >= 32 && paged.block_tokens % 32 == 0 &&
+         paged.block_stride_bytes % 16 == 0;
+}
+
 bool HopperAttentionUsable(const CudaAttentionArgs& a) {
   return HopperKernelOnThisDevice() && Aligned16(a.q) && Aligned16(a.k) && Aligned16(a.v) &&
          (a.shape.head_dim == 64 || a.shape.head_dim == 128);
@@ -145,8 +195,13 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
                                          kHopperBlockN, summaries + summary_offset, &p, p.slices,
                                          &extent));
     p.item_counter = settings.dynamic_schedule ? item_counter : nullptr;
+    if (a.paged != nullptr) CPFILL_RETURN_IF_ERROR(SetPagedPools(a, &p));
     for (size_t i = 0; i < count; ++i) {
       const SliceDesc& s = p.slices[i];
+      if (a.paged != nullptr) {
+        CPFILL_RETURN_IF_ERROR(SetLastBlockMaps(a, s, static_cast<int>(i), &p));
+        continue;
+      }
       CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.k_maps[i], a.k, s.kv_begin, s.kv_len,
                                             a.shape.num_kv_heads, a.shape.head_dim));
       CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.v_maps[i], a.v, s.kv_begin, s.kv_len,

@@ -18,6 +18,10 @@ bool HopperKernelOnThisDevice();
 // HopperKernelOnThisDevice, and the call's Q/K/V are 16-byte aligned with head_dim 64 or 128.
 bool HopperAttentionUsable(const CudaAttentionArgs& a);
 
+// Paged K/V the Hopper kernel reads in place (HopperParams): the table in host memory too (the
+// launch looks up each slice's last block), blocks of a multiple of 32 tokens, 16-byte strides.
+bool HopperReadsPagedKv(const PagedKv& paged);
+
 // Launches the key-tile pre-pass and the Hopper kernel over the slices `work` (indices into
 // a.slices, each with work to do). `summaries` holds at least one entry per 128 keys of each;
 // `item_counter` is one int of device memory for the work-item scheduler.

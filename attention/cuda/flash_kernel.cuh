@@ -41,6 +41,7 @@ struct SliceDesc {
   int64_t q_begin, q_len, kv_begin, kv_len;
   int32_t q_tile_start;  // first CTA (blockIdx.x) of this slice
   int32_t k_tile_start;  // first entry of this slice in the key-tile summaries
+  int32_t table_begin;   // paged K/V (the Hopper kernel): the slice's first block-table entry
 };
 
 // Per key tile: smallest and largest valid key position, whether any key in the tile is
@@ -110,9 +111,14 @@ inline absl::Status PrepareLaunch(const CudaAttentionArgs& a, std::span<const in
   *extent = {};
   for (size_t i = 0; i < work.size(); ++i) {
     const SequenceSlice& s = a.slices[work[i]];
-    slices[i] = SliceDesc{s.q_begin, s.q_len, s.kv_begin, s.kv_len,
-                          static_cast<int32_t>(extent->q_tiles),
-                          static_cast<int32_t>(extent->k_tiles)};
+    slices[i] =
+        SliceDesc{s.q_begin,
+                  s.q_len,
+                  s.kv_begin,
+                  s.kv_len,
+                  static_cast<int32_t>(extent->q_tiles),
+                  static_cast<int32_t>(extent->k_tiles),
+                  static_cast<int32_t>(a.paged == nullptr ? 0 : a.paged->TableBegin(s.kv_begin))};
     extent->q_tiles += (s.q_len * group + block_m - 1) / block_m;
     extent->k_tiles += (s.kv_len + block_n - 1) / block_n;
   }

@@ -20,12 +20,23 @@ inline constexpr int kMaxHopperSlices = 48;
 // Launch parameters; the tensor maps must live in parameter space (or global memory) for TMA,
 // and 48 slices of them need the large kernel-parameter space of CUDA 12.1+.
 struct HopperParams : LaunchCommon {
-  CUtensorMap k_maps[kMaxHopperSlices];  // per slice: [kv_len rows, num_kv_heads * head_dim]
+  // Per slice: [kv_len rows, num_kv_heads * head_dim]; with paged K/V, its last block's valid
+  // rows [kv_len - its first key, num_kv_heads * head_dim] (rows past them read as zeros).
+  CUtensorMap k_maps[kMaxHopperSlices];
   CUtensorMap v_maps[kMaxHopperSlices];
   SliceDesc slices[kMaxHopperSlices];
   int32_t num_q_tiles;    // work items: num_q_tiles x num_kv_heads
   int32_t* item_counter;  // the scheduler's next free item past the first wave, or null for
                           // the static schedule (CTA b takes b, b + grid, ...)
+  // Paged K/V (attention.h's PagedKv), or block_table null: the pools as
+  // [blocks][block_tokens][num_kv_heads * head_dim]; a slice's key r lies in block
+  // block_table[table_begin + r / block_tokens]. A key tile loads in parts of box_rows keys
+  // (gcd(block_tokens, kHopperBlockN)), each inside one block.
+  CUtensorMap k_pool_map;
+  CUtensorMap v_pool_map;
+  const int32_t* block_table;
+  int32_t block_tokens;
+  int32_t box_rows;
 };
 static_assert(sizeof(HopperParams) <= 32764, "kernel parameters must fit 32764 bytes");
 

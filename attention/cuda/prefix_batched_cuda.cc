@@ -88,13 +88,16 @@ int RootSplits(const CudaAttentionArgs& args, std::span<const SequenceSlice> roo
 }
 
 // The root level split `splits` ways: split s's slices read query rows [s * q_tokens, ...) of
-// the repeated queries and 1/splits of each slice's keys.
-std::vector<SequenceSlice> SplitSlices(std::span<const SequenceSlice> root, int splits,
-                                       int64_t q_tokens) {
+// the repeated queries and 1/splits of each slice's keys, in whole blocks where the keys are
+// paged (a part then starts where a block does; the last parts may be empty).
+std::vector<SequenceSlice> SplitSlices(const CudaAttentionArgs& args,
+                                       std::span<const SequenceSlice> root, int splits) {
+  const int64_t q_tokens = args.q_tokens;
+  const int64_t align = args.paged == nullptr ? 1 : args.paged->block_tokens;
   std::vector<SequenceSlice> out;
   for (int s = 0; s < splits; ++s) {
     for (const SequenceSlice& x : root) {
-      const int64_t chunk = (x.kv_len + splits - 1) / splits;
+      const int64_t chunk = ((x.kv_len + splits - 1) / splits + align - 1) / align * align;
       const int64_t begin = std::min(x.kv_len, s * chunk);
       out.push_back({.q_begin = s * q_tokens + x.q_begin,
                      .q_len = x.q_len,
@@ -173,7 +176,7 @@ absl::Status MergeSplits(const CudaAttentionArgs& args, int parts, float* o_part
 absl::Status RunSplitRoot(const CudaAttentionArgs& args, std::span<const SequenceSlice> root,
                           int splits, void* workspace, size_t workspace_bytes,
                           cudaStream_t stream) {
-  const std::vector<SequenceSlice> split = SplitSlices(root, splits, args.q_tokens);
+  const std::vector<SequenceSlice> split = SplitSlices(args, root, splits);
   const SplitLayout l = LayoutOf(args, split, splits);
   CPFILL_CHECK_ARG(workspace_bytes >= l.total, "prefix-batched attention: ", workspace_bytes,
                    " workspace bytes, ", l.total, " needed (PrefixBatchedWorkspaceBytes)");
@@ -223,7 +226,7 @@ size_t RootWorkspaceBytes(const CudaAttentionArgs& args, std::span<const Sequenc
     case RootPlan::kDecode:
       return internal::DecodeWorkspaceBytes(LevelArgs(args, root, OutputMode::kFloat32));
     case RootPlan::kSplit:
-      return LayoutOf(args, SplitSlices(root, plan.splits, args.q_tokens), plan.splits).total;
+      return LayoutOf(args, SplitSlices(args, root, plan.splits), plan.splits).total;
     case RootPlan::kPlain:
       break;
   }
@@ -411,6 +414,30 @@ absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const Pag
     return PrefixBatchedAttentionCuda(a, levels, attention_ws, attention_bytes, stream);
   }
   return LaunchLevels(a, plan.levels, attention_ws, attention_bytes, stream);
+}
+
+size_t InPlacePagedWorkspaceBytes(const CudaAttentionArgs& args, const SharedBlockTree& tree) {
+  CudaAttentionArgs a = args;
+  a.paged_prefill = true;
+  if (a.output == OutputMode::kFloat32)
+    return PrefixBatchedWorkspaceBytes(a, LevelsToRun(tree.levels));
+  return LevelLaunchesBytes(a, tree.levels);
+}
+
+absl::Status InPlacePagedAttentionCuda(const CudaAttentionArgs& args, const SharedBlockTree& tree,
+                                       void* workspace, size_t workspace_bytes,
+                                       cudaStream_t stream) {
+  CPFILL_CHECK_ARG(args.paged != nullptr && ReadsPagedPrefillInPlace(args.shape, *args.paged),
+                   "in-place paged attention: paged K/V this device does not read in place");
+  CPFILL_CHECK_ARG(args.output != OutputMode::kBfloat16,
+                   "prefix-batched attention merges its levels in fp32: no bf16 output");
+  CudaAttentionArgs a = args;
+  a.paged_prefill = true;
+  if (a.output == OutputMode::kFloat32) {
+    return PrefixBatchedAttentionCuda(a, LevelsToRun(tree.levels), workspace, workspace_bytes,
+                                      stream);
+  }
+  return LaunchLevels(a, tree.levels, workspace, workspace_bytes, stream);
 }
 
 SharedBlockRule StepRuleOnGpu(std::span<const SequenceSlice> slices, const TreeCosts& costs) {

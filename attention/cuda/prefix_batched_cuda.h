@@ -56,6 +56,15 @@ absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const Pag
                                         cudaStream_t stream,
                                         const PagedGather::Copy* device_copies = nullptr);
 
+// A paged prefill step read in place where ReadsPagedPrefillInPlace (attention_cuda.h): the tree's
+// levels over args.paged's blocks as GatheredPagedAttentionCuda runs them over gathered rows, with
+// no gather (no copy, no gathered rows' memory). args.slices are ignored. InvalidArgument as
+// PartialAttentionCuda, or for a bf16 output.
+size_t InPlacePagedWorkspaceBytes(const CudaAttentionArgs& args, const SharedBlockTree& tree);
+absl::Status InPlacePagedAttentionCuda(const CudaAttentionArgs& args, const SharedBlockTree& tree,
+                                       void* workspace, size_t workspace_bytes,
+                                       cudaStream_t stream);
+
 // How a ring step on the GPU finds its roots: RuleForStep under `costs`, with a decode step's
 // roots not cut at 128 packed rows (a wide one is gathered, WideRootRuleOf; in a folded step the
 // decode kernel reads it in as many m16 tiles as its pieces would take).

@@ -113,6 +113,10 @@ void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec
       FindSharedBlocks(shape, t.pb.slices, paged, RuleForStep(t.pb.slices));
   EXPECT_EQ(tree.counts.sequences, expect_batched);
   const PagedGather plan = PlanPagedGather(tree, paged, t.table);
+  // No roots: no sharing spares enough (the GPU's costs, raised past any step).
+  const SharedBlockTree flat = FindSharedBlocks(
+      shape, t.pb.slices, paged, RuleForStep(t.pb.slices, {.min_saved_values = int64_t{1} << 62}));
+  EXPECT_EQ(flat.counts.roots, 0);
   // A decode step as the GPU ring plans it (roots not cut), every outer root gathered.
   const SharedBlockTree gpu_tree =
       FindSharedBlocks(shape, t.pb.slices, paged, StepRuleOnGpu(t.pb.slices, {}));
@@ -161,6 +165,19 @@ void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec
           [&](const CudaAttentionArgs& a, void* ws, size_t bytes) {
             return GatheredPagedAttentionCuda(a, plan, ws, bytes, nullptr);
           });
+      // Where the Hopper kernel reads the blocks (H100, H200): the same tree in place, and the
+      // flat step (every sequence over its own blocks, the root split along whole blocks).
+      if (ReadsPagedPrefillInPlace(shape, paged) && !::testing::Test::HasFatalFailure()) {
+        for (const SharedBlockTree* in_place : {&tree, &flat}) {
+          check(
+              in_place == &tree ? "prefill in place" : "flat prefill in place", mode,
+              [&](const CudaAttentionArgs& a) { return InPlacePagedWorkspaceBytes(a, *in_place); },
+              [&](const CudaAttentionArgs& a, void* ws, size_t bytes) {
+                return InPlacePagedAttentionCuda(a, *in_place, ws, bytes, nullptr);
+              });
+          if (::testing::Test::HasFatalFailure()) break;
+        }
+      }
     } else {
       check(
           "decode in place", mode,

@@ -124,6 +124,18 @@ attention::SharedBlockRule CudaRingOps::StepRule(
   return attention::cuda::StepRuleOnGpu(slices, tree_costs());
 }
 
+bool CudaRingOps::CanReadPagedPrefillInPlace(const attention::AttentionShape& shape,
+                                             const attention::PagedKv& paged) const {
+  static const bool never = knobs::Choice(knobs::kPagedPrefill) == "gather";
+  return !never && attention::cuda::ReadsPagedPrefillInPlace(shape, paged);
+}
+
+bool CudaRingOps::GathersPagedPrefill(const attention::AttentionShape& shape,
+                                      const attention::PagedKv& paged) const {
+  static const bool always = knobs::Choice(knobs::kPagedPrefill) == "in-place";
+  return !((always || paged.prefill_in_place) && CanReadPagedPrefillInPlace(shape, paged));
+}
+
 attention::TreeCosts CudaRingOps::tree_costs() const {
   static const bool always = knobs::Choice(knobs::kPrefixTree) == "always";
   return always ? attention::TreeCosts{} : attention::kGpuTreeCosts;
@@ -135,8 +147,16 @@ absl::Status CudaRingOps::AttendGathered(const RingStepArgs& a, const CudaAttent
                    "CUDA ring: a paged prefill step needs the block table in host memory");
   CPFILL_RETURN_IF_ERROR(paged.Validate(int64_t{a.shape.num_kv_heads} * a.shape.head_dim * 2,
                                         a.slices.data(), static_cast<int64_t>(a.slices.size())));
-  const PagedStepPlan& step = PlanPagedStep(a, paged.host_table, /*gather=*/true);
+  // Read in place where asked and the Hopper kernel can: nothing is gathered.
+  const bool in_place = !GathersPagedPrefill(a.shape, paged);
+  const PagedStepPlan& step = PlanPagedStep(a, paged.host_table, /*gather=*/!in_place);
   prefix_batch_counts_ += step.tree.counts;
+  if (in_place) {
+    CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
+        std::max(kMinBytes, attention::cuda::InPlacePagedWorkspaceBytes(args, step.tree))));
+    return attention::cuda::InPlacePagedAttentionCuda(args, step.tree, workspace_.As<void>(),
+                                                      workspace_.capacity(), stream_);
+  }
   const attention::PagedGather& plan = step.gather;
   CPFILL_ASSIGN_OR_RETURN(const attention::PagedGather::Copy* copies,
                           DeviceCopies(step, plan.copies));

@@ -46,6 +46,13 @@ class CudaRingOps : public RingOps {
   // Each level of a prefix-batched step is a launch and an fp32 merge (CPFILL_PREFIX_TREE=always:
   // none counted).
   attention::TreeCosts tree_costs() const override;
+  // Where the Hopper kernel reads the blocks in place (ReadsPagedPrefillInPlace), a step does
+  // when asked (PagedKv::prefill_in_place) or always under CPFILL_PAGED_PREFILL=in-place; never
+  // under =gather. Gathering is faster at 64-token blocks (bench/RESULTS.md, 2026-11-27).
+  bool GathersPagedPrefill(const attention::AttentionShape& shape,
+                           const attention::PagedKv& paged) const override;
+  bool CanReadPagedPrefillInPlace(const attention::AttentionShape& shape,
+                                  const attention::PagedKv& paged) const override;
   // attention::cuda::StepRuleOnGpu; a fresh decode step's wide roots are gathered
   // (attention::cuda::WideRootRuleOf).
   attention::SharedBlockRule StepRule(
