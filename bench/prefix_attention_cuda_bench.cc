@@ -25,6 +25,8 @@
 //   build/bench/prefix_attention_cuda_bench --shape suffix:32:8:4096:256:1 [--shape ...]
 //                                            (mode:heads:kv_heads:prefix:suffix:batch, e.g. for
 //                                            ncu)
+//   --block-tokens N: the KV cache's blocks (default 64); CPFILL_PAGED_PREFILL=in-place: suffix
+//   prefills read the blocks in place (the Hopper kernel) instead of gathering them
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -409,27 +411,37 @@ bool ParseShape(const char* text, Shape* s) {
 
 int main(int argc, char** argv) {
   using namespace cpfill::attention::cuda;
-  bool quick = false;
-  std::vector<Shape> shapes;
+  // Flags first, then the shapes: a shape's prefix must be whole blocks of --block-tokens.
+  bool quick = false, ok = true;
+  std::vector<const char*> shape_args;
   for (int i = 1; i < argc; ++i) {
-    Shape s;
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
-    } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc && ParseShape(argv[++i], &s)) {
-      shapes.push_back(s);
+    } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc) {
+      shape_args.push_back(argv[++i]);
     } else if (std::strcmp(argv[i], "--block-tokens") == 0 && i + 1 < argc &&
                std::atoi(argv[i + 1]) >= 16) {
       block_tokens = std::atoi(argv[++i]);
     } else {
-      std::fprintf(stderr,
-                   "usage: prefix_attention_cuda_bench [--quick] "
-                   "[--block-tokens N] [--shape mode:heads:kv_heads:prefix:suffix:batch ...]\n"
-                   "  mode decode|suffix, prefix a multiple of %d\n",
-                   block_tokens);
-      return 2;
+      ok = false;
     }
   }
+  std::vector<Shape> shapes;
+  for (const char* text : shape_args) {
+    Shape s;
+    ok = ok && ParseShape(text, &s);
+    shapes.push_back(s);
+  }
   if (shapes.empty()) shapes = Grid(quick);
+  for (const Shape& s : shapes) ok = ok && s.prefix % block_tokens == 0;
+  if (!ok) {
+    std::fprintf(stderr,
+                 "usage: prefix_attention_cuda_bench [--quick] [--block-tokens N] "
+                 "[--shape mode:heads:kv_heads:prefix:suffix:batch ...]\n"
+                 "  mode decode|suffix, every prefix a multiple of the block tokens (%d)\n",
+                 block_tokens);
+    return 2;
+  }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::fprintf(stderr, "prefix_attention_cuda_bench: no CUDA device visible\n");

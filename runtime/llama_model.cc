@@ -556,18 +556,10 @@ absl::Status LlamaModel::BuildBlockTables(Running& r) {
   return absl::OkStatus();
 }
 
-// Step 0c (a prefill that reads cached rows in place): what the ring gathers in one step must
-// fit too, agreed by every rank. Where it does not, every rank's ring reads the blocks in place
-// instead if all can (the Hopper kernel; slower than the gathered rows at 64-token blocks), else
-// the batch is refused and its blocks given back. One rank: exactly the rows its one step
-// gathers (the shared blocks once); a CP ring's steps see subsets of the batch, so there the
-// bound is every sequence's rows (what the copy path holds).
-absl::Status LlamaModel::CheckGatheredMemory(Running& r) {
-  if (!r.kv_gathered) return absl::OkStatus();
-  CPFILL_RETURN_IF_ERROR(BuildBlockTables(r));
-  const parallel::RingOps& ops = backend_->ring_ops();
-  const attention::AttentionShape shape = AttentionShapeOf();
-  if (!ops.GathersPagedPrefill(shape, HostPagedKv(r))) return absl::OkStatus();  // in place
+// The rows one ring step gathers for a prefill over cached rows: one rank, exactly its step's
+// plan (the shared blocks once); a CP ring, every sequence's rows (its steps see subsets of the
+// batch, whose runs may break).
+int64_t LlamaModel::GatheredRows(const Running& r) const {
   const sharding::LocalLayout& layout = r.b.layout;
   int64_t rows = 0;
   if (backend_->cp().size() == 1) {
@@ -581,12 +573,29 @@ absl::Status LlamaModel::CheckGatheredMemory(Running& r) {
     }
     const attention::PagedKv paged = HostPagedKv(r);
     rows = attention::PlanPagedGather(
-               attention::FindSharedBlocks(shape, slices, paged, ops.StepRule(slices)), paged,
-               r.host_block_table)
+               attention::FindSharedBlocks(AttentionShapeOf(), slices, paged,
+                                           backend_->ring_ops().StepRule(slices)),
+               paged, r.host_block_table)
                .rows;
   } else {
     for (int s = 0; s < r.b.plan.num_sequences(); ++s) rows += layout.kv_len[s];
   }
+  return rows;
+}
+
+// Step 0c (a prefill that reads cached rows in place): what the ring gathers in one step
+// (GatheredRows) must fit too, agreed by every rank. Where it does not, every rank's ring reads
+// the blocks in place instead if all can (the Hopper kernel; slower than the gathered rows at
+// 64-token blocks), else the batch is refused and its blocks given back.
+absl::Status LlamaModel::CheckGatheredMemory(Running& r) {
+  if (!r.kv_gathered) return absl::OkStatus();
+  CPFILL_RETURN_IF_ERROR(BuildBlockTables(r));
+  const parallel::RingOps& ops = backend_->ring_ops();
+  const attention::AttentionShape shape = AttentionShapeOf();
+  // A rank that reads in place (CPFILL_PAGED_PREFILL=in-place) needs nothing, but still takes
+  // part in the agreement below: every rank runs the same collectives.
+  const bool gathers = ops.GathersPagedPrefill(shape, HostPagedKv(r));
+  const int64_t rows = gathers ? GatheredRows(r) : 0;
   const KvCacheSpec& spec = kv_->spec();
   const int64_t row_bytes =
       int64_t{spec.kv_heads} * spec.head_dim * ElemBytes(backend_->compute_type());

@@ -148,6 +148,7 @@ class LlamaModel {
   void RollBackKv(const Running& r);
   absl::Status BuildBlockTables(Running& r);
   absl::Status CheckGatheredMemory(Running& r);
+  int64_t GatheredRows(const Running& r) const;
   absl::Status UploadBlockTables(Running& r);
   attention::PagedKv HostPagedKv(const Running& r) const;
   attention::AttentionShape AttentionShapeOf() const;

@@ -34,9 +34,14 @@ constexpr int kDecodeThreads = 32 * kDecodeWarps;
 constexpr int kDecodeStages = 3;      // cp.async ring of K/V tiles: two in flight per CTA
 constexpr int kMinTilesPerSplit = 2;  // below this a split is mostly its prologue and epilogue
 // Slices per launch, in the large kernel-parameter space of CUDA 12.1+ (32764 bytes). A batch
-// of up to this many sequences is one launch that fills the GPU; with 64 (the 4 KiB limit) a
-// decode batch of 256 ran as four launches one after another, each a quarter of a wave.
+// of up to this many sequences is one launch that fills the GPU; with 64 (the 4 KiB limit of
+// older toolkits) a decode batch of 256 ran as four launches one after another, each a quarter
+// of a wave.
+#if CUDART_VERSION >= 12010
 constexpr int kMaxDecodeSlices = 512;
+#else
+constexpr int kMaxDecodeSlices = 64;
+#endif
 constexpr int kCombineThreads = 256;
 constexpr int kMaxSplits = 1024;  // per slice: the combine keeps every split's LSE in shared memory
 

@@ -111,7 +111,6 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
       return attention::cuda::WideRootsAttentionCuda(args, step.wide, workspace_.As<void>(),
                                                      workspace_.capacity(), stream_, copies);
     }
-    cudaGetLastError();  // the failed allocation's error: no later launch check may see it
   }
   CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
       std::max(kMinBytes, attention::cuda::SharedBlocksWorkspaceBytes(args, tree))));

@@ -34,7 +34,8 @@ class DeviceBuffer {
     return *this;
   }
   // At least `bytes`; contents are not kept across a growth. The old block is retired, not
-  // freed: work already enqueued may still read it.
+  // freed: work already enqueued may still read it. A growth that fails (out of memory) keeps
+  // the old block and returns the error.
   absl::Status Reserve(size_t bytes);
   // Frees every retired block. Call only once the host has waited for all the device's work
   // (the ring's and the backend's Finish do).
