@@ -312,10 +312,18 @@ CudaAttentionArgs GatheredArgs(const CudaAttentionArgs& args, const PagedGather&
 
 // The levels' workspace: PrefixBatchedAttentionCuda's for a fresh step; a folded one (not a
 // ring step the model makes: pass-KV folds, and paged K/V runs on pass-Q) launches each level.
-size_t GatheredLevelsBytes(const CudaAttentionArgs& a, const PagedGather& plan) {
-  if (a.output == OutputMode::kFloat32)
-    return PrefixBatchedWorkspaceBytes(a, LevelsToRun(plan.levels));
-  return LevelLaunchesBytes(a, plan.levels);
+size_t StepLevelsBytes(const CudaAttentionArgs& a, const KvLevels& levels) {
+  if (a.output == OutputMode::kFloat32) return PrefixBatchedWorkspaceBytes(a, LevelsToRun(levels));
+  return LevelLaunchesBytes(a, levels);
+}
+
+// A prefill step's levels, fresh (the root split as planned) or folded, as StepLevelsBytes sizes.
+absl::Status RunStepLevels(const CudaAttentionArgs& a, const KvLevels& levels, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream) {
+  if (a.output == OutputMode::kFloat32) {
+    return PrefixBatchedAttentionCuda(a, LevelsToRun(levels), workspace, workspace_bytes, stream);
+  }
+  return LaunchLevels(a, levels, workspace, workspace_bytes, stream);
 }
 
 GatherLayout GatherLayoutOf(const CudaAttentionArgs& args, const PagedGather& plan) {
@@ -326,7 +334,7 @@ GatherLayout GatherLayoutOf(const CudaAttentionArgs& args, const PagedGather& pl
   l.v = l.k + Aligned(rows * row);
   l.pos = l.v + Aligned(rows * row);
   l.attention = l.pos + Aligned(rows * sizeof(int32_t));
-  l.total = l.attention + GatheredLevelsBytes(GatheredArgs(args, plan), plan);
+  l.total = l.attention + StepLevelsBytes(GatheredArgs(args, plan), plan.levels);
   return l;
 }
 
@@ -407,21 +415,13 @@ absl::Status GatheredPagedAttentionCuda(const CudaAttentionArgs& args, const Pag
                            .v_out = const_cast<__nv_bfloat16*>(a.v),
                            .k_pos_out = const_cast<int32_t*>(a.k_pos)},
                           stream));
-  void* attention_ws = ws + l.attention;
-  const size_t attention_bytes = workspace_bytes - l.attention;
-  if (a.output == OutputMode::kFloat32) {
-    const auto levels = LevelsToRun(plan.levels);
-    return PrefixBatchedAttentionCuda(a, levels, attention_ws, attention_bytes, stream);
-  }
-  return LaunchLevels(a, plan.levels, attention_ws, attention_bytes, stream);
+  return RunStepLevels(a, plan.levels, ws + l.attention, workspace_bytes - l.attention, stream);
 }
 
 size_t InPlacePagedWorkspaceBytes(const CudaAttentionArgs& args, const SharedBlockTree& tree) {
   CudaAttentionArgs a = args;
   a.paged_prefill = true;
-  if (a.output == OutputMode::kFloat32)
-    return PrefixBatchedWorkspaceBytes(a, LevelsToRun(tree.levels));
-  return LevelLaunchesBytes(a, tree.levels);
+  return StepLevelsBytes(a, tree.levels);
 }
 
 absl::Status InPlacePagedAttentionCuda(const CudaAttentionArgs& args, const SharedBlockTree& tree,
@@ -433,11 +433,7 @@ absl::Status InPlacePagedAttentionCuda(const CudaAttentionArgs& args, const Shar
                    "prefix-batched attention merges its levels in fp32: no bf16 output");
   CudaAttentionArgs a = args;
   a.paged_prefill = true;
-  if (a.output == OutputMode::kFloat32) {
-    return PrefixBatchedAttentionCuda(a, LevelsToRun(tree.levels), workspace, workspace_bytes,
-                                      stream);
-  }
-  return LaunchLevels(a, tree.levels, workspace, workspace_bytes, stream);
+  return RunStepLevels(a, tree.levels, workspace, workspace_bytes, stream);
 }
 
 SharedBlockRule StepRuleOnGpu(std::span<const SequenceSlice> slices, const TreeCosts& costs) {
