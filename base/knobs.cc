@@ -41,6 +41,12 @@ constexpr KnobSpec kKnobs[] = {
     {kDecodeSplitWaves, KnobType::kInt, "1", "1..16",
      "CUDA decode attention: the key splits aim at this many waves of the split kernel's CTAs "
      "(1: one wave, the fewest and longest splits; more: shorter splits, for measurement)"},
+    {kDecodeCtasPerSm, KnobType::kInt, "0", "0..2",
+     "CUDA decode attention: the key splits aim at this many split CTAs per SM (0: one for "
+     "contiguous K/V, as many as fit (2 on an H100) for paged K/V; 1, 2: for measurement)"},
+    {kDecodeCombineParts, KnobType::kInt, "0", "0..4",
+     "CUDA decode attention: the combine kernel's CTAs per output row, each a share of its "
+     "columns (0: chosen by the launch; 1, 2, 4: for measurement)"},
     {kPrefixRoot, KnobType::kChoice, "auto", "auto|decode|split",
      "CUDA prefix-batched attention: the shared prefix's level on the decode kernel or split "
      "along its keys on the prefill kernels (auto: the decode kernel up to 128 packed query "

@@ -340,6 +340,41 @@ BENCHMARK(BM_Decode)
     ->ArgNames({"context", "batch", "heads", "kv_heads"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
+// One read-only kernel over the bytes of a decode shape's K+V (KiB; BM_Decode's kv_MB in MB),
+// rotating over copies beyond L2 as BM_Decode does: what a single memory-bound kernel of this
+// size costs, launch and drain included, next to the copy bandwidth's floor.
+void BM_ReadFloor(benchmark::State& state) {
+  const size_t bytes = static_cast<size_t>(state.range(0)) << 10;
+  const int ctas = static_cast<int>(state.range(1));
+  const int copies = static_cast<int>(std::clamp((256e6 + bytes - 1) / bytes, 1.0, 16.0));
+  char* data = static_cast<char*>(DeviceAlloc(copies * bytes));
+  auto* sink = static_cast<uint32_t*>(DeviceAlloc(4));
+  if (data == nullptr || sink == nullptr) {
+    state.SkipWithError("device allocation failed");
+    return;
+  }
+  cudaMemset(data, 1, copies * bytes);
+  int64_t it = 0;
+  TimeWithEvents(
+      state,
+      [&] {
+        bench::ReadGpu(data + (it++ % copies) * bytes, bytes, ctas, sink, nullptr);
+        return cudaGetLastError() == cudaSuccess ? absl::OkStatus() : absl::InternalError("read");
+      },
+      [] { bench::SpinGpu(100'000, nullptr); });
+  const double bw = CopyBandwidthBytesPerSecond();
+  state.counters["floor_us"] = bw > 0 ? bytes / bw * 1e6 : 0;
+  state.counters["GBps"] =
+      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  cudaFree(data);
+  cudaFree(sink);
+}
+
+BENCHMARK(BM_ReadFloor)
+    ->ArgsProduct({{64, 16 << 10, 64 << 10, 128 << 10, 512 << 10}, {132, 264, 1056}})
+    ->ArgNames({"KiB", "ctas"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Merge)
     ->Args({4, 16384})
     ->Args({8, 16384})

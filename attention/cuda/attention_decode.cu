@@ -427,15 +427,17 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
 
 // ---- the combine kernel --------------------------------------------------------------------
 
-// One CTA per (token, head) of a slice: the exact merge of its splits (weights relative to the
-// largest LSE; a -inf split weighs 0, and its O, written 0, adds nothing), split groups of
-// kDim / 4 threads each summing every kGroups-th split, then the output mode. Launched as a
-// programmatic dependent of the split kernel: it may start while the split kernel's last CTAs
-// run, and waits for their results before its first read.
-template <int kDim, int kSlices>
+// kParts CTAs per (token, head) of a slice, each a 1 / kParts share of the row's columns: the
+// exact merge of its splits (weights relative to the largest LSE; a -inf split weighs 0, and
+// its O, written 0, adds nothing), split groups of kDim / 4 / kParts threads each summing every
+// kGroups-th split, then the output mode. More parts spread a few rows of many splits (a batch
+// of one) over more SMs; the running merge (kOutMergeF32) reads and rewrites the row's LSE, so
+// it takes one part. Launched as a programmatic dependent of the split kernel: it may start
+// while the split kernel's last CTAs run, and waits for their results before its first read.
+template <int kDim, int kSlices, int kParts>
 __global__ void __launch_bounds__(kCombineThreads)
     DecodeCombineKernel(const __grid_constant__ DecodeParams<kSlices> p) {
-  constexpr int kLanes = kDim / 4;
+  constexpr int kLanes = kDim / 4 / kParts;
   constexpr int kGroups = kCombineThreads / kLanes;
   __shared__ float4 s_acc[kGroups][kLanes];
   __shared__ float s_lse[kMaxSplits];
@@ -444,8 +446,9 @@ __global__ void __launch_bounds__(kCombineThreads)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-  const DecodeSlice sl = p.slices[FindSlice<&DecodeSlice::pair_start>(p, blockIdx.x)];
-  const int local = static_cast<int>(blockIdx.x) - sl.pair_start;
+  const int pair = static_cast<int>(blockIdx.x) / kParts, part = blockIdx.x % kParts;
+  const DecodeSlice sl = p.slices[FindSlice<&DecodeSlice::pair_start>(p, pair)];
+  const int local = pair - sl.pair_start;
   const int token = local / p.num_heads, head = local % p.num_heads;
 
   // Step 1: every split's LSE into shared memory, and the largest.
@@ -464,7 +467,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 
   // Step 2: each group's weighted sum of its splits' O; no branch on the weight, so the
   // unrolled loads of several splits are in flight together.
-  const int g = threadIdx.x / kLanes, c = threadIdx.x % kLanes;
+  const int g = threadIdx.x / kLanes, c = threadIdx.x % kLanes, column = part * kLanes + c;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float wsum = 0.f;
   const int splits = empty ? 0 : sl.splits;
@@ -472,7 +475,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int j = g; j < splits; j += kGroups) {
     const float w = __expf(s_lse[j] - mx);
     const float4 x = reinterpret_cast<const float4*>(
-        p.o_part + PartialRow(sl, j, token, head, p.num_heads) * kDim)[c];
+        p.o_part + PartialRow(sl, j, token, head, p.num_heads) * kDim)[column];
     acc.x += w * x.x;
     acc.y += w * x.y;
     acc.z += w * x.z;
@@ -482,6 +485,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   s_acc[g][c] = acc;
   if (c == 0) s_wsum[g] = wsum;
   __syncthreads();
+
   if (threadIdx.x >= kLanes) return;
 
   // Step 3: the groups summed (the largest split weighs 1, so wsum >= 1 unless empty).
@@ -498,7 +502,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float inv = empty ? 0.f : 1.f / wsum;
   const float4 o = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
   const unsigned lanes = kLanes >= 32 ? 0xffffffffu : (1u << kLanes) - 1;
-  WriteRow<kDim>(p, (sl.q_begin + token) * p.num_heads + head, c, lanes, o,
+  WriteRow<kDim>(p, (sl.q_begin + token) * p.num_heads + head, column, lanes, o,
                  empty ? -INFINITY : mx + __logf(wsum));
 }
 
@@ -528,19 +532,29 @@ const SplitKernelInfo& SplitKernel() {
   return info;
 }
 
-// CTAs that run at once: one wave of the split kernel (fewer SMs while a communication
-// kernel runs beside it, as the Hopper kernel leaves them).
-int64_t Slots(const CudaAttentionArgs& a) {
+int SmCount() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     cudaGetLastError();
     sms = 1;
   }
+  return sms;
+}
+
+// The split CTAs a launch aims at: one wave (fewer SMs while a communication kernel runs beside
+// it, as the Hopper kernel leaves them). Contiguous K/V aims at one CTA per SM: fewer, longer
+// splits, and an SM's two CTAs finished up to 2 µs after a lone one (2-4% faster at 32K-128K on
+// an H100). Paged K/V keeps two per SM, where every tile's copies wait on block-table reads:
+// one per SM was up to 1.6x slower there (bench/RESULTS.md, 2026-11-27).
+int64_t Slots(const CudaAttentionArgs& a) {
+  static const int knob = static_cast<int>(knobs::Int(knobs::kDecodeCtasPerSm));
+  int sms = SmCount();
   if (a.communication_in_flight) sms = std::max(1, sms - kSmsForCommunication);
-  const int per_sm = a.shape.head_dim == 64 ? SplitKernel<64, kMaxDecodeSlices>().ctas_per_sm
-                                            : SplitKernel<128, kMaxDecodeSlices>().ctas_per_sm;
-  return static_cast<int64_t>(sms) * per_sm;
+  const int fit = a.shape.head_dim == 64 ? SplitKernel<64, kMaxDecodeSlices>().ctas_per_sm
+                                         : SplitKernel<128, kMaxDecodeSlices>().ctas_per_sm;
+  const int per_sm = knob != 0 ? knob : a.paged == nullptr ? 1 : fit;
+  return static_cast<int64_t>(sms) * std::min(per_sm, fit);
 }
 
 struct DecodePlan {
@@ -611,6 +625,33 @@ size_t PartialBytes(const CudaAttentionArgs& a, int64_t partial_rows) {
          sizeof(float);
 }
 
+// The combine's CTAs per output row (DecodeCombineKernel): the fewest of 1, 2 or 4 that give
+// every SM a CTA (CPFILL_DECODE_COMBINE_PARTS chooses for measurement); 1 for the running merge.
+int CombineParts(const DecodeCommon& p, int64_t pairs) {
+  static const int knob = static_cast<int>(knobs::Int(knobs::kDecodeCombineParts));
+  if (p.out_mode == kOutMergeF32) return 1;
+  if (knob != 0) return knob >= 4 ? 4 : knob >= 2 ? 2 : 1;
+  const int64_t sms = SmCount();
+  return pairs >= sms ? 1 : 2 * pairs >= sms ? 2 : 4;
+}
+
+template <int kDim, int kSlices, int kParts>
+absl::Status LaunchCombine(const DecodeParams<kSlices>& p, int32_t pairs, cudaStream_t stream) {
+  // The combine as a programmatic dependent launch: its CTAs are placed once every split CTA
+  // has started (the split kernel triggers at its start), hiding the launch gap.
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(pairs * kParts);
+  cfg.blockDim = dim3(kCombineThreads);
+  cfg.stream = stream;
+  cfg.attrs = &pdl;
+  cfg.numAttrs = 1;
+  CPFILL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, DecodeCombineKernel<kDim, kSlices, kParts>, p));
+  return absl::OkStatus();
+}
+
 template <int kDim, int kSlices>
 absl::Status LaunchGroup(const DecodeParams<kSlices>& p, int32_t ctas, int32_t pairs,
                          int num_kv_heads, cudaStream_t stream) {
@@ -621,19 +662,14 @@ absl::Status LaunchGroup(const DecodeParams<kSlices>& p, int32_t ctas, int32_t p
     CPFILL_CUDA_CHECK(cudaGetLastError());
   }
   if (p.direct) return absl::OkStatus();
-  // The combine as a programmatic dependent launch: its CTAs are placed once every split CTA
-  // has started (the split kernel triggers at its start), hiding the launch gap.
-  cudaLaunchAttribute pdl{};
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(pairs);
-  cfg.blockDim = dim3(kCombineThreads);
-  cfg.stream = stream;
-  cfg.attrs = &pdl;
-  cfg.numAttrs = 1;
-  CPFILL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, DecodeCombineKernel<kDim, kSlices>, p));
-  return absl::OkStatus();
+  switch (CombineParts(p, pairs)) {
+    case 4:
+      return LaunchCombine<kDim, kSlices, 4>(p, pairs, stream);
+    case 2:
+      return LaunchCombine<kDim, kSlices, 2>(p, pairs, stream);
+    default:
+      return LaunchCombine<kDim, kSlices, 1>(p, pairs, stream);
+  }
 }
 
 // The plan's slices kSlices at a time (PlanDecode sized each group's splits for a wave of its
