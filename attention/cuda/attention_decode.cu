@@ -544,9 +544,9 @@ int SmCount() {
 
 // The split CTAs a launch aims at: one wave (fewer SMs while a communication kernel runs beside
 // it, as the Hopper kernel leaves them). Contiguous K/V aims at one CTA per SM: fewer, longer
-// splits, and an SM's two CTAs finished up to 2 µs after a lone one (2-4% faster at 32K-128K on
-// an H100). Paged K/V keeps two per SM, where every tile's copies wait on block-table reads:
-// one per SM was up to 1.6x slower there (bench/RESULTS.md, 2026-11-27).
+// splits, and an SM's two CTAs finished up to 2 µs after a lone one (1.3-7% faster on 10 of
+// 12 shapes at 32K-128K on an H100). Paged K/V keeps two per SM, where every tile's copies wait on
+// block-table reads: one per SM was up to 1.6x slower there (bench/RESULTS.md, 2026-11-27).
 int64_t Slots(const CudaAttentionArgs& a) {
   static const int knob = static_cast<int>(knobs::Int(knobs::kDecodeCtasPerSm));
   int sms = SmCount();
