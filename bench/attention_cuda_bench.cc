@@ -246,6 +246,22 @@ double CopyBandwidthBytesPerSecond() {
   return bw;
 }
 
+// Copies of `bytes` that together exceed 256 MiB (at most 16): rotated over, every timed
+// iteration reads its data from HBM, not from the 50 MiB L2.
+int CopiesBeyondL2(double bytes) {
+  return static_cast<int>(std::clamp((256e6 + bytes - 1) / bytes, 1.0, 16.0));
+}
+
+// The counters of a memory-bound timing over `bytes` read per iteration: GB/s, and the floor
+// (those bytes at the copy bandwidth) with the bandwidth it used.
+void SetFloorCounters(benchmark::State& state, double bytes) {
+  const double bw = CopyBandwidthBytesPerSecond();
+  state.counters["GBps"] =
+      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["floor_us"] = bw > 0 ? bytes / bw * 1e6 : 0;
+  state.counters["copy_GBps"] = bw / 1e9;
+}
+
 // A decode step: `batch` sequences of `context` keys each (own K/V), one query each at the last
 // position. The K/V of successive iterations rotate over copies that together exceed 256 MiB,
 // so every iteration reads them from HBM (one 16 MiB copy would stay in the 50 MiB L2), and
@@ -257,7 +273,7 @@ void BM_Decode(benchmark::State& state) {
   const int64_t kv_tokens = context * batch;
   const size_t kv_values = static_cast<size_t>(kv_tokens) * kv_heads * dim;
   const double kv_bytes = 2.0 * kv_values * sizeof(__nv_bfloat16);
-  const int copies = static_cast<int>(std::clamp((256e6 + kv_bytes - 1) / kv_bytes, 1.0, 16.0));
+  const int copies = CopiesBeyondL2(kv_bytes);
   auto* q = static_cast<__nv_bfloat16*>(DeviceAlloc(batch * heads * dim * 2));
   auto* k = static_cast<__nv_bfloat16*>(DeviceAlloc(copies * kv_values * 2));
   auto* v = static_cast<__nv_bfloat16*>(DeviceAlloc(copies * kv_values * 2));
@@ -302,11 +318,7 @@ void BM_Decode(benchmark::State& state) {
   TimeWithEvents(
       state, [&] { return PartialAttentionCuda(args[it++ % copies], ws, ws_bytes, nullptr); },
       [] { bench::SpinGpu(100'000, nullptr); });
-  const double bw = CopyBandwidthBytesPerSecond();
-  state.counters["GBps"] =
-      benchmark::Counter(kv_bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["floor_us"] = bw > 0 ? kv_bytes / bw * 1e6 : 0;
-  state.counters["copy_GBps"] = bw / 1e9;
+  SetFloorCounters(state, kv_bytes);
   state.counters["kv_MB"] = kv_bytes / 1e6;
   state.counters["kv_copies"] = copies;
   for (void* p :
@@ -340,13 +352,14 @@ BENCHMARK(BM_Decode)
     ->ArgNames({"context", "batch", "heads", "kv_heads"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
+
 // One read-only kernel over the bytes of a decode shape's K+V (KiB; BM_Decode's kv_MB in MB),
 // rotating over copies beyond L2 as BM_Decode does: what a single memory-bound kernel of this
 // size costs, launch and drain included, next to the copy bandwidth's floor.
 void BM_ReadFloor(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0)) << 10;
   const int ctas = static_cast<int>(state.range(1));
-  const int copies = static_cast<int>(std::clamp((256e6 + bytes - 1) / bytes, 1.0, 16.0));
+  const int copies = CopiesBeyondL2(static_cast<double>(bytes));
   char* data = static_cast<char*>(DeviceAlloc(copies * bytes));
   auto* sink = static_cast<uint32_t*>(DeviceAlloc(4));
   if (data == nullptr || sink == nullptr) {
@@ -362,10 +375,7 @@ void BM_ReadFloor(benchmark::State& state) {
         return cudaGetLastError() == cudaSuccess ? absl::OkStatus() : absl::InternalError("read");
       },
       [] { bench::SpinGpu(100'000, nullptr); });
-  const double bw = CopyBandwidthBytesPerSecond();
-  state.counters["floor_us"] = bw > 0 ? bytes / bw * 1e6 : 0;
-  state.counters["GBps"] =
-      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  SetFloorCounters(state, static_cast<double>(bytes));
   cudaFree(data);
   cudaFree(sink);
 }
@@ -375,6 +385,7 @@ BENCHMARK(BM_ReadFloor)
     ->ArgNames({"KiB", "ctas"})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
+
 BENCHMARK(BM_Merge)
     ->Args({4, 16384})
     ->Args({8, 16384})

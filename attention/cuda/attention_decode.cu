@@ -485,7 +485,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   s_acc[g][c] = acc;
   if (c == 0) s_wsum[g] = wsum;
   __syncthreads();
-
   if (threadIdx.x >= kLanes) return;
 
   // Step 3: the groups summed (the largest split weighs 1, so wsum >= 1 unless empty).
