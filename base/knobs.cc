@@ -21,6 +21,9 @@ constexpr KnobSpec kKnobs[] = {
      "CUDA attention kernel: auto takes the Hopper wgmma kernel on sm_90, else the mma.sync one"},
     {kAttentionVariant, KnobType::kInt, "3", "0..3",
      "tile variant of the mma.sync kernel (3: 128 rows x 64 keys, fastest measured)"},
+    {kAttentionKeySplit, KnobType::kChoice, "auto", "auto|off",
+     "Hopper attention: a call of few query tiles over long keys runs its keys in parts that "
+     "fill the GPU, merged exactly (off: one pass over all keys, for comparison)"},
     {kHopperPingPong, KnobType::kBool, "1", "0|1",
      "Hopper kernel: the two consumer warpgroups alternate GEMMs and softmax (ping-pong)"},
     {kHopperPersistent, KnobType::kBool, "1", "0|1",

@@ -40,6 +40,7 @@ struct KnobSpec {
 // The names; each is declared in knobs.cc's table (a unit test checks every one).
 inline constexpr std::string_view kAttentionKernel = "CPFILL_ATTENTION_KERNEL";
 inline constexpr std::string_view kAttentionVariant = "CPFILL_ATTENTION_VARIANT";
+inline constexpr std::string_view kAttentionKeySplit = "CPFILL_ATTENTION_KEY_SPLIT";
 inline constexpr std::string_view kHopperPingPong = "CPFILL_HOPPER_PINGPONG";
 inline constexpr std::string_view kHopperPersistent = "CPFILL_HOPPER_PERSISTENT";
 inline constexpr std::string_view kHopperQBuffers = "CPFILL_HOPPER_Q_BUFFERS";

@@ -30,12 +30,12 @@ TEST_F(KnobsTest, EveryNameIsDeclaredOnceWithADefaultThatPassesItsOwnCheck) {
     unsetenv(std::string(k.name).c_str());
   }
   for (std::string_view n :
-       {kAttentionKernel, kAttentionVariant,   kHopperPingPong, kHopperPersistent,
-        kHopperQBuffers,  kHopperMaxCtas,      kHopperSchedule, kDecodeKernel,
-        kDecodeCtasPerSm, kDecodeCombineParts, kPrefixRoot,     kPrefixTree,
-        kRanksPerNode,    kTestExitRank,       kTestStallRank,  kLocalRanks,
-        kSlurmStepTasks,  kSlurmStepNodes,     kNcclP2pDisable, kNcclShmDisable,
-        kNcclNet}) {
+       {kAttentionKernel,  kAttentionVariant, kAttentionKeySplit,  kHopperPingPong,
+        kHopperPersistent, kHopperQBuffers,   kHopperMaxCtas,      kHopperSchedule,
+        kDecodeKernel,     kDecodeCtasPerSm,  kDecodeCombineParts, kPrefixRoot,
+        kPrefixTree,       kRanksPerNode,     kTestExitRank,       kTestStallRank,
+        kLocalRanks,       kSlurmStepTasks,   kSlurmStepNodes,     kNcclP2pDisable,
+        kNcclShmDisable,   kNcclNet}) {
     EXPECT_TRUE(seen.count(n)) << n;
   }
 }

@@ -11,6 +11,7 @@
 #include "attention/cuda/attention_cuda.h"
 #include "attention/cuda/attention_decode.h"
 #include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/key_split.h"
 #include "attention/online_softmax.h"
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
 #include "attention/cuda/attention_hopper.h"
@@ -79,6 +80,8 @@ struct MergeParams {
 
 // One thread per 4 consecutive values of one (row, head): 16-byte loads of every part.
 __global__ void MergeKernel(const __grid_constant__ MergeParams p) {
+  internal::WaitForPrecedingGrids();  // launched as a dependent of the kernel writing the parts
+  internal::LetDependentsLaunch();
   const int chunks = p.dim / 4;
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= p.rows_heads * chunks) return;
@@ -169,6 +172,73 @@ size_t SummaryBytes(const CudaAttentionArgs& args) {
 }
 inline constexpr size_t kSchedulerCounterBytes = 16;
 
+#ifdef CPFILL_HAVE_HOPPER_KERNEL
+int DeviceSms() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return sms;
+}
+
+// A call that runs its keys in parts (key_split.h) on the Hopper kernel, else parts 1.
+internal::KeySplit KeySplitOf(const CudaAttentionArgs& a) {
+  if (!internal::HopperAttentionUsable(a)) return {};
+  return internal::PlanKeySplit(a, DeviceSms());
+}
+
+// The parts' call: `a` over the split's slices, fp32 into the parts' buffer.
+CudaAttentionArgs PartsArgs(const CudaAttentionArgs& a, const internal::KeySplit& split) {
+  CudaAttentionArgs b = a;
+  b.slices = split.slices.data();
+  b.num_slices = static_cast<int64_t>(split.slices.size());
+  b.output = OutputMode::kFloat32;
+  return b;
+}
+
+// The workspace of a key split: the parts' key-tile summaries and scheduler counter, then their
+// fp32 O and LSE, part after part.
+struct KeySplitLayout {
+  size_t counter = 0, o = 0, lse = 0, total = 0;
+};
+KeySplitLayout LayoutOf(const CudaAttentionArgs& a, const internal::KeySplit& split) {
+  constexpr size_t kAlign = 256;
+  auto aligned = [](size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; };
+  const size_t rows = static_cast<size_t>(a.q_tokens) * split.parts * a.shape.num_heads;
+  KeySplitLayout l;
+  l.counter = SummaryBytes(PartsArgs(a, split));
+  l.o = aligned(l.counter + kSchedulerCounterBytes);
+  l.lse = l.o + aligned(rows * a.shape.head_dim * sizeof(float));
+  l.total = l.lse + aligned(rows * sizeof(float));
+  return l;
+}
+
+// The parts in one launch, then merged exactly into the call's output (every query row is in
+// some slice: PlanKeySplit splits no other call).
+absl::Status RunKeySplit(const CudaAttentionArgs& a, const internal::KeySplit& split,
+                         void* workspace, cudaStream_t stream) {
+  const KeySplitLayout l = LayoutOf(a, split);
+  char* ws = static_cast<char*>(workspace);
+  CudaAttentionArgs b = PartsArgs(a, split);
+  b.o = ws + l.o;
+  b.lse = reinterpret_cast<float*>(ws + l.lse);
+  CPFILL_RETURN_IF_ERROR(internal::LaunchHopperAttention(
+      b, WorkingSlices(b), static_cast<KeyTileSummary*>(workspace),
+      reinterpret_cast<int32_t*>(ws + l.counter), stream, split.out_rows));
+  const size_t heads = static_cast<size_t>(a.q_tokens) * a.shape.num_heads;
+  std::vector<const float*> os, ls;
+  for (int p = 0; p < split.parts; ++p) {
+    os.push_back(static_cast<const float*>(b.o) + p * heads * a.shape.head_dim);
+    ls.push_back(b.lse + p * heads);
+  }
+  const bool bf16 = a.output == OutputMode::kBfloat16;
+  return MergePartialsCuda(a.shape, a.q_tokens, os, ls, bf16 ? nullptr : static_cast<float*>(a.o),
+                           bf16 ? static_cast<__nv_bfloat16*>(a.o) : nullptr, a.lse, stream);
+}
+#endif
+
 }  // namespace
 
 bool ReadsPagedPrefillInPlace(const AttentionShape& shape, const PagedKv& paged) {
@@ -195,6 +265,16 @@ bool PagedPrefillOnHopper(const CudaAttentionArgs& a) {
 
 bool SupportedHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
+namespace internal {
+bool SplitsKeys(const CudaAttentionArgs& a) {
+#ifdef CPFILL_HAVE_HOPPER_KERNEL
+  return !DecodeAttentionApplies(a) && KeySplitOf(a).parts > 1;
+#else
+  return false;
+#endif
+}
+}  // namespace internal
+
 const char* AttentionKernelName() {
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
   if (internal::HopperKernelOnThisDevice()) return "hopper-wgmma";
@@ -213,6 +293,11 @@ int DeviceCount() {
 
 size_t AttentionWorkspaceBytes(const CudaAttentionArgs& args) {
   if (internal::DecodeAttentionApplies(args)) return internal::DecodeWorkspaceBytes(args);
+#ifdef CPFILL_HAVE_HOPPER_KERNEL
+  if (const internal::KeySplit split = KeySplitOf(args); split.parts > 1) {
+    return LayoutOf(args, split).total;
+  }
+#endif
   const size_t summaries = SummaryBytes(args);
   return summaries == 0 ? 0 : summaries + kSchedulerCounterBytes;
 }
@@ -292,6 +377,9 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
   // Hopper: the wgmma/TMA kernel (its 128-key tiles need fewer summaries than reserved here).
   if (internal::HopperAttentionUsable(a)) {
+    if (const internal::KeySplit split = KeySplitOf(a); split.parts > 1) {
+      return RunKeySplit(a, split, workspace, stream);
+    }
     // The counter is the workspace's last bytes (AttentionWorkspaceBytes).
     int32_t* item_counter =
         reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + need - kSchedulerCounterBytes);
@@ -355,8 +443,8 @@ absl::Status MergePartialsCuda(const AttentionShape& shape, int64_t rows,
   p.o_out_bf16 = o_out_bf16;
   p.lse_out = lse_out;
   const int64_t threads = p.rows_heads * (shape.head_dim / 4);
-  MergeKernel<<<static_cast<int>((threads + 255) / 256), 256, 0, stream>>>(p);
-  CPFILL_CUDA_CHECK(cudaGetLastError());
+  CPFILL_CUDA_CHECK(internal::LaunchAsDependent(
+      MergeKernel, dim3(static_cast<unsigned>((threads + 255) / 256)), dim3(256), 0, stream, p));
   return absl::OkStatus();
 }
 

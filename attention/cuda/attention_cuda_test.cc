@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "attention/attention.h"
 #include "attention/cuda/attention_decode.h"
+#include "attention/cuda/key_split.h"
 #include "attention/reference.h"
 #include "base/knobs.h"
 #include "gtest/gtest.h"
@@ -539,6 +540,49 @@ TEST(CudaAttentionLarge, LongCausalSequenceAndManySlices) {
   c.q_tokens = c.q_pos.size();
   c.kv_tokens = c.k_pos.size();
   CheckCase(c, 22);
+}
+
+// ---- key split: few query tiles over long keys (key_split.h) ----------------------------
+
+// One slice per (queries, keys) sequence: the queries at the last q_len key positions (a suffix
+// after its prefix), every 29th key padding.
+Case SuffixCase(std::string name, int heads, int kv_heads, int dim, bool causal,
+                const std::vector<std::pair<int64_t, int64_t>>& seqs) {
+  Case c{
+      .name = std::move(name), .heads = heads, .kv_heads = kv_heads, .dim = dim, .causal = causal};
+  for (auto [nq, nk] : seqs) {
+    c.slices.push_back(
+        {static_cast<int64_t>(c.q_pos.size()), nq, static_cast<int64_t>(c.k_pos.size()), nk});
+    AppendRun(c.q_pos, static_cast<int32_t>(nk - nq), nq);
+    for (int64_t i = 0; i < nk; ++i) c.k_pos.push_back(i % 29 == 3 ? -1 : static_cast<int32_t>(i));
+  }
+  c.q_tokens = c.q_pos.size();
+  c.kv_tokens = c.k_pos.size();
+  return c;
+}
+
+TEST(CudaKeySplitAttention, ShortSuffixesAfterLongPrefixesMatchTheReference) {
+  int sms = 0;
+  ASSERT_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  // On the Hopper kernel (unless CPFILL_ATTENTION_KEY_SPLIT=off) these calls run in parts.
+  const bool splits = std::string(AttentionKernelName()) == "hopper-wgmma" &&
+                      knobs::Choice(knobs::kAttentionKeySplit) != "off";
+  const Case cases[] = {
+      SuffixCase("8:1, 256 after 4K", 8, 1, 128, true, {{256, 4352}}),
+      SuffixCase("32:8, three sequences", 32, 8, 128, true, {{100, 3000}, {17, 700}, {5, 1041}}),
+      SuffixCase("16:1 d64, not causal", 16, 1, 64, false, {{130, 5000}})};
+  uint64_t seed = 81;
+  for (const Case& c : cases) {
+    const CudaAttentionArgs a{.shape = ShapeOf(c),
+                              .q_tokens = c.q_tokens,
+                              .slices = c.slices.data(),
+                              .num_slices = static_cast<int64_t>(c.slices.size())};
+    const int parts = internal::PlanKeySplit(a, sms).parts;
+    if (splits) {
+      EXPECT_GT(parts, 1) << c.name;
+    }
+    CheckCase(c, seed++);
+  }
 }
 
 // ---- decode: the split-KV kernel (attention_decode.h) -----------------------------------

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/attention_decode.h"
 #include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/pdl.cuh"
 #include "attention/online_softmax.h"
 #include "base/knobs.h"
 #include "base/status.h"
@@ -232,11 +233,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   unsigned char* s_stages = smem + Cfg::kQBytes;
   __shared__ float s_m[kDecodeWarps][16], s_l[kDecodeWarps][16];
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // The combine kernel may be placed once every CTA of this grid has started (it waits for
   // this grid's end before reading): with one wave that takes no slot a split CTA needs.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  LetDependentsLaunch();
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group_id = lane >> 2, tig = lane & 3;
   const DecodeSlice sl = p.slices[FindSlice<&DecodeSlice::item_start>(p, blockIdx.x)];
@@ -443,9 +442,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float s_lse[kMaxSplits];
   __shared__ float s_wsum[kGroups];
   __shared__ float s_max[kCombineThreads / 32];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  WaitForPrecedingGrids();
   const int pair = static_cast<int>(blockIdx.x) / kParts, part = blockIdx.x % kParts;
   const DecodeSlice sl = p.slices[FindSlice<&DecodeSlice::pair_start>(p, pair)];
   const int local = pair - sl.pair_start;
@@ -638,16 +635,8 @@ template <int kDim, int kSlices, int kParts>
 absl::Status LaunchCombine(const DecodeParams<kSlices>& p, int32_t pairs, cudaStream_t stream) {
   // The combine as a programmatic dependent launch: its CTAs are placed once every split CTA
   // has started (the split kernel triggers at its start), hiding the launch gap.
-  cudaLaunchAttribute pdl{};
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(pairs * kParts);
-  cfg.blockDim = dim3(kCombineThreads);
-  cfg.stream = stream;
-  cfg.attrs = &pdl;
-  cfg.numAttrs = 1;
-  CPFILL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, DecodeCombineKernel<kDim, kSlices, kParts>, p));
+  CPFILL_CUDA_CHECK(LaunchAsDependent(DecodeCombineKernel<kDim, kSlices, kParts>,
+                                      dim3(pairs * kParts), dim3(kCombineThreads), 0, stream, p));
   return absl::OkStatus();
 }
 

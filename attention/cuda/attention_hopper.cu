@@ -16,6 +16,7 @@
 #include "attention/cuda/hopper_kernel.cuh"
 #include "attention/cuda/hopper_params.h"
 #include "attention/cuda/hopper_tile_scheduler.cuh"
+#include "attention/cuda/pdl.cuh"
 #include "base/knobs.h"
 #include "base/status.h"
 
@@ -144,8 +145,8 @@ absl::Status LaunchShape(const HopperParams& params, int num_ctas, cudaStream_t 
   static const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   CPFILL_CUDA_CHECK(attr);
-  kernel<<<num_ctas, kHopperThreads, Cfg::kSmemBytes, stream>>>(params);
-  CPFILL_CUDA_CHECK(cudaGetLastError());
+  CPFILL_CUDA_CHECK(LaunchAsDependent(kernel, dim3(num_ctas), dim3(kHopperThreads), Cfg::kSmemBytes,
+                                      stream, params));
   return absl::OkStatus();
 }
 
@@ -181,7 +182,7 @@ bool HopperAttentionUsable(const CudaAttentionArgs& a) {
 
 absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const int64_t> work,
                                    KeyTileSummary* summaries, int32_t* item_counter,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, std::span<const int64_t> out_rows) {
   const std::vector<int64_t> order = LongestSlicesFirst(a.slices, work);
   const std::span<const int64_t> sorted(order);
   const HopperKnobs& settings = Knobs();
@@ -193,7 +194,7 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
     LaunchExtent extent;
     CPFILL_RETURN_IF_ERROR(PrepareLaunch(a, sorted.subspan(first, count), kHopperBlockM,
                                          kHopperBlockN, summaries + summary_offset, &p, p.slices,
-                                         &extent));
+                                         &extent, out_rows));
     p.item_counter = settings.dynamic_schedule ? item_counter : nullptr;
     if (a.paged != nullptr) CPFILL_RETURN_IF_ERROR(SetPagedPools(a, &p));
     for (size_t i = 0; i < count; ++i) {
@@ -209,10 +210,10 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
     }
     const int64_t q_tiles = extent.q_tiles, k_tiles = extent.k_tiles;
     static_assert(kMaxHopperSlices <= kMaxSlicesPerLaunch, "the pre-pass holds every slice");
-    KeyTileSummaryKernel<<<SummaryCtas(k_tiles), kSummaryThreads, 0, stream>>>(
-        SummaryParamsOf(p, p.slices), static_cast<int>(k_tiles), summaries + summary_offset,
-        p.item_counter);
-    CPFILL_CUDA_CHECK(cudaGetLastError());
+    CPFILL_CUDA_CHECK(
+        LaunchAsDependent(KeyTileSummaryKernel<SummaryParams>, dim3(SummaryCtas(k_tiles)),
+                          dim3(kSummaryThreads), 0, stream, SummaryParamsOf(p, p.slices),
+                          static_cast<int>(k_tiles), summaries + summary_offset, p.item_counter));
     p.num_q_tiles = static_cast<int32_t>(q_tiles);
     const int64_t items = q_tiles * a.shape.num_kv_heads;
     CPFILL_CHECK_ARG(items <= INT32_MAX, "one launch of ", items, " work items is too many");

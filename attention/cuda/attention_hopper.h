@@ -24,9 +24,10 @@ bool HopperReadsPagedKv(const PagedKv& paged);
 
 // Launches the key-tile pre-pass and the Hopper kernel over the slices `work` (indices into
 // a.slices, each with work to do). `summaries` holds at least one entry per 128 keys of each;
-// `item_counter` is one int of device memory for the work-item scheduler.
+// `item_counter` is one int of device memory for the work-item scheduler. out_rows: each
+// slice's output row (indexed as a.slices; empty: its q_begin), for the parts of a key split.
 absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const int64_t> work,
                                    KeyTileSummary* summaries, int32_t* item_counter,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream, std::span<const int64_t> out_rows = {});
 
 }  // namespace cpfill::attention::cuda::internal

@@ -31,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/attention_cuda.h"
+#include "attention/cuda/pdl.cuh"
 
 namespace cpfill::attention::cuda::internal {
 
@@ -42,6 +43,9 @@ struct SliceDesc {
   int32_t q_tile_start;  // first CTA (blockIdx.x) of this slice
   int32_t k_tile_start;  // first entry of this slice in the key-tile summaries
   int32_t table_begin;   // paged K/V (the Hopper kernel): the slice's first block-table entry
+  // Output row of the slice's first query: q_begin, unless the call's keys are split and this
+  // part's (O, LSE) go to a partial buffer of its own (key_split.h).
+  int64_t o_begin;
 };
 
 // Per key tile: smallest and largest valid key position, whether any key in the tile is
@@ -87,10 +91,12 @@ struct LaunchExtent {
 
 // Fills a launch's common fields and its slice table from the slices `work` (indices into
 // a.slices): each slice's first CTA (query tiles of block_m folded rows) and first key-tile
-// summary (tiles of block_n keys). InvalidArgument when the query tiles exceed one launch.
+// summary (tiles of block_n keys); its output rows from out_rows (indexed as a.slices), or at its
+// query rows where that is empty. InvalidArgument when the query tiles exceed one launch.
 inline absl::Status PrepareLaunch(const CudaAttentionArgs& a, std::span<const int64_t> work,
                                   int block_m, int block_n, const KeyTileSummary* summaries,
-                                  LaunchCommon* c, SliceDesc* slices, LaunchExtent* extent) {
+                                  LaunchCommon* c, SliceDesc* slices, LaunchExtent* extent,
+                                  std::span<const int64_t> out_rows = {}) {
   const int group = a.shape.group_size();
   c->q = a.q;
   c->q_pos = a.q_pos;
@@ -118,7 +124,8 @@ inline absl::Status PrepareLaunch(const CudaAttentionArgs& a, std::span<const in
                   s.kv_len,
                   static_cast<int32_t>(extent->q_tiles),
                   static_cast<int32_t>(extent->k_tiles),
-                  static_cast<int32_t>(a.paged == nullptr ? 0 : a.paged->TableBegin(s.kv_begin))};
+                  static_cast<int32_t>(a.paged == nullptr ? 0 : a.paged->TableBegin(s.kv_begin)),
+                  out_rows.empty() ? s.q_begin : out_rows[work[i]]};
     extent->q_tiles += (s.q_len * group + block_m - 1) / block_m;
     extent->k_tiles += (s.kv_len + block_n - 1) / block_n;
   }
@@ -221,6 +228,10 @@ template <typename Params>
 __global__ void __launch_bounds__(kSummaryThreads)
     KeyTileSummaryKernel(const __grid_constant__ Params p, int total_k_tiles, KeyTileSummary* out,
                          int32_t* item_counter) {
+  // Launched as a dependent on the Hopper path: the kernel before it may still read the counter
+  // and the positions; the Hopper kernel after it is placed as soon as this grid has started.
+  WaitForPrecedingGrids();
+  LetDependentsLaunch();
   const int lane = threadIdx.x % 32;
   const int tile = blockIdx.x * kSummaryTilesPerCta + threadIdx.x / 32;
   // The persistent Hopper kernel's scheduler counter, reset here: this pre-pass runs just
@@ -316,8 +327,8 @@ struct EpilogueTarget {
 // running max of the raw scores, l_row this thread's part of the row sum (reduced over the quad
 // here). The quad's four threads must all call it.
 template <int kDim>
-__device__ __forceinline__ void StoreRows16(const EpilogueTarget& t, int kv_head,
-                                            int64_t q_begin, int64_t slice_rows, int64_t row16,
+__device__ __forceinline__ void StoreRows16(const EpilogueTarget& t, int kv_head, int64_t o_begin,
+                                            int64_t slice_rows, int64_t row16,
                                             const float (&o_acc)[kDim / 8][4],
                                             const float (&m_row)[2], const float (&l_row)[2],
                                             int lane) {
@@ -334,7 +345,7 @@ __device__ __forceinline__ void StoreRows16(const EpilogueTarget& t, int kv_head
     row_in[h] = row < slice_rows;
     const int64_t tok = row_in[h] ? row / t.group : 0;
     const int g = row_in[h] ? static_cast<int>(row % t.group) : 0;
-    o_row_off[h] = (q_begin + tok) * t.num_heads + kv_head * t.group + g;  // rows of kDim
+    o_row_off[h] = (o_begin + tok) * t.num_heads + kv_head * t.group + g;  // rows of kDim
     const bool empty = l == 0.f;
     row_lse[h] = empty ? -INFINITY : (m_row[h] * t.scale_log2 + __log2f(l)) * kLn2;
     inv_l[h] = empty ? 0.f : 1.f / l;
@@ -443,7 +454,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
   // What the epilogue needs about the slice, parked in shared memory across the key loop.
   __shared__ int64_t s_epilogue[3];
   if (tid == 0) {
-    s_epilogue[0] = sl.q_begin;
+    s_epilogue[0] = sl.o_begin;
     s_epilogue[1] = slice_rows;
     s_epilogue[2] = row0;
   }

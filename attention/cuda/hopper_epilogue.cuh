@@ -26,7 +26,7 @@ __device__ __forceinline__ void StoreItemRows(const HopperParams& p, int kv_head
                                               const float (&m_row)[2], const float (&l_row)[2],
                                               int lane) {
   const EpilogueTarget target{p.o, p.lse, p.num_heads, p.group, p.out_mode, p.scale_log2};
-  StoreRows16<kDim>(target, kv_head, sl.q_begin, slice_rows, row16, o_acc, m_row, l_row, lane);
+  StoreRows16<kDim>(target, kv_head, sl.o_begin, slice_rows, row16, o_acc, m_row, l_row, lane);
 }
 
 }  // namespace cpfill::attention::cuda::internal

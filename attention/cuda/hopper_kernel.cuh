@@ -61,6 +61,11 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   const int num_items = p.num_q_tiles * p.num_kv_heads;
 
   if (threadIdx.x == 0) sm.InitBarriers();
+  // Launched as a dependent of the key-tile pre-pass (pdl.cuh): the barriers are set up while it
+  // runs; nothing global is read before it has finished. What follows (a merge of key parts) may
+  // be placed as soon as this grid has started.
+  WaitForPrecedingGrids();
+  LetDependentsLaunch();
   __syncthreads();
 
   if (warpgroup == 0) {

@@ -1,6 +1,7 @@
 #include <cstdint>
 
 #include "attention/cuda/paged_gather.h"
+#include "attention/cuda/pdl.cuh"
 #include "base/status.h"
 
 namespace cpfill::attention::cuda {
@@ -16,6 +17,8 @@ constexpr int64_t kVectorsPerCta = kGatherThreads * kVectorsPerThread;
 // are contiguous in the block and in the output alike. Part 0 also copies the positions. One CTA
 // a copy left a short step's gather to a few dozen CTAs: 30 µs for 5 MiB on an H100.
 __global__ void __launch_bounds__(kGatherThreads) GatherPagedRowsKernel(PagedGatherLaunch g) {
+  // The attention's pre-pass after it may be placed now: it waits for this grid's rows.
+  internal::LetDependentsLaunch();
   const PagedGather::Copy c = g.copies[blockIdx.x];
   const int64_t vectors = c.rows * g.row_bytes / 16;
   const int64_t first = blockIdx.y * kVectorsPerCta;

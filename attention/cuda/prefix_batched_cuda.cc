@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attention/cuda/attention_decode.h"
+#include "attention/cuda/key_split.h"
 #include "attention/cuda/paged_gather.h"
 #include "base/knobs.h"
 #include "base/status.h"
@@ -212,9 +213,13 @@ struct RootPlan {
 };
 
 RootPlan PlanRoot(const CudaAttentionArgs& args, std::span<const SequenceSlice> root) {
+  static const bool forced_split = knobs::Choice(knobs::kPrefixRoot) == "split";
   if (RootOnDecodeKernel(args, root)) return {.way = RootPlan::kDecode};
-  // A level of at most 4 rows per slice goes to the decode kernel through the plain launch.
-  if (internal::DecodeAttentionApplies(LevelArgs(args, root, OutputMode::kFloat32))) return {};
+  // A level of at most 4 rows per slice goes to the decode kernel through the plain launch, and
+  // one the plain launch splits along its keys itself (key_split.h: the queries read in place,
+  // not copied per split) goes there too.
+  const CudaAttentionArgs a = LevelArgs(args, root, OutputMode::kFloat32);
+  if (internal::DecodeAttentionApplies(a) || (!forced_split && internal::SplitsKeys(a))) return {};
   const int splits = RootSplits(args, root);
   return splits > 1 ? RootPlan{.way = RootPlan::kSplit, .splits = splits} : RootPlan{};
 }

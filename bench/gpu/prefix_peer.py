@@ -13,7 +13,7 @@ prefix's K/V rotates over copies that together exceed 256 MiB):
 Writes one JSON object a line to stdout: {impl, mode, heads, kv_heads, prefix, suffix, batch,
 us} or {..., error}.
 
-    python3 bench/gpu/prefix_peer.py [--quick]
+    python3 bench/gpu/prefix_peer.py [--quick] [--decode | --suffix]   (one mode: that one only)
 """
 import json
 import os
@@ -31,14 +31,14 @@ PAGE = 256
 ROTATE_BYTES = 256 << 20
 
 
-def grid(quick):
+def grid(quick, modes):
     prefixes = [4096] if quick else [1024, 4096, 16384, 65536]
     for heads, kv_heads in ((8, 1), (32, 8)):
         for p in prefixes:
-            for suffix in (1, 2048):
+            for suffix in (1, 2048) if "decode" in modes else ():
                 for b in (1, 8, 32, 64, 256):
                     yield "decode", heads, kv_heads, p, suffix, b
-            for suffix in (256, 2048):
+            for suffix in (256, 2048) if "suffix" in modes else ():
                 for b in (1, 8, 32, 256):
                     if b * suffix <= 65536:
                         yield "suffix", heads, kv_heads, p, suffix, b
@@ -92,13 +92,14 @@ def cudnn_fn(heads, kv_heads, p, suffix, b):
 
 def main():
     quick = "--quick" in sys.argv
+    modes = [m for m in ("decode", "suffix") if f"--{m}" in sys.argv] or ["decode", "suffix"]
     try:
         import fa3_fwd_interface
         fa3 = fa3_fwd_interface.flash_attn_with_kvcache
     except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
         fa3 = None
         print(json.dumps({"impl": "fa3", "error": f"{type(e).__name__}: {e}"[:200]}), flush=True)
-    for mode, heads, kv_heads, p, suffix, b in grid(quick):
+    for mode, heads, kv_heads, p, suffix, b in grid(quick, modes):
         base = {"mode": mode, "heads": heads, "kv_heads": kv_heads, "prefix": p,
                 "suffix": suffix, "batch": b}
         peers = [("fa3", lambda: fa3_fn(fa3, mode, heads, kv_heads, p, suffix, b)),

@@ -1,0 +1,110 @@
+// PlanKeySplit on the host (no GPU needed): which calls split, into how many parts, and that the
+// parts' slices cover each slice's keys exactly, in whole 128-key tiles, none empty.
+#include "attention/cuda/key_split.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace cpfill::attention::cuda::internal {
+namespace {
+
+constexpr int kH100Sms = 132;
+
+struct Call {
+  std::vector<SequenceSlice> slices;
+  CudaAttentionArgs args;
+};
+
+// `seqs` of (queries, keys): each sequence's queries and keys back to back.
+Call MakeCall(int heads, int kv_heads, const std::vector<std::pair<int64_t, int64_t>>& seqs) {
+  Call c;
+  int64_t q = 0, kv = 0;
+  for (auto [nq, nk] : seqs) {
+    c.slices.push_back({.q_begin = q, .q_len = nq, .kv_begin = kv, .kv_len = nk});
+    q += nq;
+    kv += nk;
+  }
+  c.args.shape = {.num_heads = heads,
+                  .num_kv_heads = kv_heads,
+                  .head_dim = 128,
+                  .softmax_scale = 0.1f,
+                  .causal = true};
+  c.args.q_tokens = q;
+  c.args.kv_tokens = kv;
+  c.args.slices = c.slices.data();
+  c.args.num_slices = static_cast<int64_t>(c.slices.size());
+  return c;
+}
+
+// Every part holds a non-empty, tile-aligned share of each slice's keys, the shares of a slice
+// tile its keys in order, and each part's rows land at part * q_tokens + q_begin.
+void ExpectPartsCoverTheKeys(const Call& c, const KeySplit& split) {
+  const size_t n = c.slices.size();
+  ASSERT_EQ(split.slices.size(), n * split.parts);
+  ASSERT_EQ(split.out_rows.size(), split.slices.size());
+  for (size_t i = 0; i < n; ++i) {
+    int64_t next = c.slices[i].kv_begin;
+    for (int p = 0; p < split.parts; ++p) {
+      const SequenceSlice& s = split.slices[p * n + i];
+      EXPECT_EQ(s.q_begin, c.slices[i].q_begin);
+      EXPECT_EQ(s.q_len, c.slices[i].q_len);
+      EXPECT_EQ(s.kv_begin, next) << "slice " << i << " part " << p;
+      EXPECT_GT(s.kv_len, 0) << "slice " << i << " part " << p;
+      EXPECT_EQ((s.kv_begin - c.slices[i].kv_begin) % 128, 0);
+      EXPECT_EQ(split.out_rows[p * n + i], p * c.args.q_tokens + c.slices[i].q_begin);
+      next = s.kv_begin + s.kv_len;
+    }
+    EXPECT_EQ(next, c.slices[i].kv_begin + c.slices[i].kv_len) << "slice " << i;
+  }
+}
+
+TEST(KeySplit, ShortSuffixAfterLongPrefixFillsTheGpu) {
+  // 256 queries after 4K at 8:1: 16 items; 8 parts make 128 of 132 SMs.
+  const Call a = MakeCall(8, 1, {{256, 4352}});
+  const KeySplit split = PlanKeySplit(a.args, kH100Sms);
+  EXPECT_EQ(split.parts, 8);
+  ExpectPartsCoverTheKeys(a, split);
+  // 32:8 after 1K: 64 items, two parts.
+  const Call b = MakeCall(32, 8, {{256, 1280}});
+  EXPECT_EQ(PlanKeySplit(b.args, kH100Sms).parts, 2);
+  ExpectPartsCoverTheKeys(b, PlanKeySplit(b.args, kH100Sms));
+}
+
+TEST(KeySplit, SeveralSequencesShareTheParts) {
+  // 10 items at 8:1; keys of 3000, 700 (6 tiles: at most 3 parts of 2) and 1024 + 17.
+  const Call c = MakeCall(8, 1, {{100, 3000}, {17, 700}, {5, 1041}});
+  const KeySplit split = PlanKeySplit(c.args, kH100Sms);
+  EXPECT_EQ(split.parts, 3);
+  ExpectPartsCoverTheKeys(c, split);
+}
+
+TEST(KeySplit, CallsThatStayWhole) {
+  // Enough items for half the GPU.
+  EXPECT_EQ(
+      PlanKeySplit(
+          MakeCall(8, 1, {{2048, 4096}, {2048, 4096}, {2048, 4096}, {2048, 4096}, {2048, 4096}})
+              .args,
+          kH100Sms)
+          .parts,
+      1);
+  // Too few keys for two parts of two tiles.
+  EXPECT_EQ(PlanKeySplit(MakeCall(8, 1, {{256, 300}}).args, kH100Sms).parts, 1);
+  Call c = MakeCall(8, 1, {{256, 4352}});
+  // The running merge cannot take the parts' merge in place.
+  c.args.output = OutputMode::kMergeIntoFloat32;
+  EXPECT_EQ(PlanKeySplit(c.args, kH100Sms).parts, 1);
+  c.args.output = OutputMode::kFloat32;
+  EXPECT_GT(PlanKeySplit(c.args, kH100Sms).parts, 1);
+  // A query row in no slice: the merge would overwrite its empty row.
+  c.args.q_tokens += 1;
+  EXPECT_EQ(PlanKeySplit(c.args, kH100Sms).parts, 1);
+  c.args.q_tokens -= 1;
+  // Paged K/V stays whole (the parts would need block-aligned key ranges).
+  const PagedKv paged;
+  c.args.paged = &paged;
+  EXPECT_EQ(PlanKeySplit(c.args, kH100Sms).parts, 1);
+}
+
+}  // namespace
+}  // namespace cpfill::attention::cuda::internal
