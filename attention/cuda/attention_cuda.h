@@ -74,7 +74,8 @@ AttentionParams ShapeView(const CudaAttentionArgs& a);
 bool SupportedHeadDim(int head_dim);
 
 // Device workspace the launch needs (per-key-tile position summaries and the Hopper kernel's
-// work-item counter); 0 when no slice has work.
+// work-item counter; where the call runs its keys in parts, key_split.h, their fp32 partials
+// too); 0 when no slice has work.
 size_t AttentionWorkspaceBytes(const CudaAttentionArgs& args);
 
 // InvalidArgument for bad shapes, unsupported head dims, slices out of range or overlapping in
