@@ -172,21 +172,15 @@ size_t SummaryBytes(const CudaAttentionArgs& args) {
 }
 inline constexpr size_t kSchedulerCounterBytes = 16;
 
-#ifdef CPFILL_HAVE_HOPPER_KERNEL
-int DeviceSms() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  return sms;
-}
-
-// A call that runs its keys in parts (key_split.h) on the Hopper kernel, else parts 1.
+// The key split PartialAttentionCuda runs `a` with (key_split.h): on the Hopper kernel, for a
+// call the decode kernel does not take; elsewhere parts 1.
 internal::KeySplit KeySplitOf(const CudaAttentionArgs& a) {
-  if (!internal::HopperAttentionUsable(a)) return {};
-  return internal::PlanKeySplit(a, DeviceSms());
+#ifdef CPFILL_HAVE_HOPPER_KERNEL
+  if (!internal::DecodeAttentionApplies(a) && internal::HopperAttentionUsable(a)) {
+    return internal::PlanKeySplit(a, internal::SmCount());
+  }
+#endif
+  return {};
 }
 
 // The parts' call: `a` over the split's slices, fp32 into the parts' buffer.
@@ -215,6 +209,15 @@ KeySplitLayout LayoutOf(const CudaAttentionArgs& a, const internal::KeySplit& sp
   return l;
 }
 
+// AttentionWorkspaceBytes for `args` run with `split` (KeySplitOf(args)).
+size_t WorkspaceBytes(const CudaAttentionArgs& args, const internal::KeySplit& split) {
+  if (internal::DecodeAttentionApplies(args)) return internal::DecodeWorkspaceBytes(args);
+  if (split.parts > 1) return LayoutOf(args, split).total;
+  const size_t summaries = SummaryBytes(args);
+  return summaries == 0 ? 0 : summaries + kSchedulerCounterBytes;
+}
+
+#ifdef CPFILL_HAVE_HOPPER_KERNEL
 // The parts in one launch, then merged exactly into the call's output (every query row is in
 // some slice: PlanKeySplit splits no other call).
 absl::Status RunKeySplit(const CudaAttentionArgs& a, const internal::KeySplit& split,
@@ -266,13 +269,7 @@ bool PagedPrefillOnHopper(const CudaAttentionArgs& a) {
 bool SupportedHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 namespace internal {
-bool SplitsKeys(const CudaAttentionArgs& a) {
-#ifdef CPFILL_HAVE_HOPPER_KERNEL
-  return !DecodeAttentionApplies(a) && KeySplitOf(a).parts > 1;
-#else
-  return false;
-#endif
-}
+bool SplitsKeys(const CudaAttentionArgs& a) { return KeySplitOf(a).parts > 1; }
 }  // namespace internal
 
 const char* AttentionKernelName() {
@@ -292,14 +289,7 @@ int DeviceCount() {
 }
 
 size_t AttentionWorkspaceBytes(const CudaAttentionArgs& args) {
-  if (internal::DecodeAttentionApplies(args)) return internal::DecodeWorkspaceBytes(args);
-#ifdef CPFILL_HAVE_HOPPER_KERNEL
-  if (const internal::KeySplit split = KeySplitOf(args); split.parts > 1) {
-    return LayoutOf(args, split).total;
-  }
-#endif
-  const size_t summaries = SummaryBytes(args);
-  return summaries == 0 ? 0 : summaries + kSchedulerCounterBytes;
+  return WorkspaceBytes(args, KeySplitOf(args));
 }
 
 AttentionParams ShapeView(const CudaAttentionArgs& a) {
@@ -338,7 +328,8 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
         reinterpret_cast<uintptr_t>(a.q) % 16, ", ", reinterpret_cast<uintptr_t>(a.k) % 16, ", ",
         reinterpret_cast<uintptr_t>(a.v) % 16, ")");
   }
-  const size_t need = AttentionWorkspaceBytes(a);
+  const internal::KeySplit split = KeySplitOf(a);  // planned once: the workspace and the launch
+  const size_t need = WorkspaceBytes(a, split);
   CPFILL_CHECK_ARG(workspace_bytes >= need && (need == 0 || workspace != nullptr),
                    "CUDA attention: workspace of ", workspace_bytes, " bytes, ", need, " needed");
 
@@ -377,9 +368,7 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
   // Hopper: the wgmma/TMA kernel (its 128-key tiles need fewer summaries than reserved here).
   if (internal::HopperAttentionUsable(a)) {
-    if (const internal::KeySplit split = KeySplitOf(a); split.parts > 1) {
-      return RunKeySplit(a, split, workspace, stream);
-    }
+    if (split.parts > 1) return RunKeySplit(a, split, workspace, stream);
     // The counter is the workspace's last bytes (AttentionWorkspaceBytes).
     int32_t* item_counter =
         reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + need - kSchedulerCounterBytes);

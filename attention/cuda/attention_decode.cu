@@ -528,16 +528,6 @@ const SplitKernelInfo& SplitKernel() {
   return info;
 }
 
-int SmCount() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    sms = 1;
-  }
-  return sms;
-}
-
 // The split CTAs a launch aims at: one wave (fewer SMs while a communication kernel runs beside
 // it, as the Hopper kernel leaves them). Contiguous K/V aims at one CTA per SM: fewer, longer
 // splits, and an SM's two CTAs finished up to 2 µs after a lone one (1.3-7% faster on 10 of
@@ -695,6 +685,16 @@ absl::Status LaunchGroups(const DecodeCommon& common, std::span<const DecodeSlic
 }
 
 }  // namespace
+
+int SmCount() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    sms = 1;
+  }
+  return sms;
+}
 
 bool DecodeKernelCanRun(const CudaAttentionArgs& a) {
   static const bool enabled = knobs::Bool(knobs::kDecodeKernel);

@@ -51,6 +51,9 @@ bool PagedPrefillOnHopper(const CudaAttentionArgs& a);
 // decode rows this way).
 bool DecodeKernelCanRun(const CudaAttentionArgs& a);
 
+// SMs of the current device; 1 where they cannot be read (no device: the plans stay valid).
+int SmCount();
+
 // The workspace the decode launch needs: the per-split partial O (fp32) and LSE.
 size_t DecodeWorkspaceBytes(const CudaAttentionArgs& a);
 
