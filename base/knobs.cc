@@ -59,10 +59,10 @@ constexpr KnobSpec kKnobs[] = {
      "than their levels cost (auto: attention::kGpuTreeCosts), or wherever sequences share "
      "blocks (always: tests on small models, and measurement)"},
     {kPagedPrefill, KnobType::kChoice, "auto", "auto|in-place|gather",
-     "CUDA paged prefill steps over cached rows: gather the keys first where their copy fits in "
-     "memory and read the blocks in place (the Hopper kernel) where it does not (auto); always in "
-     "place where the GPU can (in-place: slower at 64-token blocks, bench/RESULTS.md); always "
-     "gathered, a batch whose copy does not fit refused (gather)"},
+     "CUDA paged prefill steps over cached rows: read the blocks in place (the Hopper kernel) "
+     "where the gather would cost more (short prefills after long cached keys) or its copy does "
+     "not fit in memory, else gather the keys first (auto); always in place where the GPU can "
+     "(in-place); always gathered, a batch whose copy does not fit refused (gather)"},
     {kRanksPerNode, KnobType::kInt, "0", "0..1000000",
      "ranks per emulated node when --ranks-per-node is not given (0: the ranks of each host)"},
     {kTestExitRank, KnobType::kInt, "-1", "-1..1000000",

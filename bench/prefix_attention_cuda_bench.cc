@@ -7,9 +7,9 @@
 //            (SharedBlocksAttentionCuda), or the plain paged launch where it finds none; roots
 //            of more than 128 packed rows gathered first (WideRootsAttentionCuda);
 //   suffix:  S queries per sequence (the prefill of its suffix after the cached prefix), causal:
-//            gathered, the shared blocks once (GatheredPagedAttentionCuda), or with
-//            CPFILL_PAGED_PREFILL=in-place read in place by the Hopper kernel
-//            (InPlacePagedAttentionCuda); one root over every sequence's queries on the prefill
+//            gathered, the shared blocks once (GatheredPagedAttentionCuda), or read in place by
+//            the Hopper kernel (InPlacePagedAttentionCuda) where the engine would
+//            (InPlaceBeatsGather); one root over every sequence's queries on the prefill
 //            kernels.
 // Each shape runs twice: "cpfill" with prefix batching (the engine's default), and "cpfill-flat"
 // with no roots, every sequence reading its own keys (a gathered suffix prefill then gathers
@@ -25,8 +25,11 @@
 //   build/bench/prefix_attention_cuda_bench --shape suffix:32:8:4096:256:1 [--shape ...]
 //                                            (mode:heads:kv_heads:prefix:suffix:batch, e.g. for
 //                                            ncu)
-//   --block-tokens N: the KV cache's blocks (default 64); CPFILL_PAGED_PREFILL=in-place: suffix
-//   prefills read the blocks in place (the Hopper kernel) instead of gathering them
+//   --block-tokens N: the KV cache's blocks (default 64); --shuffle-blocks: the blocks in a random
+//   order of the pool (a fragmented KV cache; default: in the order a fresh KV cache hands them
+//   out, consecutive); CPFILL_PAGED_PREFILL=in-place|gather: suffix prefills read the blocks in
+//   place (the Hopper kernel) or gather them, always (default auto: as the engine chooses, in
+//   place where the gather would cost more; "in_place" in each line says which ran)
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -36,6 +39,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -51,6 +55,9 @@ namespace {
 
 constexpr int kDim = 128;
 int block_tokens = 64;  // --block-tokens: the KV cache's (64, the engine's default)
+// --shuffle-blocks: the pool's blocks in a random order (a fragmented KV cache) instead of the
+// order a fresh KV cache hands them out in (lowest free block first: consecutive).
+bool shuffle_blocks = false;
 constexpr size_t kRotateBytes = size_t{256} << 20;
 
 struct Shape {
@@ -163,6 +170,14 @@ Layout MakeLayout(const Shape& s, int copies) {
       }
     }
   }
+  if (shuffle_blocks) {
+    std::vector<int32_t> perm(l.pool_blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937_64(l.pool_blocks));
+    for (auto& table : l.tables) {
+      for (int32_t& id : table) id = perm[id];
+    }
+  }
   const int64_t rows = s.mode == "decode" ? 1 : s.suffix;
   for (int64_t b = 0; b < s.batch; ++b) {
     l.seq_kv_begin.push_back(b * len);
@@ -174,17 +189,21 @@ Layout MakeLayout(const Shape& s, int copies) {
   return l;
 }
 
-// CPFILL_PAGED_PREFILL=in-place: suffix prefills read the blocks in place (the engine does where
-// their gathered copy would not fit, or always under the same knob).
+// CPFILL_PAGED_PREFILL as the engine reads it: "in-place" (always, where the Hopper kernel can),
+// "gather" (never), or "auto": in place where the gather would cost more (InPlaceBeatsGather).
 bool InPlaceAsked() {
   static const bool asked = knobs::Choice(knobs::kPagedPrefill) == "in-place";
+  return asked;
+}
+bool GatherAsked() {
+  static const bool asked = knobs::Choice(knobs::kPagedPrefill) == "gather";
   return asked;
 }
 
 // One step as CudaRingOps::Attend runs it, planned once (the engine plans a forward's steps once
 // for all its layers, and uploads a gathered step's copies once): roots where FindSharedBlocks
 // finds them (only with the host table) under the GPU's costs, else the plain launch; a prefill
-// step gathered.
+// step gathered, or read in place as the engine chooses (CudaRingOps::AttendGathered).
 struct PlannedStep {
   SharedBlockTree tree;
   PagedGather gather;
@@ -210,10 +229,12 @@ void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const i
                                    : RuleForStep(slices, {.min_saved_values = int64_t{1} << 62});
   p->tree = FindSharedBlocks(args.shape, slices, paged, rule);
   p->gathered = GathersPagedKv(slices);
-  p->in_place = p->gathered && InPlaceAsked() && ReadsPagedPrefillInPlace(args.shape, paged);
-  if (p->gathered && !p->in_place) {
+  if (p->gathered) {
     p->gather = PlanPagedGather(p->tree, paged, table);
-  } else if (!p->gathered) {
+    p->in_place = !GatherAsked() && ReadsPagedPrefillInPlace(args.shape, paged) &&
+                  (InPlaceAsked() || InPlaceBeatsGather(args.shape, p->gather, slices));
+    if (p->in_place) p->gather = {};
+  } else {
     p->wide = PlanWideRoots(args.shape, p->tree, paged, table, WideRootRuleOf(args.shape));
   }
   p->plan_us =
@@ -361,9 +382,9 @@ void Run(const Shape& s, double copy_gbps) {
     std::printf(
         "{\"impl\":\"%s\",\"mode\":\"%s\",\"heads\":%d,\"kv_heads\":%d,\"prefix\":%ld,"
         "\"suffix\":%ld,\"batch\":%ld,\"us\":%.2f,\"floor_us\":%.2f,\"roots\":%ld,"
-        "\"plan_us\":%.1f}\n",
+        "\"in_place\":%s,\"plan_us\":%.1f}\n",
         impl, s.mode.c_str(), s.heads, s.kv_heads, s.prefix, s.suffix, s.batch, us, floor_us,
-        steps[0].tree.counts.roots, steps[0].plan_us);
+        steps[0].tree.counts.roots, steps[0].in_place ? "true" : "false", steps[0].plan_us);
     std::fflush(stdout);
   }
 }
@@ -422,6 +443,8 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--block-tokens") == 0 && i + 1 < argc &&
                std::atoi(argv[i + 1]) >= 16) {
       block_tokens = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--shuffle-blocks") == 0) {
+      shuffle_blocks = true;
     } else {
       ok = false;
     }
@@ -437,7 +460,7 @@ int main(int argc, char** argv) {
   if (!ok) {
     std::fprintf(stderr,
                  "usage: prefix_attention_cuda_bench [--quick] [--block-tokens N] "
-                 "[--shape mode:heads:kv_heads:prefix:suffix:batch ...]\n"
+                 "[--shuffle-blocks] [--shape mode:heads:kv_heads:prefix:suffix:batch ...]\n"
                  "  mode decode|suffix, every prefix a multiple of the block tokens (%d)\n",
                  block_tokens);
     return 2;

@@ -173,10 +173,11 @@ size_t SummaryBytes(const CudaAttentionArgs& args) {
 inline constexpr size_t kSchedulerCounterBytes = 16;
 
 // The key split PartialAttentionCuda runs `a` with (key_split.h): on the Hopper kernel, for a
-// call the decode kernel does not take; elsewhere parts 1.
+// call the decode kernel does not take (with paged K/V, one it reads in place); elsewhere parts 1.
 internal::KeySplit KeySplitOf(const CudaAttentionArgs& a) {
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
-  if (!internal::DecodeAttentionApplies(a) && internal::HopperAttentionUsable(a)) {
+  if (!internal::DecodeAttentionApplies(a) && internal::HopperAttentionUsable(a) &&
+      (a.paged == nullptr || internal::PagedPrefillOnHopper(a))) {
     return internal::PlanKeySplit(a, internal::SmCount());
   }
 #endif
@@ -247,7 +248,7 @@ absl::Status RunKeySplit(const CudaAttentionArgs& a, const internal::KeySplit& s
 bool ReadsPagedPrefillInPlace(const AttentionShape& shape, const PagedKv& paged) {
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
   return internal::HopperKernelOnThisDevice() && SupportedHeadDim(shape.head_dim) &&
-         internal::HopperReadsPagedKv(paged);
+         internal::HopperReadsPagedKv(shape, paged);
 #else
   return false;
 #endif

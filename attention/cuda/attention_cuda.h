@@ -100,7 +100,8 @@ const char* AttentionKernelName();
 
 // True when PartialAttentionCuda reads paged K/V of this shape and layout in place for query
 // rows of a prefill (the Hopper kernel through tensor maps over the pools: compute capability
-// 9.0, head dim 64 or 128, `host_table` given, blocks of a multiple of 32 tokens). Elsewhere only
+// 9.0, head dim 64 or 128, `host_table` given, blocks of a multiple of 32 tokens whose stride is
+// their rows, as in the KV cache). Elsewhere only
 // the decode kernel reads paged K/V, and a prefill step gathers its keys first.
 bool ReadsPagedPrefillInPlace(const AttentionShape& shape, const PagedKv& paged);
 

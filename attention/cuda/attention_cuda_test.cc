@@ -145,7 +145,9 @@ void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<floa
               const std::vector<float>* running_lse = nullptr, const PagedPool* pool = nullptr);
 
 // K/V as a KV cache holds them: each sequence's rows (the distinct kv_begin of the case's
-// slices) in shuffled blocks of `block_tokens` rows of a pool whose every other row is NaN.
+// slices) in shuffled blocks of `block_tokens` rows of a pool whose every other row is NaN; with
+// `in_order`, in blocks handed out in pool order after three spare ones (consecutive blocks: the
+// Hopper kernel's whole-tile loads).
 struct PagedPool {
   int block_tokens = 0;
   bool host_table = false;  // give the table in host memory too (the Hopper kernel's condition)
@@ -155,7 +157,8 @@ struct PagedPool {
   std::vector<int64_t> seq_kv_begin, seq_table_begin;
 };
 
-PagedPool MakePagedPool(const Case& c, const Inputs& in, int block_tokens, uint64_t seed) {
+PagedPool MakePagedPool(const Case& c, const Inputs& in, int block_tokens, uint64_t seed,
+                        bool in_order = false) {
   PagedPool pool{.block_tokens = block_tokens, .row_elems = int64_t{c.kv_heads} * c.dim};
   std::map<int64_t, int64_t> seqs;  // kv_begin -> rows
   for (const SequenceSlice& s : c.slices) {
@@ -165,7 +168,11 @@ PagedPool MakePagedPool(const Case& c, const Inputs& in, int block_tokens, uint6
   for (auto [begin, rows] : seqs) blocks += (rows + block_tokens - 1) / block_tokens;
   std::vector<int32_t> ids(blocks);
   std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
+  if (in_order) {
+    std::rotate(ids.begin(), ids.begin() + 3, ids.end());
+  } else {
+    std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
+  }
   const size_t pool_elems = blocks * block_tokens * pool.row_elems;
   pool.k.assign(pool_elems, __float2bfloat16(kNaN));
   pool.v.assign(pool_elems, __float2bfloat16(kNaN));
@@ -755,10 +762,26 @@ TEST(CudaDecodeAttention, PagedKvFromShuffledBlocks) {
   }
 }
 
+// `c` over `pool` in bf16 and fp32 output against the reference (o_ref, lse_ref); `what` names the
+// pool in failures.
+void ExpectPagedMatches(const Case& c, const Inputs& in, const PagedPool& pool,
+                        const std::vector<double>& o_ref, const std::vector<double>& lse_ref,
+                        const std::string& what) {
+  for (OutputMode mode : {OutputMode::kBfloat16, OutputMode::kFloat32}) {
+    std::vector<float> o, lse;
+    RunOnGpu(c, in, mode, &o, &lse, nullptr, nullptr, &pool);
+    if (::testing::Test::HasFatalFailure()) return;
+    ExpectGood(
+        Compare(c, o, lse, o_ref, lse_ref),
+        absl::StrCat(c.name, what, mode == OutputMode::kBfloat16 ? " (bf16 O)" : " (fp32 O)"));
+  }
+}
+
 // Prefill rows over paged K/V, read in place by the Hopper kernel (tensor maps over the pools):
-// shuffled blocks, NaN in every row no sequence holds (the tail of each last block too), blocks
-// of 32, 96 (parts of 32 keys), 64 and 256 tokens, GQA packed and not, every output mode but the
-// merge, against the fp64 reference over the same rows contiguous.
+// shuffled blocks (tiles in parts), and blocks in pool order (whole tiles where they can), NaN in
+// every row no sequence holds (the tail of each last block too), blocks of 32, 96 (parts of 32
+// keys), 64 and 256 tokens, GQA packed and not, every output mode but the merge, against the fp64
+// reference over the same rows contiguous.
 TEST(CudaPagedPrefillAttention, HopperReadsShuffledBlocksInPlace) {
   if (std::string(AttentionKernelName()) != "hopper-wgmma") {
     GTEST_SKIP() << "no Hopper kernel on this device (" << AttentionKernelName() << ")";
@@ -770,21 +793,59 @@ TEST(CudaPagedPrefillAttention, HopperReadsShuffledBlocksInPlace) {
     const Inputs in = MakeInputs(c, 71 + h);
     std::vector<double> o_ref, lse_ref;
     Reference(c, in, &o_ref, &lse_ref);
-    for (int block_tokens : {32, 96, 64, 256}) {
-      PagedPool pool = MakePagedPool(c, in, block_tokens, block_tokens * 3 + h);
+    for (auto [block_tokens, in_order] :
+         {std::pair{32, false}, {96, false}, {64, false}, {256, false}, {64, true}, {96, true}}) {
+      PagedPool pool = MakePagedPool(c, in, block_tokens, block_tokens * 3 + h, in_order);
       pool.host_table = true;
       const PagedKv layout{.block_tokens = block_tokens,
                            .block_stride_bytes = block_tokens * pool.row_elems * 2,
                            .host_table = pool.table};
       ASSERT_TRUE(ReadsPagedPrefillInPlace(ShapeOf(c), layout));
-      for (OutputMode mode : {OutputMode::kBfloat16, OutputMode::kFloat32}) {
-        std::vector<float> o, lse;
-        RunOnGpu(c, in, mode, &o, &lse, nullptr, nullptr, &pool);
-        if (::testing::Test::HasFatalFailure()) return;
-        ExpectGood(Compare(c, o, lse, o_ref, lse_ref),
-                   absl::StrCat(c.name, " blocks of ", block_tokens,
-                                mode == OutputMode::kBfloat16 ? " (bf16 O)" : " (fp32 O)"));
+      ExpectPagedMatches(
+          c, in, pool, o_ref, lse_ref,
+          absl::StrCat(in_order ? " blocks in order of " : " blocks of ", block_tokens));
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
+
+// Short suffixes after long prefixes in paged blocks read in place: the Hopper kernel runs their
+// keys in parts that start on blocks (key_split.h), each part's tiles through the table.
+TEST(CudaPagedPrefillAttention, KeyPartsReadShuffledBlocksInPlace) {
+  if (std::string(AttentionKernelName()) != "hopper-wgmma") {
+    GTEST_SKIP() << "no Hopper kernel on this device (" << AttentionKernelName() << ")";
+  }
+  int sms = 0;
+  ASSERT_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const bool splits = knobs::Choice(knobs::kAttentionKeySplit) != "off";
+  const Case cases[] = {
+      SuffixCase("8:1, 256 after 4K", 8, 1, 128, true, {{256, 4352}}),
+      SuffixCase("32:8, three sequences", 32, 8, 128, true, {{100, 3000}, {17, 700}, {5, 1041}})};
+  uint64_t seed = 91;
+  for (const Case& c : cases) {
+    const Inputs in = MakeInputs(c, seed++);
+    std::vector<double> o_ref, lse_ref;
+    Reference(c, in, &o_ref, &lse_ref);
+    for (auto [block_tokens, in_order] :
+         {std::pair{64, false}, {96, false}, {256, false}, {64, true}, {32, true}}) {
+      PagedPool pool = MakePagedPool(c, in, block_tokens, seed++, in_order);
+      pool.host_table = true;
+      const PagedKv layout{.block_tokens = block_tokens,
+                           .block_stride_bytes = block_tokens * pool.row_elems * 2,
+                           .host_table = pool.table};
+      const CudaAttentionArgs a{.shape = ShapeOf(c),
+                                .q_tokens = c.q_tokens,
+                                .slices = c.slices.data(),
+                                .num_slices = static_cast<int64_t>(c.slices.size()),
+                                .paged = &layout,
+                                .paged_prefill = true};
+      if (splits) {
+        EXPECT_GT(internal::PlanKeySplit(a, sms).parts, 1) << c.name << ", " << block_tokens;
       }
+      ExpectPagedMatches(
+          c, in, pool, o_ref, lse_ref,
+          absl::StrCat(in_order ? " in blocks in order of " : " in blocks of ", block_tokens));
+      if (::testing::Test::HasFatalFailure()) return;
     }
   }
 }

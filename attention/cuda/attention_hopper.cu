@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <climits>
 #include <numeric>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -40,26 +41,22 @@ PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   return fn;
 }
 
-// A map over K or V rows of num_kv_heads * head_dim bf16 columns, boxes of 64 columns x
-// box_rows rows, 128-byte swizzle: `rows` rows from `base` (2-D), or with `blocks` > 0, that many
-// blocks of `rows` rows each `block_stride` bytes apart (3-D). Rows past the map read as zeros.
-absl::Status EncodeRowsMap(CUtensorMap* map, const void* base, int64_t rows, int64_t blocks,
-                           int64_t block_stride, int num_kv_heads, int head_dim, int box_rows) {
+// A map over `rows` K or V rows from `base`, of num_kv_heads * head_dim bf16 columns, boxes of
+// 64 columns x box_rows rows, 128-byte swizzle. Rows past the map read as zeros.
+absl::Status EncodeRowsMap(CUtensorMap* map, const void* base, int64_t rows, int num_kv_heads,
+                           int head_dim, int box_rows) {
   const int64_t row_elems = static_cast<int64_t>(num_kv_heads) * head_dim;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_elems), static_cast<cuuint64_t>(rows),
-                              static_cast<cuuint64_t>(std::max<int64_t>(blocks, 1))};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(row_elems * 2),
-                                 static_cast<cuuint64_t>(block_stride)};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_elems), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_elems * 2)};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
   const CUresult r = TensorMapEncoder()(
-      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, blocks > 0 ? 3 : 2, const_cast<void*>(base), dims,
-      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     return absl::InternalError(
-        absl::StrCat("cuTensorMapEncodeTiled failed (CUresult ", r, ") for ", rows, " key rows",
-                     blocks > 0 ? absl::StrCat(" x ", blocks, " blocks") : std::string()));
+        absl::StrCat("cuTensorMapEncodeTiled failed (CUresult ", r, ") for ", rows, " key rows"));
   }
   return absl::OkStatus();
 }
@@ -67,41 +64,61 @@ absl::Status EncodeRowsMap(CUtensorMap* map, const void* base, int64_t rows, int
 // A map over one slice's key rows [kv_begin, kv_begin + kv_len), boxes of a whole key tile.
 absl::Status EncodeSliceMap(CUtensorMap* map, const __nv_bfloat16* base, int64_t kv_begin,
                             int64_t kv_len, int num_kv_heads, int head_dim) {
-  return EncodeRowsMap(map, base + kv_begin * num_kv_heads * head_dim, kv_len, 0, 0, num_kv_heads,
+  return EncodeRowsMap(map, base + kv_begin * num_kv_heads * head_dim, kv_len, num_kv_heads,
                        head_dim, kHopperBlockN);
 }
 
-// Paged K/V: the pools' maps and the table, once per call.
+// Paged K/V: the pools' maps (each pool as rows: HopperReadsPagedKv) and the table, once per
+// call.
 absl::Status SetPagedPools(const CudaAttentionArgs& a, HopperParams* p) {
   const PagedKv& paged = *a.paged;
   int64_t blocks = paged.pool_blocks;
   if (blocks <= 0) {
     for (int32_t b : paged.host_table) blocks = std::max<int64_t>(blocks, int64_t{b} + 1);
   }
+  const int64_t rows = blocks * paged.block_tokens;
+  // The kernel computes pool rows (and TMA takes coordinates) in 32-bit ints.
+  CPFILL_CHECK_ARG(rows <= INT32_MAX, "paged K/V: a pool of ", rows,
+                   " rows is past what the Hopper kernel addresses (", INT32_MAX, ")");
   p->block_table = paged.table;
   p->block_tokens = paged.block_tokens;
   p->box_rows = std::gcd(paged.block_tokens, kHopperBlockN);
-  for (auto [map, pool] : {std::pair{&p->k_pool_map, a.k}, std::pair{&p->v_pool_map, a.v}}) {
-    CPFILL_RETURN_IF_ERROR(EncodeRowsMap(map, pool, paged.block_tokens, blocks,
-                                         paged.block_stride_bytes, a.shape.num_kv_heads,
-                                         a.shape.head_dim, p->box_rows));
+  for (auto [pool_map, run_map, pool] : {std::tuple{&p->k_pool_map, &p->k_run_map, a.k},
+                                         std::tuple{&p->v_pool_map, &p->v_run_map, a.v}}) {
+    CPFILL_RETURN_IF_ERROR(
+        EncodeRowsMap(pool_map, pool, rows, a.shape.num_kv_heads, a.shape.head_dim, p->box_rows));
+    CPFILL_RETURN_IF_ERROR(
+        EncodeRowsMap(run_map, pool, rows, a.shape.num_kv_heads, a.shape.head_dim, kHopperBlockN));
   }
   return absl::OkStatus();
 }
 
-// Paged K/V: slice i's map over its last block's rows that hold its keys.
+// Paged K/V: slice i's map over the keys of its last tile where they are consecutive rows of the
+// pool (one box of kHopperBlockN rows, tail_runs bit i), else over its last block's rows that
+// hold its keys (boxes of box_rows); rows past them read as zeros.
 absl::Status SetLastBlockMaps(const CudaAttentionArgs& a, const SliceDesc& s, int i,
                               HopperParams* p) {
   const PagedKv& paged = *a.paged;
-  const int64_t last = (s.kv_len - 1) / paged.block_tokens;
+  const int64_t bt = paged.block_tokens;
+  const int64_t last = (s.kv_len - 1) / bt;
   const int64_t entry = s.table_begin + last;
   CPFILL_CHECK_ARG(entry < static_cast<int64_t>(paged.host_table.size()), "paged K/V: slice ", i,
                    " needs table entry ", entry, " of ", paged.host_table.size());
-  const int64_t offset = int64_t{paged.host_table[entry]} * paged.block_stride_bytes;
-  const int64_t rows = s.kv_len - last * paged.block_tokens;
+  const int64_t tile_key = (s.kv_len - 1) / kHopperBlockN * kHopperBlockN;
+  bool consecutive = true;
+  for (int64_t b = s.table_begin + tile_key / bt + 1; b <= entry; ++b) {
+    consecutive = consecutive && paged.host_table[b] == paged.host_table[b - 1] + 1;
+  }
+  const int64_t first_row =
+      consecutive ? int64_t{paged.host_table[s.table_begin + tile_key / bt]} * bt + tile_key % bt
+                  : int64_t{paged.host_table[entry]} * bt;
+  const int64_t rows = s.kv_len - (consecutive ? tile_key : last * bt);
+  if (consecutive) p->tail_runs |= uint64_t{1} << i;
+  const int64_t offset = first_row * (paged.block_stride_bytes / bt);
   for (auto [map, pool] : {std::pair{&p->k_maps[i], a.k}, std::pair{&p->v_maps[i], a.v}}) {
-    CPFILL_RETURN_IF_ERROR(EncodeRowsMap(map, reinterpret_cast<const char*>(pool) + offset, rows, 0,
-                                         0, a.shape.num_kv_heads, a.shape.head_dim, p->box_rows));
+    CPFILL_RETURN_IF_ERROR(EncodeRowsMap(map, reinterpret_cast<const char*>(pool) + offset, rows,
+                                         a.shape.num_kv_heads, a.shape.head_dim,
+                                         consecutive ? kHopperBlockN : p->box_rows));
   }
   return absl::OkStatus();
 }
@@ -169,10 +186,12 @@ bool HopperKernelOnThisDevice() {
   return major == 9 && minor == 0 && TensorMapEncoder() != nullptr;
 }
 
-bool HopperReadsPagedKv(const PagedKv& paged) {
-  // Parts of at least 32 keys: at most kMaxPagedParts a key tile.
+bool HopperReadsPagedKv(const AttentionShape& shape, const PagedKv& paged) {
+  // Parts of at least 32 keys: at most kMaxPagedParts a key tile. Blocks of rows back to back:
+  // the kernel reads each pool as one array of rows.
+  const int64_t row_bytes = int64_t{shape.num_kv_heads} * shape.head_dim * 2;
   return !paged.host_table.empty() && paged.block_tokens >= 32 && paged.block_tokens % 32 == 0 &&
-         paged.block_stride_bytes % 16 == 0;
+         paged.block_stride_bytes == paged.block_tokens * row_bytes;
 }
 
 bool HopperAttentionUsable(const CudaAttentionArgs& a) {

@@ -19,8 +19,10 @@ bool HopperKernelOnThisDevice();
 bool HopperAttentionUsable(const CudaAttentionArgs& a);
 
 // Paged K/V the Hopper kernel reads in place (HopperParams): the table in host memory too (the
-// launch looks up each slice's last block), blocks of a multiple of 32 tokens, 16-byte strides.
-bool HopperReadsPagedKv(const PagedKv& paged);
+// launch looks up each slice's last block), blocks of a multiple of 32 tokens whose rows lie
+// back to back (the KV cache's layout: a block's stride is its rows), so each pool is one array
+// of rows.
+bool HopperReadsPagedKv(const AttentionShape& shape, const PagedKv& paged);
 
 // Launches the key-tile pre-pass and the Hopper kernel over the slices `work` (indices into
 // a.slices, each with work to do). `summaries` holds at least one entry per 128 keys of each;

@@ -21,24 +21,33 @@ inline constexpr int kMaxHopperSlices = 48;
 // and 48 slices of them need the large kernel-parameter space of CUDA 12.1+.
 struct HopperParams : LaunchCommon {
   // Per slice: [kv_len rows, num_kv_heads * head_dim]; with paged K/V, its last block's valid
-  // rows [kv_len - its first key, num_kv_heads * head_dim] (rows past them read as zeros).
+  // rows [kv_len - its first key, num_kv_heads * head_dim] (rows past them read as zeros), or
+  // where its last tile's rows are consecutive in the pool (tail_runs), that tile's valid rows
+  // in boxes of kHopperBlockN.
   CUtensorMap k_maps[kMaxHopperSlices];
   CUtensorMap v_maps[kMaxHopperSlices];
   SliceDesc slices[kMaxHopperSlices];
   int32_t num_q_tiles;    // work items: num_q_tiles x num_kv_heads
   int32_t* item_counter;  // the scheduler's next free item past the first wave, or null for
                           // the static schedule (CTA b takes b, b + grid, ...)
-  // Paged K/V (attention.h's PagedKv), or block_table null: the pools as
-  // [blocks][block_tokens][num_kv_heads * head_dim]; a slice's key r lies in block
-  // block_table[table_begin + r / block_tokens]. A key tile loads in parts of box_rows keys
-  // (gcd(block_tokens, kHopperBlockN)), each inside one block.
+  // Paged K/V (attention.h's PagedKv), or block_table null: each pool as rows
+  // [pool blocks * block_tokens][num_kv_heads * head_dim] (a block's rows are contiguous,
+  // HopperReadsPagedKv); a slice's key r lies in block block_table[table_begin + r /
+  // block_tokens]. A key tile whose rows are consecutive pool rows (its blocks consecutive, none
+  // the slice's last) loads as one box of kHopperBlockN rows (the run maps), as a contiguous
+  // slice's does; any other loads in parts of box_rows keys (gcd(block_tokens, kHopperBlockN)),
+  // each inside one block (the pool maps).
   CUtensorMap k_pool_map;
   CUtensorMap v_pool_map;
+  CUtensorMap k_run_map;
+  CUtensorMap v_run_map;
   const int32_t* block_table;
   int32_t block_tokens;
   int32_t box_rows;
+  uint64_t tail_runs;  // bit i: slice i's map is over its last tile (its rows consecutive)
 };
 static_assert(sizeof(HopperParams) <= 32764, "kernel parameters must fit 32764 bytes");
+static_assert(kMaxHopperSlices <= 64, "tail_runs holds a bit per slice");
 
 // ---- the CTA's shape --------------------------------------------------------------------
 

@@ -62,61 +62,87 @@ __device__ __forceinline__ void LoadKvTile(uint32_t dst, const CUtensorMap* map,
   }
 }
 
-// Paged K/V: a key tile loads in parts of box_rows keys, each inside one block, at most
-// kMaxPagedParts of them (HopperReadsPagedKv: blocks of a multiple of 32 tokens). Everything a
-// tile's loads need is found a tile ahead, while the K/V thread waits for a free stage: after
-// the wait it only issues them. (Computed after it, the block ids' loads and a 64-bit division
-// delayed every tile's copies, and paged steps ran up to 1.6x slower than gathered ones.)
+// Paged K/V: a key tile loads as one box where its rows are consecutive in the pool (a sequence's
+// blocks mostly are: the KV cache hands out the lowest free block first), else in parts of
+// box_rows keys, each inside one block, at most kMaxPagedParts of them (HopperReadsPagedKv:
+// blocks of a multiple of 32 tokens). Everything a tile's loads need is found a tile ahead, while
+// the K/V thread waits for a free stage: after the wait it only issues them. (Computed after it,
+// the block ids' loads and a 64-bit division delayed every tile's copies, and paged steps ran up
+// to 1.6x slower than gathered ones.)
 inline constexpr int kMaxPagedParts = 4;
 struct PagedTile {
-  int idx, row;            // the first part's block (in the slice's table) and row in it
-  int id[kMaxPagedParts];  // each part's pool block, where it lies before the slice's last block
+  // Each part's first row: in the pool for a whole part, else in the slice's map (past its rows
+  // for a part past the slice's keys: zeros).
+  int row[kMaxPagedParts];
+  // The leading parts whose rows are all the slice's keys, and two flags (packed: the K/V thread
+  // holds two tiles in its 56 registers).
+  int whole_parts_and_flags;
+  static constexpr int kRun = 8;    // all parts whole, in consecutive pool rows: one run-map box
+  static constexpr int kTail = 16;  // the slice's partial last tile, its map's one box (tail_runs)
+  __device__ int whole_parts() const { return whole_parts_and_flags & 7; }
+  __device__ bool run() const { return (whole_parts_and_flags & kRun) != 0; }
+  __device__ bool tail() const { return (whole_parts_and_flags & kTail) != 0; }
 };
 
-// Key tile j's parts; `last` is the slice's last block (in its table).
-__device__ __forceinline__ PagedTile PagedTileOf(const HopperParams& p, const SliceDesc& sl, int j,
-                                                 int last) {
+// Key tile j of slice `slice` (its descriptor `sl`, its last block `last` in its table): its
+// parts.
+__device__ __forceinline__ PagedTile PagedTileOf(const HopperParams& p, const SliceDesc& sl,
+                                                 int slice, int j, int last) {
   PagedTile t;
   const int rows = p.box_rows, bt = p.block_tokens;
-  t.idx = j * kHopperBlockN / bt;
-  t.row = j * kHopperBlockN - t.idx * bt;
-  int idx = t.idx, row = t.row;
+  int idx = j * kHopperBlockN / bt;
+  int row = j * kHopperBlockN - idx * bt;
+  const int keys = static_cast<int>(
+      min(sl.kv_len - int64_t{j} * kHopperBlockN, static_cast<int64_t>(kHopperBlockN)));
+  const int whole = keys / rows;
+  bool run = keys == kHopperBlockN;
 #pragma unroll
   for (int part = 0; part < kMaxPagedParts; ++part) {
-    t.id[part] =
-        part * rows < kHopperBlockN && idx < last ? __ldg(p.block_table + sl.table_begin + idx) : 0;
+    if (part * rows >= kHopperBlockN) break;
+    // Pool rows fit an int: the launcher checks the pool's.
+    t.row[part] = part < whole  ? __ldg(p.block_table + sl.table_begin + idx) * bt + row
+                  : idx == last ? row
+                                : bt;
+    run = run && t.row[part] == t.row[0] + part * rows;
     row += rows;
     if (row == bt) row = 0, ++idx;
   }
+  const bool tail = keys < kHopperBlockN && ((p.tail_runs >> slice) & 1) != 0;
+  t.whole_parts_and_flags = whole | (run ? PagedTile::kRun : 0) | (tail ? PagedTile::kTail : 0);
   return t;
 }
 
-// A paged key tile's loads, part by part: from the pool map at its block, the slice's last
-// block through the slice's own map (its rows past the slice's keys read as zeros, whatever the
-// pool holds there), and parts past the slice as zeros (that map at a row past its rows).
+// A paged key tile's loads: one box of the run map where its rows are consecutive in the pool, or
+// of the slice's map for a tail run; else part by part, whole parts from the pool map at their
+// rows, the rest through the slice's map over its last block (its rows past the slice's keys read
+// as zeros, whatever the pool holds there; parts past the slice too: that map at a row past its
+// rows).
 template <int kDim, int kStages, int kQBuffers>
 __device__ __forceinline__ void LoadPagedKvTile(const HopperParams& p, uint32_t dst,
                                                 const CUtensorMap* pool_map,
-                                                const CUtensorMap* last_map, const PagedTile& t,
-                                                int last, int kv_head, uint32_t bar) {
+                                                const CUtensorMap* run_map,
+                                                const CUtensorMap* slice_map, const PagedTile& t,
+                                                int kv_head, uint32_t bar) {
   using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
-  const int rows = p.box_rows, bt = p.block_tokens;
-  int idx = t.idx, row = t.row;
+  if (t.run() || t.tail()) {
+#pragma unroll
+    for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
+      const int col = kv_head * kDim + slab * 64;
+      TmaLoad2d(dst + slab * Cfg::kSlabBytesKv, t.run() ? run_map : slice_map, col,
+                t.run() ? t.row[0] : 0, bar);
+    }
+    return;
+  }
+  const int rows = p.box_rows;
 #pragma unroll
   for (int part = 0; part < kMaxPagedParts; ++part) {
     if (part * rows >= kHopperBlockN) break;
     const uint32_t d = dst + part * rows * 128;
+    const CUtensorMap* map = part < t.whole_parts() ? pool_map : slice_map;
 #pragma unroll
     for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
-      const int col = kv_head * kDim + slab * 64;
-      if (idx < last) {
-        TmaLoad3d(d + slab * Cfg::kSlabBytesKv, pool_map, col, row, t.id[part], bar);
-      } else {
-        TmaLoad2d(d + slab * Cfg::kSlabBytesKv, last_map, col, idx == last ? row : bt, bar);
-      }
+      TmaLoad2d(d + slab * Cfg::kSlabBytesKv, map, kv_head * kDim + slab * 64, t.row[part], bar);
     }
-    row += rows;
-    if (row == bt) row = 0, ++idx;
   }
 }
 
@@ -138,7 +164,7 @@ __device__ __forceinline__ void LoadItemKv(const HopperParams& p,
   const int last = paged ? static_cast<int>((item.tile.slice.kv_len - 1) / p.block_tokens) : 0;
   // A paged tile's block ids are loaded a tile ahead, while the thread waits for the stage.
   PagedTile paged_tile;
-  if (paged) paged_tile = PagedTileOf(p, item.tile.slice, j, last);
+  if (paged) paged_tile = PagedTileOf(p, item.tile.slice, item.tile.slice_index, j, last);
   do {
     const int j_next = none ? j : tiles.NextVisible(j + 1);
     const int info = none ? kTileNone
@@ -153,21 +179,23 @@ __device__ __forceinline__ void LoadItemKv(const HopperParams& p,
     // 3. K: expect the bytes, then the copies complete them.
     MbarArriveExpectTx(sm.FullK(st), bytes);
     if (paged) {
-      LoadPagedKvTile<kDim, kStages, kQBuffers>(p, sm.k + st * Cfg::kTileBytes, &p.k_pool_map, kmap,
-                                                paged_tile, last, item.kv_head, sm.FullK(st));
+      LoadPagedKvTile<kDim, kStages, kQBuffers>(p, sm.k + st * Cfg::kTileBytes, &p.k_pool_map,
+                                                &p.k_run_map, kmap, paged_tile, item.kv_head,
+                                                sm.FullK(st));
     } else if (!none) {
       LoadKvTile<kDim, kStages, kQBuffers>(sm.k + st * Cfg::kTileBytes, kmap, item.kv_head, j,
                                            sm.FullK(st));
     }
     PagedTile next_tile;
     if (paged && j_next < tiles.num_tiles)
-      next_tile = PagedTileOf(p, item.tile.slice, j_next, last);
+      next_tile = PagedTileOf(p, item.tile.slice, item.tile.slice_index, j_next, last);
     // 4. V the same, once the stage's V is released (its previous tile's P V).
     MbarWait(sm.EmptyV(st), free_parity);
     MbarArriveExpectTx(sm.FullV(st), bytes);
     if (paged) {
-      LoadPagedKvTile<kDim, kStages, kQBuffers>(p, sm.v + st * Cfg::kTileBytes, &p.v_pool_map, vmap,
-                                                paged_tile, last, item.kv_head, sm.FullV(st));
+      LoadPagedKvTile<kDim, kStages, kQBuffers>(p, sm.v + st * Cfg::kTileBytes, &p.v_pool_map,
+                                                &p.v_run_map, vmap, paged_tile, item.kv_head,
+                                                sm.FullV(st));
     } else if (!none) {
       LoadKvTile<kDim, kStages, kQBuffers>(sm.v + st * Cfg::kTileBytes, vmap, item.kv_head, j,
                                            sm.FullV(st));

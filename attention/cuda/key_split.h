@@ -30,8 +30,10 @@ struct KeySplit {
 // The split of a call `a` on a GPU of `sms` SMs: as many parts as fill one wave with the call's
 // work items (query tiles x KV heads), at most kMaxMergeParts (one merge), no part without a key
 // tile, one launch (kMaxHopperSlices slices). No split (parts 1) where the items already fill
-// half the GPU, for the running merge (kMergeIntoFloat32: the merge cannot write in place), paged
-// K/V, calls with a query row in no slice with keys, or CPFILL_ATTENTION_KEY_SPLIT=off.
+// half the GPU, for the running merge (kMergeIntoFloat32: the merge cannot write in place), calls
+// with a query row in no slice with keys, or CPFILL_ATTENTION_KEY_SPLIT=off. Paged K/V (which the
+// caller has checked the Hopper kernel reads in place, PagedPrefillOnHopper): parts start on a
+// block, their shares counted in whole 128-key tiles that are also whole blocks.
 KeySplit PlanKeySplit(const CudaAttentionArgs& a, int sms);
 
 // True when PartialAttentionCuda runs `a` in key parts on this device (the Hopper kernel, and

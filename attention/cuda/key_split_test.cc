@@ -1,5 +1,6 @@
 // PlanKeySplit on the host (no GPU needed): which calls split, into how many parts, and that the
-// parts' slices cover each slice's keys exactly, in whole 128-key tiles, none empty.
+// parts' slices cover each slice's keys exactly, in whole 128-key tiles (with paged K/V, whole
+// tiles that are also whole blocks), none empty.
 #include "attention/cuda/key_split.h"
 
 #include <gtest/gtest.h>
@@ -37,9 +38,10 @@ Call MakeCall(int heads, int kv_heads, const std::vector<std::pair<int64_t, int6
   return c;
 }
 
-// Every part holds a non-empty, tile-aligned share of each slice's keys, the shares of a slice
-// tile its keys in order, and each part's rows land at part * q_tokens + q_begin.
-void ExpectPartsCoverTheKeys(const Call& c, const KeySplit& split) {
+// Every part holds a non-empty share of each slice's keys starting a multiple of `unit` keys
+// into it, the shares of a slice tile its keys in order, and each part's rows land at
+// part * q_tokens + q_begin.
+void ExpectPartsCoverTheKeys(const Call& c, const KeySplit& split, int64_t unit = 128) {
   const size_t n = c.slices.size();
   ASSERT_EQ(split.slices.size(), n * split.parts);
   ASSERT_EQ(split.out_rows.size(), split.slices.size());
@@ -51,7 +53,7 @@ void ExpectPartsCoverTheKeys(const Call& c, const KeySplit& split) {
       EXPECT_EQ(s.q_len, c.slices[i].q_len);
       EXPECT_EQ(s.kv_begin, next) << "slice " << i << " part " << p;
       EXPECT_GT(s.kv_len, 0) << "slice " << i << " part " << p;
-      EXPECT_EQ((s.kv_begin - c.slices[i].kv_begin) % 128, 0);
+      EXPECT_EQ((s.kv_begin - c.slices[i].kv_begin) % unit, 0) << "slice " << i << " part " << p;
       EXPECT_EQ(split.out_rows[p * n + i], p * c.args.q_tokens + c.slices[i].q_begin);
       next = s.kv_begin + s.kv_len;
     }
@@ -99,11 +101,27 @@ TEST(KeySplit, CallsThatStayWhole) {
   // A query row in no slice: the merge would overwrite its empty row.
   c.args.q_tokens += 1;
   EXPECT_EQ(PlanKeySplit(c.args, kH100Sms).parts, 1);
-  c.args.q_tokens -= 1;
-  // Paged K/V stays whole (the parts would need block-aligned key ranges).
-  const PagedKv paged;
-  c.args.paged = &paged;
-  EXPECT_EQ(PlanKeySplit(c.args, kH100Sms).parts, 1);
+}
+
+TEST(KeySplit, PagedPartsStartOnBlocks) {
+  // 256 queries after 16K at 8:1 (16 items, 8 parts) in blocks of 64, 256 and 96 tokens: parts
+  // of whole 128-key tiles that are whole blocks (128, 256 and 384 keys).
+  Call c = MakeCall(8, 1, {{256, 16640}});
+  for (const auto [block, unit] : {std::pair{64, 128}, {256, 256}, {96, 384}}) {
+    SCOPED_TRACE(block);
+    const PagedKv paged{.block_tokens = block};
+    c.args.paged = &paged;
+    const KeySplit split = PlanKeySplit(c.args, kH100Sms);
+    EXPECT_EQ(split.parts, 8);
+    ExpectPartsCoverTheKeys(c, split, unit);
+  }
+  // Blocks of 1024 over 2304 keys: three units, three parts (the last one short).
+  c = MakeCall(8, 1, {{256, 2304}});
+  const PagedKv big{.block_tokens = 1024};
+  c.args.paged = &big;
+  const KeySplit split = PlanKeySplit(c.args, kH100Sms);
+  EXPECT_EQ(split.parts, 3);
+  ExpectPartsCoverTheKeys(c, split, 1024);
 }
 
 }  // namespace

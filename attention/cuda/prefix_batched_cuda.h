@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <span>
 
 #include "absl/status/status.h"
 #include "attention/cuda/attention_cuda.h"
@@ -64,6 +65,21 @@ size_t InPlacePagedWorkspaceBytes(const CudaAttentionArgs& args, const SharedBlo
 absl::Status InPlacePagedAttentionCuda(const CudaAttentionArgs& args, const SharedBlockTree& tree,
                                        void* workspace, size_t workspace_bytes,
                                        cudaStream_t stream);
+
+// Whether a paged prefill step whose gather `plan` is given runs faster read in place (where
+// ReadsPagedPrefillInPlace): where the gather (its rows read and written at the HBM rate) would
+// take at least kMinGatherShare of the attention's time (its FLOPs over `slices`, the step's, at
+// the Hopper kernel's rate). In place, the kernel loads each 128-key tile through the block table:
+// whole where the tile's blocks are consecutive in the pool (mostly: the KV cache hands out the
+// lowest free block first), else in parts. On an H100 (bench/RESULTS.md, 2026-11-27), the 56
+// suffix-prefill shapes split cleanly: at a gather share of 0.18 or more, in place ran 1.05x to
+// 1.33x the gathered step; at 0.07 or less, 0.80x to 1.03x (the in-place kernel is slower than
+// the gathered one by a few percent, the gather then costs less than that).
+inline constexpr double kMinGatherShare = 0.1;
+inline constexpr double kHbmBytesPerSecond = 3.0e12;        // H100 SXM copy rate (read + write)
+inline constexpr double kAttentionFlopsPerSecond = 550e12;  // the Hopper kernel, bf16
+bool InPlaceBeatsGather(const AttentionShape& shape, const PagedGather& plan,
+                        std::span<const SequenceSlice> slices);
 
 // How a ring step on the GPU finds its roots: RuleForStep under `costs`, with a decode step's
 // roots not cut at 128 packed rows (a wide one is gathered, WideRootRuleOf; in a folded step the

@@ -146,9 +146,14 @@ absl::Status CudaRingOps::AttendGathered(const RingStepArgs& a, const CudaAttent
                    "CUDA ring: a paged prefill step needs the block table in host memory");
   CPFILL_RETURN_IF_ERROR(paged.Validate(int64_t{a.shape.num_kv_heads} * a.shape.head_dim * 2,
                                         a.slices.data(), static_cast<int64_t>(a.slices.size())));
-  // Read in place where asked and the Hopper kernel can: nothing is gathered.
-  const bool in_place = !GathersPagedPrefill(a.shape, paged);
-  const PagedStepPlan& step = PlanPagedStep(a, paged.host_table, /*gather=*/!in_place);
+  // Read in place where asked and the Hopper kernel can: nothing is gathered. Else in place too
+  // where the gather would cost more than the in-place kernel's slower loads (the gather plan's
+  // tree is the one the in-place step runs).
+  const bool asked = !GathersPagedPrefill(a.shape, paged);
+  const PagedStepPlan& step = PlanPagedStep(a, paged.host_table, /*gather=*/!asked);
+  const bool in_place =
+      asked || (CanReadPagedPrefillInPlace(a.shape, paged) &&
+                attention::cuda::InPlaceBeatsGather(a.shape, step.gather, a.slices));
   prefix_batch_counts_ += step.tree.counts;
   if (in_place) {
     CPFILL_RETURN_IF_ERROR(workspace_.Reserve(

@@ -48,7 +48,9 @@ class CudaRingOps : public RingOps {
   attention::TreeCosts tree_costs() const override;
   // Where the Hopper kernel reads the blocks in place (ReadsPagedPrefillInPlace), a step does
   // when asked (PagedKv::prefill_in_place) or always under CPFILL_PAGED_PREFILL=in-place; never
-  // under =gather. Gathering is faster at 64-token blocks (bench/RESULTS.md, 2026-11-27).
+  // under =gather. Otherwise GathersPagedPrefill is true (the gathered rows' memory is counted),
+  // and a step still reads in place where its gather would cost more than the in-place kernel's
+  // slower loads (attention::cuda::InPlaceBeatsGather: short prefills after long cached keys).
   bool GathersPagedPrefill(const attention::AttentionShape& shape,
                            const attention::PagedKv& paged) const override;
   bool CanReadPagedPrefillInPlace(const attention::AttentionShape& shape,
