@@ -107,7 +107,7 @@ TEST(KeySplit, PagedPartsStartOnBlocks) {
   // 256 queries after 16K at 8:1 (16 items, 8 parts) in blocks of 64, 256 and 96 tokens: parts
   // of whole 128-key tiles that are whole blocks (128, 256 and 384 keys).
   Call c = MakeCall(8, 1, {{256, 16640}});
-  for (const auto [block, unit] : {std::pair{64, 128}, {256, 256}, {96, 384}}) {
+  for (const auto& [block, unit] : {std::pair{64, 128}, {256, 256}, {96, 384}}) {
     SCOPED_TRACE(block);
     const PagedKv paged{.block_tokens = block};
     c.args.paged = &paged;
