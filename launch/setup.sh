@@ -3,7 +3,8 @@
 # are missing, configures and builds into ./build. Safe to run again: it only does what is left.
 #   bash launch/setup.sh                # then build/cpfill, ctest --test-dir build
 # Environment: BUILD_DIR (default build), CPFILL_CUDA (AUTO|ON|OFF, default AUTO),
-#              JOBS (default: all cores).
+#              JOBS (default: all cores), BUILD_TARGETS (default: everything; "none":
+#              configure only, as tests/run_all.sh does before building what its tests run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build}
@@ -48,6 +49,10 @@ fi
 
 if [ ! -f "$build/build.ninja" ]; then
   cmake -S . -B "$build" -G Ninja -DCPFILL_CUDA="${CPFILL_CUDA:-AUTO}"
+fi
+if [ "${BUILD_TARGETS:-}" = none ]; then
+  echo "setup: configured $build (BUILD_TARGETS=none: nothing built)"
+  exit 0
 fi
 cmake --build "$build" -j "${JOBS:-$(nproc)}"
 echo "setup: built $build/cpfill"

@@ -12,15 +12,39 @@
 #   3. build-fuzz: the libFuzzer targets of the safetensors and config.json readers, each for
 #      FUZZ_SECONDS (default 45) from a valid seed: any crash or sanitizer report fails.
 # Each stage says where it failed; later stages do not run after a failure. Each test runs once,
-# in the build where it finds the most (CI's time: the two builds and both test sets doubled it);
-# `ctest --test-dir build` still runs every test of the optimized build.
+# in the build where it finds the most (CI's time: the two builds and both test sets doubled it),
+# and its binary is built only there (build/ skips the unit tests' binaries);
+# `bash launch/setup.sh` then `ctest --test-dir build` still builds and runs every test of the
+# optimized build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage() { echo; echo "=== run_all: $* ==="; }
 
+# Builds what the selected tests run (SELECTIONS: "LABELS[,EXCLUDED]" words, as ctest -L/-LE),
+# plus the targets after them (tests/stage_targets.py): a test binary is compiled only in the
+# build that runs it.
+build_stage() {
+  local dir=$1 selections=$2; shift 2
+  local targets sel args=()
+  # A tree changed since the last configure regenerates first, so the test list is current.
+  ninja -C "$dir" build.ninja >/dev/null ||
+    { echo "run_all: regenerating $dir failed" >&2; exit 1; }
+  for sel in $selections; do args+=(--tests "$sel"); done
+  targets=$(python3 tests/stage_targets.py "$dir" "${args[@]}" --also "$@") ||
+    { echo "run_all: listing the targets of $dir's tests failed" >&2; exit 1; }
+  # shellcheck disable=SC2086  # one target per word
+  cmake --build "$dir" -j "${JOBS:-$(nproc)}" --target $targets ||
+    { echo "run_all: building $dir failed" >&2; exit 1; }
+}
+
 stage "1/3 build and ctest (build/)"
-bash launch/setup.sh
-ctest --test-dir build -L 'e2e|fuzz|gpu|multigpu|cuda|np2' --output-on-failure -j 2
+# The README's first command without its build (configure only), then the program, the
+# embedding library and its example, the benchmarks (so they keep compiling), and the binaries
+# of this stage's tests; the unit tests' binaries are built in build-asan, where they run.
+stage1_labels='e2e|fuzz|gpu|multigpu|cuda|np2'
+BUILD_TARGETS=none bash launch/setup.sh
+build_stage build "$stage1_labels" cpfill cpfill_shared embed_example_c bench/all
+ctest --test-dir build -L "$stage1_labels" --output-on-failure -j 2
 
 stage "2/3 ASan + UBSan (build-asan/): unit and mpi GoogleTests (np2: stage 1), the server and bad input"
 asan=${ASAN_BUILD_DIR:-build-asan}
@@ -34,8 +58,7 @@ if [ ! -f "$asan/build.ninja" ]; then
     { echo "run_all: configuring the sanitized build ($asan) failed; see cmake above" >&2
       exit 1; }
 fi
-cmake --build "$asan" -j "${JOBS:-$(nproc)}" ||
-  { echo "run_all: building the sanitized build ($asan) failed" >&2; exit 1; }
+build_stage "$asan" 'unit|mpi,e2e|np2 sanitize'
 ctest --test-dir "$asan" -L 'unit|mpi' -LE 'e2e|np2' --output-on-failure -j 2
 ctest --test-dir "$asan" -L sanitize --output-on-failure -j 2
 
