@@ -5,7 +5,8 @@
 // (causal: the unmasked half). Shapes: the per-GPU attention of Llama-3-405B on TP8 (16 query
 // heads, 1 KV head, head dim 128) and of Llama-3-8B (32 / 8), causal and not, 4K to 32K tokens;
 // a fused batch of mixed lengths against the same tokens as one sequence; the merge of 4
-// partials in GB/s (bytes read + written); decode steps (one query per sequence against its own
+// partials in GB/s (bytes read + written); partial prefills (1K to 16K new tokens after
+// 128K - new cached, bottom-right causal); decode steps (one query per sequence against its own
 // 32K or 128K keys, batch 1 to 32) in GB/s of K/V read against the HBM floor.
 //
 //   build/bench/attention_cuda_bench --benchmark_out=cuda.json --benchmark_out_format=json
@@ -41,6 +42,18 @@ void FillRandom(__nv_bfloat16* d, size_t n, uint64_t seed) {
   cudaMemcpy(d, h.data(), n * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice);
 }
 
+// Fills n bf16 values on the device with random numbers in [-1, 1]: one random block uploaded,
+// then copied device to device (a host loop over gigabytes would take minutes). The copies
+// repeat, which a bandwidth-bound kernel does not notice.
+void FillRandomLarge(__nv_bfloat16* d, size_t n, uint64_t seed) {
+  const size_t block = std::min<size_t>(n, size_t{16} << 20);
+  FillRandom(d, block, seed);
+  for (size_t done = block; done < n; done += block) {
+    cudaMemcpy(d + done, d, std::min(block, n - done) * sizeof(__nv_bfloat16),
+               cudaMemcpyDeviceToDevice);
+  }
+}
+
 AttentionShape BenchShape(int heads, int kv_heads, int dim, bool causal) {
   return {.num_heads = heads,
           .num_kv_heads = kv_heads,
@@ -49,56 +62,65 @@ AttentionShape BenchShape(int heads, int kv_heads, int dim, bool causal) {
           .causal = causal};
 }
 
-// A fused batch of sequences (full prefill), on the device.
+// A fused batch of sequences on the device: each prefills `lengths[i]` new tokens after `cached`
+// keys of its own (0: a full prefill), so its queries sit at positions cached .. cached + n - 1
+// and the causal mask is aligned to the bottom right.
 struct Batch {
   std::vector<SequenceSlice> slices;
-  int64_t tokens = 0;
+  int64_t q_tokens = 0, kv_tokens = 0;
   int heads, kv_heads, dim;
   bool causal;
   __nv_bfloat16 *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
-  int32_t* pos = nullptr;
+  int32_t *q_pos = nullptr, *k_pos = nullptr;
   float* lse = nullptr;
   void* ws = nullptr;
   size_t ws_bytes = 0;
   double flops = 0;
 
-  Batch(const std::vector<int64_t>& lengths, int h, int kvh, int d, bool c)
+  Batch(const std::vector<int64_t>& lengths, int h, int kvh, int d, bool c, int64_t cached = 0)
       : heads(h), kv_heads(kvh), dim(d), causal(c) {
-    std::vector<int32_t> hpos;
+    std::vector<int32_t> hq, hk;
     for (int64_t n : lengths) {
-      slices.push_back({tokens, n, tokens, n});
-      for (int64_t i = 0; i < n; ++i) hpos.push_back(static_cast<int32_t>(i));
-      tokens += n;
-      const double pairs = causal ? n * (n + 1) / 2.0 : double(n) * n;
+      slices.push_back({q_tokens, n, kv_tokens, cached + n});
+      for (int64_t i = 0; i < n; ++i) hq.push_back(static_cast<int32_t>(cached + i));
+      for (int64_t i = 0; i < cached + n; ++i) hk.push_back(static_cast<int32_t>(i));
+      q_tokens += n;
+      kv_tokens += cached + n;
+      const double pairs =
+          causal ? double(n) * cached + n * (n + 1) / 2.0 : double(n) * (cached + n);
       flops += 4.0 * d * h * pairs;
     }
-    q = static_cast<__nv_bfloat16*>(DeviceAlloc(tokens * h * d * 2));
-    k = static_cast<__nv_bfloat16*>(DeviceAlloc(tokens * kvh * d * 2));
-    v = static_cast<__nv_bfloat16*>(DeviceAlloc(tokens * kvh * d * 2));
-    o = static_cast<__nv_bfloat16*>(DeviceAlloc(tokens * h * d * 2));
-    lse = static_cast<float*>(DeviceAlloc(tokens * h * 4));
-    pos = static_cast<int32_t*>(DeviceAlloc(tokens * 4));
-    FillRandom(q, tokens * h * d, 1);
-    FillRandom(k, tokens * kvh * d, 2);
-    FillRandom(v, tokens * kvh * d, 3);
-    cudaMemcpy(pos, hpos.data(), tokens * 4, cudaMemcpyHostToDevice);
+    q = static_cast<__nv_bfloat16*>(DeviceAlloc(q_tokens * h * d * 2));
+    k = static_cast<__nv_bfloat16*>(DeviceAlloc(kv_tokens * kvh * d * 2));
+    v = static_cast<__nv_bfloat16*>(DeviceAlloc(kv_tokens * kvh * d * 2));
+    o = static_cast<__nv_bfloat16*>(DeviceAlloc(q_tokens * h * d * 2));
+    lse = static_cast<float*>(DeviceAlloc(q_tokens * h * 4));
+    q_pos = static_cast<int32_t*>(DeviceAlloc(q_tokens * 4));
+    k_pos = static_cast<int32_t*>(DeviceAlloc(kv_tokens * 4));
+    // Partial prefills after 128K keys fill up to 268M values: uploaded as repeated blocks.
+    FillRandomLarge(q, q_tokens * h * d, 1);
+    FillRandomLarge(k, kv_tokens * kvh * d, 2);
+    FillRandomLarge(v, kv_tokens * kvh * d, 3);
+    cudaMemcpy(q_pos, hq.data(), q_tokens * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(k_pos, hk.data(), kv_tokens * 4, cudaMemcpyHostToDevice);
     ws_bytes = AttentionWorkspaceBytes(Args());
     ws = DeviceAlloc(ws_bytes + 16);
   }
   ~Batch() {
-    for (void* p : {(void*)q, (void*)k, (void*)v, (void*)o, (void*)lse, (void*)pos, ws}) {
+    for (void* p :
+         {(void*)q, (void*)k, (void*)v, (void*)o, (void*)lse, (void*)q_pos, (void*)k_pos, ws}) {
       cudaFree(p);
     }
   }
   CudaAttentionArgs Args() const {
     return {.shape = BenchShape(heads, kv_heads, dim, causal),
             .q = q,
-            .q_pos = pos,
-            .q_tokens = tokens,
+            .q_pos = q_pos,
+            .q_tokens = q_tokens,
             .k = k,
             .v = v,
-            .k_pos = pos,
-            .kv_tokens = tokens,
+            .k_pos = k_pos,
+            .kv_tokens = kv_tokens,
             .slices = slices.data(),
             .num_slices = static_cast<int64_t>(slices.size()),
             .output = OutputMode::kBfloat16,
@@ -167,6 +189,18 @@ void BM_AttentionMixed(benchmark::State& state) {
   state.counters["sequences"] = lengths.size();
 }
 
+// A partial prefill: `new_tokens` queries after 128K - new_tokens cached keys of the same
+// sequence (a long prompt's last chunk, a turn after a long history), causal.
+void BM_AttentionPartial(benchmark::State& state) {
+  const int heads = state.range(0), kv_heads = state.range(1);
+  const int64_t new_tokens = state.range(2), context = 131072;
+  Batch b({new_tokens}, heads, kv_heads, 128, true, context - new_tokens);
+  const CudaAttentionArgs a = b.Args();
+  TimeWithEvents(state, [&] { return PartialAttentionCuda(a, b.ws, b.ws_bytes, nullptr); });
+  state.counters["TFLOPs"] =
+      benchmark::Counter(b.flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void BM_Merge(benchmark::State& state) {
   const int parts = state.range(0);
   const int64_t rows = state.range(1), heads = 16, dim = 128;
@@ -201,18 +235,6 @@ void BM_Merge(benchmark::State& state) {
   }
   cudaFree(out);
   cudaFree(out_lse);
-}
-
-// Fills n bf16 values on the device with random numbers in [-1, 1]: one random block uploaded,
-// then copied device to device (a host loop over gigabytes would take minutes). The copies
-// repeat, which a bandwidth-bound kernel does not notice.
-void FillRandomLarge(__nv_bfloat16* d, size_t n, uint64_t seed) {
-  const size_t block = std::min<size_t>(n, size_t{16} << 20);
-  FillRandom(d, block, seed);
-  for (size_t done = block; done < n; done += block) {
-    cudaMemcpy(d + done, d, std::min(block, n - done) * sizeof(__nv_bfloat16),
-               cudaMemcpyDeviceToDevice);
-  }
 }
 
 // The device's copy bandwidth in bytes moved (read + written) per second: the median of 10
@@ -344,6 +366,12 @@ BENCHMARK(BM_AttentionMixed)
     ->Args({32, 8, 0})
     ->Args({32, 8, 1})
     ->ArgNames({"heads", "kv_heads", "mixed"})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionPartial)
+    ->ArgsProduct({{16}, {1}, {1024, 2048, 4096, 8192, 16384}})
+    ->ArgsProduct({{32}, {8}, {1024, 2048, 4096, 8192, 16384}})
+    ->ArgNames({"heads", "kv_heads", "new_tokens"})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Decode)

@@ -12,10 +12,7 @@ out=/tmp/cpfill-decode && rm -rf "$out" && mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader |
   tee "$out/gpu.txt"
 rc=0
-if ls .wheels/fa3_fwd-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa3 \
-    .wheels/fa3_fwd-*.whl > "$out/fa3_install.log" 2>&1 && export PYTHONPATH=/tmp/fa3:${PYTHONPATH:-}
-fi
+use_fa3_wheel
 step() {  # step NAME TIMEOUT COMMAND...: the command's output to NAME.log, its verdict printed
   local name=$1 limit=$2 r=0
   shift 2

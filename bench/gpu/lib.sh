@@ -13,6 +13,14 @@ summary=$out/summary.txt
 # The Llama-3-405B per-GPU attention shape on TP8: every ring measurement uses it.
 shape="--heads 16 --kv-heads 1 --head-dim 128"
 
+# FlashAttention-3, a peer, from the carried wheel (.wheels/fa3_fwd-*.whl, PyPI fa3-fwd) where
+# there is one: installed under /tmp/fa3 and put on PYTHONPATH (the host's PyTorch loads it).
+use_fa3_wheel() {
+  ls .wheels/fa3_fwd-*.whl >/dev/null 2>&1 || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa3 \
+    .wheels/fa3_fwd-*.whl > "$out/fa3_install.log" 2>&1 && export PYTHONPATH=/tmp/fa3:${PYTHONPATH:-}
+}
+
 new_summary() { : > "$summary"; }      # scripts that note lines start with this
 note() { echo "$*" | tee -a "$summary"; }
 

@@ -8,10 +8,7 @@ set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 quick=${QUICK:+--quick}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-if ls .wheels/fa3_fwd-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa3 \
-    .wheels/fa3_fwd-*.whl > "$out/fa3_install.log" 2>&1 && export PYTHONPATH=/tmp/fa3:${PYTHONPATH:-}
-fi
+use_fa3_wheel
 if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0: the tests ran in an earlier call on this build
   timeout 120 "$carry/prefix_batched_cuda_test" > "$out/test.log" 2>&1
   echo "prefix_batched_cuda_test: rc $? $(grep -E '^\[  (PASSED|FAILED)' "$out/test.log" | tr '\n' ' ')"

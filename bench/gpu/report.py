@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Joins cpfill's Google Benchmark JSON with the PyTorch peer's JSON into one table (TFLOP/s and
-ratios), printed as Markdown for bench/RESULTS.md.
+"""Joins cpfill's Google Benchmark JSON with the peers' JSON (sdpa_peer.py: FA3, cuDNN, FA2) into
+one table (TFLOP/s and ratios; the one-sequence grid, the mixed batch, the partial prefills),
+printed as Markdown for bench/RESULTS.md.
   report.py cpfill.json peer.json
   report.py --variants peer.json NAME=cpfill.json [NAME=cpfill.json ...]   (A/B of kernel knobs
-      run in one call: one TFLOP/s column per variant, each against cuDNN)"""
+      run in one call: one TFLOP/s column per variant, each against FA3)"""
 import json
 import re
 import sys
@@ -15,26 +16,34 @@ def tflops(b):
 
 
 def variants(peer_path, named):
+    """One TFLOP/s column per variant, each against FA3 (else cuDNN where FA3 is missing)."""
     runs = []
     for arg in named:
         label, path = arg.split("=", 1)
         runs.append((label, {b["name"]: b for b in json.load(open(path))["benchmarks"]}))
-    cudnn = {e["name"]: e.get("tflops") for e in json.load(open(peer_path))
-             if e["backend"] == "cudnn"}
+    peers = {}
+    for e in json.load(open(peer_path)):
+        if "name" in e and e.get("tflops"):
+            peers[(e.get("family", "BM_Attention"), e["name"], e["backend"])] = e["tflops"]
     labels = [label for label, _ in runs]
-    print("| shape | " + " | ".join(f"{l} TFLOP/s" for l in labels) + " | cuDNN | " +
-          " | ".join(f"{l} / cuDNN" for l in labels) + " |")
-    print("|---|" + "---:|" * (2 * len(labels) + 1))
+    print("| shape | " + " | ".join(f"{l} TFLOP/s" for l in labels) + " | peer | peer TFLOP/s | " +
+          " | ".join(f"{l} / peer" for l in labels) + " |")
+    print("|---|" + "---:|" * len(labels) + "---|---:|" + "---:|" * len(labels))
     for name in runs[0][1]:
-        m = re.match(r"BM_Attention(Mixed)?/(.*)/manual_time", name)
-        if not m:
+        m = re.match(r"(BM_Attention\w*)/(.*)/manual_time", name)
+        if not m or m.group(1) not in FAMILIES:
             continue
-        shape = m.group(2) if not m.group(1) else "mixed " + m.group(2)
+        family, shape = m.groups()
         rates = [tflops(r.get(name, {})) for _, r in runs]
-        cu = cudnn.get(m.group(2)) if not m.group(1) else None
-        cells = [f"{x:.0f}" for x in rates] + [f"{cu:.0f}" if cu else ""]
-        cells += [f"{x / cu:.3f}" if cu and x else "" for x in rates]
-        print(f"| {shape} | " + " | ".join(cells) + " |")
+        peer = next(((k, peers[(family, shape, k)]) for k in ("fa3", "cudnn")
+                     if (family, shape, k) in peers), ("", None))
+        label = shape if family == "BM_Attention" else f"{family[12:].lower()} {shape}"
+        cells = [f"{x:.0f}" for x in rates] + [peer[0], f"{peer[1]:.0f}" if peer[1] else ""]
+        cells += [f"{x / peer[1]:.3f}" if peer[1] and x else "" for x in rates]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+FAMILIES = ("BM_Attention", "BM_AttentionMixed", "BM_AttentionPartial")
 
 
 def main(cpfill_path, peer_path):
@@ -43,29 +52,28 @@ def main(cpfill_path, peer_path):
     print(f"cpfill kernel: {run['context'].get('attention_kernel', 'unknown')}\n")
     peer = {}
     for e in json.load(open(peer_path)):
-        peer[(e["name"], e["backend"])] = e
-    print("| shape (heads:kv, dim, tokens, causal) | cpfill ms | cpfill TFLOP/s | flash TFLOP/s "
-          "| cuDNN TFLOP/s | cpfill / flash | cpfill / cuDNN |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+        if "name" in e:  # older files have no family: the one-sequence grid
+            peer[(e.get("family", "BM_Attention"), e["name"], e["backend"])] = e
+    fmt = lambda x: f"{x:.0f}" if x else "n/a"
+    print("| shape | cpfill ms | cpfill TFLOP/s | FA3 TFLOP/s | cuDNN TFLOP/s | FA2 TFLOP/s "
+          "| cpfill / FA3 | cpfill / cuDNN |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for b in ours:
-        m = re.match(r"BM_Attention/(.*)/manual_time", b["name"])
-        if not m:
+        m = re.match(r"(BM_Attention\w*)/(.*)/manual_time", b["name"])
+        if not m or m.group(1) not in FAMILIES:
             continue
-        name = m.group(1)
+        family, name = m.groups()
         tf = tflops(b)
-        cells = []
-        for backend in ("flash", "cudnn"):
-            e = peer.get((name, backend), {})
-            cells.append(e.get("tflops"))
-        fl, cu = cells
-        fmt = lambda x: f"{x:.0f}" if x else "n/a"
+        fa3, cu, fl = (peer.get((family, name, k), {}).get("tflops")
+                       for k in ("fa3", "cudnn", "flash"))
         ratio = lambda x: f"{tf / x:.2f}" if x else "n/a"
-        print(f"| {name} | {b['real_time']:.3f} | {tf:.0f} | {fmt(fl)} | {fmt(cu)} | "
-              f"{ratio(fl)} | {ratio(cu)} |")
+        label = name if family == "BM_Attention" else f"{family[12:].lower()} {name}"
+        print(f"| {label} | {b['real_time']:.3f} | {tf:.0f} | {fmt(fa3)} | {fmt(cu)} | "
+              f"{fmt(fl)} | {ratio(fa3)} | {ratio(cu)} |")
     print()
     for b in ours:
-        if b["name"].startswith("BM_AttentionMixed") or b["name"].startswith("BM_Merge"):
-            extra = {k: v for k, v in b.items() if k in ("TFLOPs", "GBps", "sequences")}
+        if b["name"].startswith("BM_Merge"):
+            extra = {k: v for k, v in b.items() if k in ("GBps",)}
             print(f"- {b['name']}: {b['real_time']:.3f} {b['time_unit']} {extra}")
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: GPU tests (plus compute-sanitizer), the CUDA benchmark and the PyTorch peer on
+# One device call: GPU tests (plus compute-sanitizer), the CUDA benchmark and its peers on
 # the same GPU, then the table. Run from the repository root on a GPU host, with the binaries
 # built here and carried in .gpu-carry/ (bench/gpu/build-carry.sh makes it).
 #   bash bench/gpu/run.sh [tests|bench|sanitizer|all]
@@ -7,9 +7,12 @@
 #       knob setting, beside one run of the peer (the small tests pass on every setting first);
 #       BENCH_FILTER narrows the shapes
 #   bash bench/gpu/run.sh profile BENCH_FILTER    Nsight Compute on one launch of one shape
+#   bash bench/gpu/run.sh profile-fa3 FAMILY/NAME  the same for FlashAttention-3 (sdpa_peer.py)
+# Carry .wheels/ too (fa3-fwd): FlashAttention-3 is the peer beside PyTorch's cuDNN and FA2.
 set -uo pipefail
 what=${1:-all}
 source "$(dirname "$0")/lib.sh"
+use_fa3_wheel
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -20,8 +23,9 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   echo "== cpfill benchmark"
   "$carry/attention_cuda_bench" --benchmark_out="$out/cpfill_cuda.json" \
-    --benchmark_out_format=json --benchmark_min_time=0.3 2>&1 | tail -30
-  echo "== PyTorch SDPA peer"
+    --benchmark_out_format=json --benchmark_min_time=0.3 --benchmark_filter="${BENCH_FILTER:-.}" \
+    2>&1 | tail -30
+  echo "== peers: FA3 (from .wheels/ where carried), PyTorch SDPA on cuDNN and FA2"
   python3 bench/gpu/sdpa_peer.py "$out/sdpa_peer.json" > "$out/sdpa_peer.log" 2>&1
   tail -3 "$out/sdpa_peer.log"
   python3 bench/gpu/report.py "$out/cpfill_cuda.json" "$out/sdpa_peer.json" | tee "$out/table.md"
@@ -59,6 +63,21 @@ if [ "$what" = ab ]; then
   done
   python3 bench/gpu/sdpa_peer.py "$out/sdpa_peer.json" > "$out/sdpa_peer.log" 2>&1
   python3 bench/gpu/report.py --variants "$out/sdpa_peer.json" "${named[@]}" | tee "$out/ab.md"
+fi
+if [ "$what" = profile-fa3 ]; then
+  # The same for FlashAttention-3 on one shape ($2: FAMILY/NAME of sdpa_peer.py, e.g.
+  # BM_Attention/heads:32/kv_heads:8/dim:128/tokens:16384/causal:1).
+  tag=fa3_$(echo "$2" | tr -c 'A-Za-z0-9\n' '_' | tail -c 40)
+  # FA3's forward kernel is CUTLASS's device_kernel; the other kernels of the call are PyTorch's.
+  ncu --clock-control none --set full -k regex:device_kernel --launch-skip 3 --launch-count 1 \
+    -o "/tmp/prof_$tag" -f python3 bench/gpu/sdpa_peer.py --profile-fa3 "$2" \
+    > "$out/ncu_run_$tag.log" 2>&1 || rc=1
+  tail -3 "$out/ncu_run_$tag.log"
+  ncu -i "/tmp/prof_$tag.ncu-rep" --page details --print-units base 2>&1 |
+    grep -vE '^ *-+ *$' > "$out/ncu_details_$tag.txt"
+  head -400 "$out/ncu_details_$tag.txt"
+  ncu -i "/tmp/prof_$tag.ncu-rep" --page source --csv --print-source sass \
+    > "$out/source_$tag.csv" 2>&1 || rc=1
 fi
 if [ "$what" = profile ]; then
   # Nsight Compute on one kernel launch of one benchmark shape ($2, a benchmark filter): the
