@@ -44,7 +44,7 @@ void FillRandom(__nv_bfloat16* d, size_t n, uint64_t seed) {
 
 // Fills n bf16 values on the device with random numbers in [-1, 1]: one random block uploaded,
 // then copied device to device (a host loop over gigabytes would take minutes). The copies
-// repeat, which a bandwidth-bound kernel does not notice.
+// repeat, which neither the attention kernels nor the memory-bound ones notice.
 void FillRandomLarge(__nv_bfloat16* d, size_t n, uint64_t seed) {
   const size_t block = std::min<size_t>(n, size_t{16} << 20);
   FillRandom(d, block, seed);

@@ -64,34 +64,31 @@ if [ "$what" = ab ]; then
   python3 bench/gpu/sdpa_peer.py "$out/sdpa_peer.json" > "$out/sdpa_peer.log" 2>&1
   python3 bench/gpu/report.py --variants "$out/sdpa_peer.json" "${named[@]}" | tee "$out/ab.md"
 fi
-if [ "$what" = profile-fa3 ]; then
-  # The same for FlashAttention-3 on one shape ($2: FAMILY/NAME of sdpa_peer.py, e.g.
-  # BM_Attention/heads:32/kv_heads:8/dim:128/tokens:16384/causal:1).
-  tag=fa3_$(echo "$2" | tr -c 'A-Za-z0-9\n' '_' | tail -c 40)
-  # FA3's forward kernel is CUTLASS's device_kernel; the other kernels of the call are PyTorch's.
-  ncu --clock-control none --set full -k regex:device_kernel --launch-skip 3 --launch-count 1 \
-    -o "/tmp/prof_$tag" -f python3 bench/gpu/sdpa_peer.py --profile-fa3 "$2" \
-    > "$out/ncu_run_$tag.log" 2>&1 || rc=1
-  tail -3 "$out/ncu_run_$tag.log"
-  ncu -i "/tmp/prof_$tag.ncu-rep" --page details --print-units base 2>&1 |
-    grep -vE '^ *-+ *$' > "$out/ncu_details_$tag.txt"
-  head -400 "$out/ncu_details_$tag.txt"
-  ncu -i "/tmp/prof_$tag.ncu-rep" --page source --csv --print-source sass \
-    > "$out/source_$tag.csv" 2>&1 || rc=1
-fi
-if [ "$what" = profile ]; then
-  # Nsight Compute on one kernel launch of one benchmark shape ($2, a benchmark filter): the
-  # details page to stdout, the per-SASS-instruction stall samples to $OUT/source_<n>.csv.
-  filter=$2
-  tag=$(echo "$filter" | tr -c 'A-Za-z0-9\n' '_' | tail -c 40)
-  ncu --clock-control none --set full -k regex:HopperFlashKernel --launch-skip 3 \
-    --launch-count 1 -o "/tmp/prof_$tag" -f "$carry/attention_cuda_bench" \
-    --benchmark_filter="$filter" --benchmark_min_time=0.01 > "$out/ncu_run_$tag.log" 2>&1 || rc=1
+# profile TAG KERNEL_REGEX COMMAND...: Nsight Compute on the 4th launch of the kernels matching
+# KERNEL_REGEX in COMMAND: the details page to stdout and $OUT/ncu_details_TAG.txt, the
+# per-SASS-instruction stall samples to $OUT/source_TAG.csv.
+profile() {
+  local tag=$1 kernel=$2
+  shift 2
+  ncu --clock-control none --set full -k "regex:$kernel" --launch-skip 3 --launch-count 1 \
+    -o "/tmp/prof_$tag" -f "$@" > "$out/ncu_run_$tag.log" 2>&1 || rc=1
   tail -3 "$out/ncu_run_$tag.log"
   ncu -i "/tmp/prof_$tag.ncu-rep" --page details --print-units base 2>&1 |
     grep -vE '^ *-+ *$' | tee "$out/ncu_details_$tag.txt" | head -400
   ncu -i "/tmp/prof_$tag.ncu-rep" --page source --csv --print-source sass \
     > "$out/source_$tag.csv" 2>&1 || rc=1
   wc -l "$out/source_$tag.csv"
+}
+shape_tag() { echo "$1" | tr -c 'A-Za-z0-9\n' '_' | tail -c 40; }
+if [ "$what" = profile ]; then
+  # cpfill's kernel on one benchmark shape ($2, a benchmark filter).
+  profile "$(shape_tag "$2")" HopperFlashKernel "$carry/attention_cuda_bench" \
+    --benchmark_filter="$2" --benchmark_min_time=0.01
+fi
+if [ "$what" = profile-fa3 ]; then
+  # FlashAttention-3 on one shape ($2: FAMILY/NAME of sdpa_peer.py, e.g.
+  # BM_Attention/heads:32/kv_heads:8/dim:128/tokens:16384/causal:1). Its forward kernel is
+  # CUTLASS's device_kernel; the call's other kernels are PyTorch's.
+  profile "fa3_$(shape_tag "$2")" device_kernel python3 bench/gpu/sdpa_peer.py --profile-fa3 "$2"
 fi
 exit $rc

@@ -12,6 +12,7 @@ FA3 only), BM_AttentionPartial (1K-16K new queries after 128K - new cached keys,
 aligned to the bottom right: FA3's causal, SDPA's causal_lower_right where a backend takes it).
 Writes JSON: a list of {family, name, backend, ms, tflops, gqa} (or error).
 """
+import itertools
 import json
 import sys
 
@@ -73,24 +74,19 @@ def sdpa_fn(backend, q, k, v, heads, kv_heads, cached, causal):
         from torch.nn.attention.bias import causal_lower_right
         mask = causal_lower_right(q.shape[2], k.shape[2])
 
+    masking = {"attn_mask": mask} if mask is not None else {"is_causal": bool(causal)}
+
     def call(kk, vv, **gqa):
-        if mask is not None:
-            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, **gqa)
-        return F.scaled_dot_product_attention(q, kk, vv, is_causal=bool(causal), **gqa)
-    with sdpa_kernel(backend):
-        try:
-            call(k, v, enable_gqa=True)
-            return (lambda: _in(backend, call, k, v, enable_gqa=True)), "enable_gqa"
-        except RuntimeError:
-            ke = k.repeat_interleave(heads // kv_heads, dim=1)
-            ve = v.repeat_interleave(heads // kv_heads, dim=1)
-            call(ke, ve)
-            return (lambda: _in(backend, call, ke, ve)), "expanded"
-
-
-def _in(backend, call, k, v, **kw):
-    with sdpa_kernel(backend):
-        return call(k, v, **kw)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, kk, vv, **masking, **gqa)
+    try:
+        call(k, v, enable_gqa=True)
+        return (lambda: call(k, v, enable_gqa=True)), "enable_gqa"
+    except RuntimeError:
+        ke = k.repeat_interleave(heads // kv_heads, dim=1)
+        ve = v.repeat_interleave(heads // kv_heads, dim=1)
+        call(ke, ve)
+        return (lambda: call(ke, ve)), "expanded"
 
 
 def fa3_fn(fa3, heads, kv_heads, dim, lengths, cached, causal):
@@ -101,7 +97,7 @@ def fa3_fn(fa3, heads, kv_heads, dim, lengths, cached, causal):
         return lambda: fa3.flash_attn_func(q, k, v, causal=bool(causal))
     total = sum(lengths)
     q, k, v = rand(total, heads, dim), rand(total, kv_heads, dim), rand(total, kv_heads, dim)
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,
+    cu = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32,
                       device="cuda")
     return lambda: fa3.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
                                               causal=bool(causal))
