@@ -34,6 +34,9 @@ constexpr KnobSpec kKnobs[] = {
      "Hopper kernel: at most N persistent CTAs (0: one per SM); tests walk many items per CTA"},
     {kHopperSchedule, KnobType::kChoice, "dynamic", "dynamic|static",
      "Hopper kernel: items from a global counter, longest first (static: round-robin)"},
+    {kCommunicationSms, KnobType::kInt, "4", "0..64",
+     "CUDA attention beside a ring exchange: the SMs its kernels leave free for the exchange's "
+     "NCCL kernel (0: none; the exchange may then wait for the attention kernel to end)"},
     {kDecodeKernel, KnobType::kBool, "1", "0|1",
      "CUDA attention: calls with at most 4 query rows per slice take the split-KV decode "
      "kernel (0: the prefill kernel, for comparison; K/V read in place from the KV cache's "

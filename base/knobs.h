@@ -46,6 +46,7 @@ inline constexpr std::string_view kHopperPersistent = "CPFILL_HOPPER_PERSISTENT"
 inline constexpr std::string_view kHopperQBuffers = "CPFILL_HOPPER_Q_BUFFERS";
 inline constexpr std::string_view kHopperMaxCtas = "CPFILL_HOPPER_MAX_CTAS";
 inline constexpr std::string_view kHopperSchedule = "CPFILL_HOPPER_SCHEDULE";
+inline constexpr std::string_view kCommunicationSms = "CPFILL_COMMUNICATION_SMS";
 inline constexpr std::string_view kDecodeKernel = "CPFILL_DECODE_KERNEL";
 inline constexpr std::string_view kDecodeGemv = "CPFILL_DECODE_GEMV";
 inline constexpr std::string_view kDecodeSplitWaves = "CPFILL_DECODE_SPLIT_WAVES";

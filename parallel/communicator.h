@@ -42,6 +42,9 @@ class PendingExchange {
   virtual absl::Status Wait() = 0;
   // Seconds from posting to completion as seen by the progress side; valid after Wait().
   virtual double transfer_s() const = 0;
+  // A device exchange: the CUDA event (cudaEvent_t) recorded when it has ended, which device work
+  // may wait for; null for a host exchange.
+  virtual void* device_event() const { return nullptr; }
 };
 
 class Communicator {

@@ -516,7 +516,8 @@ absl::Status RingAttention::RunPassKV(const void* q, const void* k, const void* 
                          .o = o,
                          .lse = lse,
                          .fold_into_output = j > 0,
-                         .communication_in_flight = exchange != nullptr};
+                         .communication_in_flight = exchange != nullptr,
+                         .exchange = exchange.get()};
     // Step j.4: the next KV must have arrived before it is computed on.
     CPFILL_RETURN_IF_ERROR(ComputeStep(a, step, std::move(exchange), t, log));
     cur = 1 - cur;
@@ -582,6 +583,7 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
                          .o = block,
                          .lse = block + slots * q_row,
                          .communication_in_flight = exchange != nullptr,
+                         .exchange = exchange.get(),
                          .paged_kv = options_.paged_kv,
                          .keyless = keyless};
     // Step j.3: the next queries must have arrived before they are computed on.

@@ -269,6 +269,11 @@ bool PagedPrefillOnHopper(const CudaAttentionArgs& a) {
 
 bool SupportedHeadDim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
+int SmsForCommunication() {
+  static const int sms = static_cast<int>(knobs::Int(knobs::kCommunicationSms));
+  return sms;
+}
+
 namespace internal {
 bool SplitsKeys(const CudaAttentionArgs& a) { return KeySplitOf(a).parts > 1; }
 }  // namespace internal

@@ -50,9 +50,13 @@ struct CudaAttentionArgs {
   void* o = nullptr;
   float* lse = nullptr;
   // Set while a communication kernel (an NCCL exchange) runs beside this launch: the persistent
-  // Hopper kernel then leaves kSmsForCommunication SMs free, or it would hold every SM until it
+  // Hopper kernel then leaves SmsForCommunication() SMs free, or it would hold every SM until it
   // ends and the exchange could not start (measured: CP4 over sockets 46 ms instead of 32).
   bool communication_in_flight = false;
+  // With communication_in_flight: an event recorded when that exchange has ended, or null. The
+  // Hopper kernel's SMs left free for it then join the launch once it has (a second grid on the
+  // same work items), so the exchange costs the kernel SMs only while it runs.
+  cudaEvent_t exchange_done = nullptr;
   // Set: k/v are a KV cache's block pools, read in place through this table (attention.h); the
   // decode kernel reads them (any rows per slice; it reads a slice's keys once per m16 tile of
   // packed rows, so many rows per slice cost many reads).
@@ -64,7 +68,8 @@ struct CudaAttentionArgs {
   bool paged_prefill = false;
 };
 
-inline constexpr int kSmsForCommunication = 4;
+// The SMs left free beside an exchange in flight (knob CPFILL_COMMUNICATION_SMS, default 4).
+int SmsForCommunication();
 
 // The CPU contract's view of `a` (attention.h), for its validators: device pointers stand in for
 // host ones (the validators check them for null only).

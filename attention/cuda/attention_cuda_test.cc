@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -142,7 +144,8 @@ void ExpectGood(const Errors& e, const std::string& what) {
 struct PagedPool;
 void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<float>* o,
               std::vector<float>* lse, const std::vector<float>* running_o = nullptr,
-              const std::vector<float>* running_lse = nullptr, const PagedPool* pool = nullptr);
+              const std::vector<float>* running_lse = nullptr, const PagedPool* pool = nullptr,
+              cudaEvent_t exchange_done = nullptr);
 
 // K/V as a KV cache holds them: each sequence's rows (the distinct kv_begin of the case's
 // slices) in shuffled blocks of `block_tokens` rows of a pool whose every other row is NaN; with
@@ -194,7 +197,8 @@ PagedPool MakePagedPool(const Case& c, const Inputs& in, int block_tokens, uint6
 
 void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<float>* o,
               std::vector<float>* lse, const std::vector<float>* running_o,
-              const std::vector<float>* running_lse, const PagedPool* pool) {
+              const std::vector<float>* running_lse, const PagedPool* pool,
+              cudaEvent_t exchange_done) {
   const size_t no = c.q_tokens * c.heads * c.dim;
   DeviceArray<__nv_bfloat16> dq(in.qb.size()), dk(in.kb.size()), dv(in.vb.size());
   DeviceArray<int32_t> dqp(c.q_pos.size()), dkp(c.k_pos.size());
@@ -230,6 +234,10 @@ void RunOnGpu(const Case& c, const Inputs& in, OutputMode mode, std::vector<floa
                       .o = mode == OutputMode::kBfloat16 ? static_cast<void*>(dob.get())
                                                          : static_cast<void*>(dof.get()),
                       .lse = dlse.get()};
+  if (exchange_done != nullptr) {  // as a ring step beside an exchange
+    a.communication_in_flight = true;
+    a.exchange_done = exchange_done;
+  }
   DeviceArray<__nv_bfloat16> pk(pool ? pool->k.size() : 0), pv(pool ? pool->v.size() : 0);
   DeviceArray<int32_t> table(pool ? pool->table.size() : 0);
   PagedKv paged;
@@ -547,6 +555,35 @@ TEST(CudaAttentionLarge, LongCausalSequenceAndManySlices) {
   c.q_tokens = c.q_pos.size();
   c.kv_tokens = c.k_pos.size();
   CheckCase(c, 22);
+}
+
+// A ring step beside an exchange: the kernel leaves SMs free for it, and once the exchange's
+// event has fired a second grid on the same work items joins (attention_hopper.cu). Here the
+// event fires 50 ms after a host callback starts sleeping on another stream, so the join comes
+// late, after the first grid took its items; every item must still be done exactly once.
+TEST(CudaAttentionLarge, SmsLeftForAnExchangeJoinOnceItEnds) {
+  const Case c = OneSlice("4K causal beside an exchange", 16, 1, 128, true, 4096, 0, 4096, 0);
+  const Inputs in = MakeInputs(c, 23);
+  std::vector<double> o_ref, lse_ref;
+  Reference(c, in, &o_ref, &lse_ref);
+  cudaStream_t side = nullptr;
+  cudaEvent_t done = nullptr;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  ASSERT_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  for (int delay_ms : {50, 0}) {
+    ASSERT_CUDA(cudaLaunchHostFunc(
+        side, [](void* ms) { std::this_thread::sleep_for(std::chrono::milliseconds(*(int*)ms)); },
+        &delay_ms));
+    ASSERT_CUDA(cudaEventRecord(done, side));
+    std::vector<float> o, lse;
+    RunOnGpu(c, in, OutputMode::kFloat32, &o, &lse, nullptr, nullptr, nullptr, done);
+    ASSERT_CUDA(cudaStreamSynchronize(side));
+    if (::testing::Test::HasFatalFailure()) break;
+    ExpectGood(Compare(c, o, lse, o_ref, lse_ref),
+               absl::StrCat(c.name, ", join after ", delay_ms, " ms"));
+  }
+  cudaEventDestroy(done);
+  cudaStreamDestroy(side);
 }
 
 // ---- key split: few query tiles over long keys (key_split.h) ----------------------------

@@ -536,7 +536,7 @@ const SplitKernelInfo& SplitKernel() {
 int64_t Slots(const CudaAttentionArgs& a) {
   static const int knob = static_cast<int>(knobs::Int(knobs::kDecodeCtasPerSm));
   int sms = SmCount();
-  if (a.communication_in_flight) sms = std::max(1, sms - kSmsForCommunication);
+  if (a.communication_in_flight) sms = std::max(1, sms - SmsForCommunication());
   const int fit = a.shape.head_dim == 64 ? SplitKernel<64, kMaxDecodeSlices>().ctas_per_sm
                                          : SplitKernel<128, kMaxDecodeSlices>().ctas_per_sm;
   const int per_sm = knob != 0 ? knob : a.paged == nullptr ? 1 : fit;

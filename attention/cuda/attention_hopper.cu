@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <tuple>
 #include <vector>
@@ -169,6 +171,48 @@ absl::Status LaunchShape(const HopperParams& params, int num_ctas, cudaStream_t 
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// A joining grid's stream and the events that order it: after the launch's key-tile pre-pass
+// (its summaries and the reset work counter) and the exchange; the launch's stream then waits for
+// it. One set per device, made on first use: a rank's launches are issued one at a time.
+struct JoinStream {
+  cudaStream_t side = nullptr;
+  cudaEvent_t summaries_done = nullptr, joined = nullptr;
+};
+absl::StatusOr<const JoinStream*> JoinStreamOfThisDevice() {
+  static std::mutex mu;
+  static std::map<int, JoinStream>* by_device = new std::map<int, JoinStream>;  // never freed
+  int device = 0;
+  CPFILL_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  JoinStream& js = (*by_device)[device];
+  if (js.side == nullptr) {
+    CPFILL_CUDA_CHECK(cudaStreamCreateWithFlags(&js.side, cudaStreamNonBlocking));
+    CPFILL_CUDA_CHECK(cudaEventCreateWithFlags(&js.summaries_done, cudaEventDisableTiming));
+    CPFILL_CUDA_CHECK(cudaEventCreateWithFlags(&js.joined, cudaEventDisableTiming));
+  }
+  return &js;
+}
+
+// The launch's grid on `stream`, and where SMs were left free for an exchange, `held_back` CTAs
+// more that join it on the side stream once the exchange has ended.
+template <typename Launch>
+absl::Status LaunchWithJoin(Launch launch, HopperParams& p, int ctas, int held_back,
+                            cudaEvent_t exchange_done, cudaStream_t stream) {
+  p.first_wave = ctas;
+  if (held_back == 0) return launch(p, ctas, stream);
+  CPFILL_ASSIGN_OR_RETURN(const JoinStream* js, JoinStreamOfThisDevice());
+  CPFILL_CUDA_CHECK(cudaEventRecord(js->summaries_done, stream));  // the pre-pass is last on it
+  CPFILL_RETURN_IF_ERROR(launch(p, ctas, stream));
+  p.joining = 1;
+  CPFILL_CUDA_CHECK(cudaStreamWaitEvent(js->side, js->summaries_done, 0));
+  CPFILL_CUDA_CHECK(cudaStreamWaitEvent(js->side, exchange_done, 0));
+  CPFILL_RETURN_IF_ERROR(launch(p, held_back, js->side));
+  p.joining = 0;
+  CPFILL_CUDA_CHECK(cudaEventRecord(js->joined, js->side));
+  CPFILL_CUDA_CHECK(cudaStreamWaitEvent(stream, js->joined, 0));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 bool HopperKernelOnThisDevice() {
@@ -238,12 +282,17 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
     CPFILL_CHECK_ARG(items <= INT32_MAX, "one launch of ", items, " work items is too many");
     summary_offset += k_tiles;
     if (items == 0) continue;
-    int ctas = static_cast<int>(items);
+    int ctas = static_cast<int>(items), held_back = 0;
     if (settings.persistent) {
       CPFILL_ASSIGN_OR_RETURN(const int sms, SmCount());
-      // Less the SMs an exchange in flight needs for its own kernel.
-      ctas = PersistentGridSize(ctas, a.communication_in_flight ? sms - kSmsForCommunication : sms,
-                                settings.max_ctas);
+      // Less the SMs an exchange in flight needs for its own kernel; with the dynamic schedule
+      // they join once it has ended.
+      const int free_sms =
+          a.communication_in_flight ? std::max(1, sms - SmsForCommunication()) : sms;
+      ctas = PersistentGridSize(ctas, free_sms, settings.max_ctas);
+      if (a.exchange_done != nullptr && p.item_counter != nullptr && settings.max_ctas == 0) {
+        held_back = static_cast<int>(std::min<int64_t>(sms - free_sms, items - ctas));
+      }
     }
     using Launch = absl::Status (*)(const HopperParams&, int, cudaStream_t);
     // [head_dim 128][two Q buffers][ping-pong]
@@ -254,7 +303,7 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
          {LaunchShape<128, 2, false>, LaunchShape<128, 2, true>}}};
     const Launch launch =
         kLaunch[a.shape.head_dim == 128][settings.q_buffers == 2][settings.pingpong];
-    CPFILL_RETURN_IF_ERROR(launch(p, ctas, stream));
+    CPFILL_RETURN_IF_ERROR(LaunchWithJoin(launch, p, ctas, held_back, a.exchange_done, stream));
   }
   return absl::OkStatus();
 }

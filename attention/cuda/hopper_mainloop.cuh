@@ -73,7 +73,7 @@ class HopperConsumer {
       : p_(p),
         sm_(sm),
         lane_(threadIdx.x % 32),
-        cw_(warpgroup - 1),
+        cw_(WarpUniform(warpgroup - 1)),
         tile_row_(cw_ * 64 + (threadIdx.x / 32) % 4 * 16) {}
 
   // Every item of the CTA, in order, until the Q loaders publish the stop.
@@ -86,7 +86,7 @@ class HopperConsumer {
     int g = 0;  // tiles consumed so far by this CTA: the ring's stage and phase
     for (int n = 0;; ++n) {
       const int slot = n & 1;
-      const int item_index = sm_.WaitItem(n);
+      const int item_index = WarpUniform(sm_.WaitItem(n));
       if (item_index >= num_items) break;
       const HopperItem item = LocateHopperItem(p_, item_index);
       const SliceDesc sl = item.tile.slice;
@@ -123,7 +123,7 @@ class HopperConsumer {
     // A stage's info is read before its K is released: the K/V thread rewrites it for the
     // stage's next tile.
     MbarWait(sm_.FullK(RingStage<kStages>(g)), RingPhase<kStages>(g));
-    const int info = sm_.tile_info[RingStage<kStages>(g)];
+    const int info = WarpUniform(sm_.tile_info[RingStage<kStages>(g)]);
     if (info & kTileNone) {
       SkipEmptyStage(it, RingStage<kStages>(g), RingPhase<kStages>(g));
       return 1;
@@ -174,7 +174,7 @@ class HopperConsumer {
     while (!(info & kTileLast)) {
       const int st = stage(i), st_next = stage(i + 1);
       MbarWait(sm_.FullK(st_next), phase(i + 1));
-      const int info_next = sm_.tile_info[st_next];
+      const int info_next = WarpUniform(sm_.tile_info[st_next]);
       TurnBegin();
       IssueQk(acc, it.q_desc, k_desc, st_next);
       MbarWait(sm_.FullV(st), phase(i));

@@ -30,6 +30,10 @@ struct HopperParams : LaunchCommon {
   int32_t num_q_tiles;    // work items: num_q_tiles x num_kv_heads
   int32_t* item_counter;  // the scheduler's next free item past the first wave, or null for
                           // the static schedule (CTA b takes b, b + grid, ...)
+  int32_t first_wave;     // the items the launch's CTAs take by their index (its grid size)
+  int32_t joining;        // 1: a grid that joins a running launch (the same items and counter)
+                          // once an exchange beside it has ended; it takes every item from the
+                          // counter
   // Paged K/V (attention.h's PagedKv), or block_table null: each pool as rows
   // [pool blocks * block_tokens][num_kv_heads * head_dim] (a block's rows are contiguous,
   // HopperReadsPagedKv); a slice's key r lies in block block_table[table_begin + r /

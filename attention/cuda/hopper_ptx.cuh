@@ -88,6 +88,12 @@ __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
+// x as the compiler's warp-uniform value (lane 0's, which every lane holds already): what is
+// derived from it (stage descriptors, barrier addresses, loop trip counts) stays in uniform
+// registers instead of being moved there (R2UR) before every wgmma and barrier. Called by full
+// warps only.
+__device__ __forceinline__ int WarpUniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // Keeps the compiler from moving reads or writes of accumulator registers across a wgmma issue
 // or wait: the tensor cores write them asynchronously, which the compiler cannot see.
 template <int N>

@@ -55,6 +55,7 @@ struct HopperSmem {
   int32_t (*qpos)[kHopperBlockM];
   int32_t (*qstat)[3][3];
   uint32_t q, k, v;
+  uint32_t bars_addr;  // shared-space address of bars[0]: barrier addresses are one add from it
 
   // The dynamic buffer re-aligned to the 1024-byte swizzle period, then Q, K, V.
   __device__ __forceinline__ HopperSmem(uint64_t* bars_in, int32_t* item_in, int32_t* tile_info_in,
@@ -67,27 +68,30 @@ struct HopperSmem {
         qstat(qstat_in),
         q((dynamic_base + 1023u) & ~1023u),
         k(q + kQBuffers * Cfg::kQBytes),
-        v(k + kStages * Cfg::kTileBytes) {}
+        v(k + kStages * Cfg::kTileBytes),
+        bars_addr(SmemAddr(bars_in)) {}
 
-  __device__ __forceinline__ uint32_t FullK(int st) const { return SmemAddr(&bars[st]); }
-  __device__ __forceinline__ uint32_t FullV(int st) const { return SmemAddr(&bars[kStages + st]); }
+  __device__ __forceinline__ uint32_t FullK(int st) const { return bars_addr + 8u * (st); }
+  __device__ __forceinline__ uint32_t FullV(int st) const {
+    return bars_addr + 8u * (kStages + st);
+  }
   __device__ __forceinline__ uint32_t EmptyK(int st) const {
-    return SmemAddr(&bars[2 * kStages + st]);
+    return bars_addr + 8u * (2 * kStages + st);
   }
   __device__ __forceinline__ uint32_t EmptyV(int st) const {
-    return SmemAddr(&bars[3 * kStages + st]);
+    return bars_addr + 8u * (3 * kStages + st);
   }
   __device__ __forceinline__ uint32_t QFull(int b) const {
-    return SmemAddr(&bars[4 * kStages + b]);
+    return bars_addr + 8u * (4 * kStages + b);
   }
   __device__ __forceinline__ uint32_t QEmpty(int b) const {
-    return SmemAddr(&bars[4 * kStages + kQBuffers + b]);
+    return bars_addr + 8u * (4 * kStages + kQBuffers + b);
   }
   __device__ __forceinline__ uint32_t ItemReady(int slot) const {
-    return SmemAddr(&bars[4 * kStages + 2 * kQBuffers + slot]);
+    return bars_addr + 8u * (4 * kStages + 2 * kQBuffers + slot);
   }
   __device__ __forceinline__ uint32_t ItemFree(int slot) const {
-    return SmemAddr(&bars[4 * kStages + 2 * kQBuffers + 2 + slot]);
+    return bars_addr + 8u * (4 * kStages + 2 * kQBuffers + 2 + slot);
   }
 
   // Thread 0, before the CTA's first __syncthreads: every barrier with its arrival count.
@@ -117,13 +121,14 @@ struct HopperSmem {
 
 // Tile g of the K/V ring (the CTA's g-th, over all its items): its stage, and the parity of the
 // stage's phase that tile fills.
+// Unsigned arithmetic (g never goes negative): a mask and a shift, not signed division.
 template <int kStages>
 __device__ __forceinline__ int RingStage(int g) {
-  return g % kStages;
+  return static_cast<int>(static_cast<uint32_t>(g) % kStages);
 }
 template <int kStages>
 __device__ __forceinline__ uint32_t RingPhase(int g) {
-  return static_cast<uint32_t>((g / kStages) & 1);
+  return (static_cast<uint32_t>(g) / kStages) & 1u;
 }
 
 }  // namespace cpfill::attention::cuda::internal

@@ -61,13 +61,14 @@ __device__ __forceinline__ HopperItem LocateHopperItem(const HopperParams& p, in
 }
 
 // The CTA's n-th item: blockIdx.x first, then the next free one from the counter (the counter
-// starts at 0 for the items past the first wave), or the static round-robin without one.
-// num_items (stop) once the items run out. One thread per CTA calls it, once per n.
+// starts at 0 for the items past the first wave), or the static round-robin without one. A
+// joining grid's CTAs take every item from the counter. num_items (stop) once the items run out.
+// One thread per CTA calls it, once per n.
 __device__ __forceinline__ int ClaimItem(const HopperParams& p, int n, int num_items) {
   int next = static_cast<int>(blockIdx.x);
-  if (n > 0) {
+  if (n > 0 || p.joining) {
     next = p.item_counter != nullptr
-               ? static_cast<int>(gridDim.x) + atomicAdd(p.item_counter, 1)
+               ? p.first_wave + atomicAdd(p.item_counter, 1)
                : static_cast<int>(blockIdx.x) + n * static_cast<int>(gridDim.x);
   }
   return min(next, num_items);

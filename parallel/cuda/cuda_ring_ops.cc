@@ -90,6 +90,8 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
       .o = a.o,
       .lse = a.lse,
       .communication_in_flight = a.communication_in_flight,
+      .exchange_done =
+          a.exchange != nullptr ? static_cast<cudaEvent_t>(a.exchange->device_event()) : nullptr,
       .paged = a.paged_kv};
   if (a.paged_kv == nullptr) return Launch(args);
   if (attention::GathersPagedKv(a.slices)) return AttendGathered(a, args);

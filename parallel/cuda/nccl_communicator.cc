@@ -98,6 +98,7 @@ class NcclExchange : public PendingExchange {
     }
     return ms / 1e3;
   }
+  void* device_event() const override { return end_; }
 
  private:
   cudaEvent_t start_, end_;
