@@ -173,7 +173,9 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // A joining grid's stream and the events that order it: after the launch's key-tile pre-pass
 // (its summaries and the reset work counter) and the exchange; the launch's stream then waits for
-// it. One set per device, made on first use: a rank's launches are issued one at a time.
+// it. One set per device, made on first use. The events are shared, so launches on one device
+// must be issued from one host thread at a time (as the ring, the model and the engine do):
+// another thread's record between this launch's record and wait would reorder the join.
 struct JoinStream {
   cudaStream_t side = nullptr;
   cudaEvent_t summaries_done = nullptr, joined = nullptr;
