@@ -209,7 +209,6 @@ absl::Status LaunchWithJoin(Launch launch, HopperParams& p, int ctas, int held_b
   CPFILL_CUDA_CHECK(cudaStreamWaitEvent(js->side, js->summaries_done, 0));
   CPFILL_CUDA_CHECK(cudaStreamWaitEvent(js->side, exchange_done, 0));
   CPFILL_RETURN_IF_ERROR(launch(p, held_back, js->side));
-  p.joining = 0;
   CPFILL_CUDA_CHECK(cudaEventRecord(js->joined, js->side));
   CPFILL_CUDA_CHECK(cudaStreamWaitEvent(stream, js->joined, 0));
   return absl::OkStatus();

@@ -49,20 +49,18 @@ struct HopperSmem {
   using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
   static constexpr int kNumBarriers = 4 * kStages + 2 * kQBuffers + 4;
 
-  uint64_t* bars;
   int32_t* item;
   int32_t* tile_info;
   int32_t (*qpos)[kHopperBlockM];
   int32_t (*qstat)[3][3];
   uint32_t q, k, v;
-  uint32_t bars_addr;  // shared-space address of bars[0]: barrier addresses are one add from it
+  uint32_t bars_addr;  // shared-space address of bars[0]: a barrier's is one add from it
 
   // The dynamic buffer re-aligned to the 1024-byte swizzle period, then Q, K, V.
   __device__ __forceinline__ HopperSmem(uint64_t* bars_in, int32_t* item_in, int32_t* tile_info_in,
                                         int32_t (*qpos_in)[kHopperBlockM],
                                         int32_t (*qstat_in)[3][3], uint32_t dynamic_base)
-      : bars(bars_in),
-        item(item_in),
+      : item(item_in),
         tile_info(tile_info_in),
         qpos(qpos_in),
         qstat(qstat_in),
@@ -71,27 +69,21 @@ struct HopperSmem {
         v(k + kStages * Cfg::kTileBytes),
         bars_addr(SmemAddr(bars_in)) {}
 
-  __device__ __forceinline__ uint32_t FullK(int st) const { return bars_addr + 8u * (st); }
-  __device__ __forceinline__ uint32_t FullV(int st) const {
-    return bars_addr + 8u * (kStages + st);
-  }
-  __device__ __forceinline__ uint32_t EmptyK(int st) const {
-    return bars_addr + 8u * (2 * kStages + st);
-  }
-  __device__ __forceinline__ uint32_t EmptyV(int st) const {
-    return bars_addr + 8u * (3 * kStages + st);
-  }
-  __device__ __forceinline__ uint32_t QFull(int b) const {
-    return bars_addr + 8u * (4 * kStages + b);
-  }
+  // Barrier i of `bars` (the order of the table above), by its shared-space address.
+  __device__ __forceinline__ uint32_t Bar(int i) const { return bars_addr + 8u * i; }
+  __device__ __forceinline__ uint32_t FullK(int st) const { return Bar(st); }
+  __device__ __forceinline__ uint32_t FullV(int st) const { return Bar(kStages + st); }
+  __device__ __forceinline__ uint32_t EmptyK(int st) const { return Bar(2 * kStages + st); }
+  __device__ __forceinline__ uint32_t EmptyV(int st) const { return Bar(3 * kStages + st); }
+  __device__ __forceinline__ uint32_t QFull(int b) const { return Bar(4 * kStages + b); }
   __device__ __forceinline__ uint32_t QEmpty(int b) const {
-    return bars_addr + 8u * (4 * kStages + kQBuffers + b);
+    return Bar(4 * kStages + kQBuffers + b);
   }
   __device__ __forceinline__ uint32_t ItemReady(int slot) const {
-    return bars_addr + 8u * (4 * kStages + 2 * kQBuffers + slot);
+    return Bar(4 * kStages + 2 * kQBuffers + slot);
   }
   __device__ __forceinline__ uint32_t ItemFree(int slot) const {
-    return bars_addr + 8u * (4 * kStages + 2 * kQBuffers + 2 + slot);
+    return Bar(4 * kStages + 2 * kQBuffers + 2 + slot);
   }
 
   // Thread 0, before the CTA's first __syncthreads: every barrier with its arrival count.
@@ -120,8 +112,8 @@ struct HopperSmem {
 };
 
 // Tile g of the K/V ring (the CTA's g-th, over all its items): its stage, and the parity of the
-// stage's phase that tile fills.
-// Unsigned arithmetic (g never goes negative): a mask and a shift, not signed division.
+// stage's phase that tile fills. Unsigned arithmetic (g never goes negative): a mask and a
+// shift, not a signed division.
 template <int kStages>
 __device__ __forceinline__ int RingStage(int g) {
   return static_cast<int>(static_cast<uint32_t>(g) % kStages);
