@@ -39,7 +39,9 @@ TEST(Trace, OneProcessPerRankOneThreadPerLane) {
     } else {
       EXPECT_EQ(e["tid"], 1) << e["name"];
     }
-    if (e["name"] == "pack") EXPECT_NEAR(e["ts"].get<double>(), shift, 1e-6);
+    if (e["name"] == "pack") {
+      EXPECT_NEAR(e["ts"].get<double>(), shift, 1e-6);
+    }
   }
   EXPECT_EQ(complete, 6);
 }

@@ -212,7 +212,8 @@ TEST(EngineGeneration, BadGenerationRequestsAreRefusedAtOnce) {
         const auto p = Prompt(10, c.vocab_size, 1);
         got.push_back(engine.Submit({.tokens = p, .max_tokens = 0}).status());
         got.push_back(
-            engine.Submit({.tokens = p, .max_tokens = c.max_position_embeddings}).status());
+            engine.Submit({.tokens = p, .max_tokens = static_cast<int>(c.max_position_embeddings)})
+                .status());
         got.push_back(
             engine.Submit({.tokens = p, .max_tokens = 2, .sampling = {.top_p = 0}}).status());
         got.push_back(engine.Submit({.tokens = p, .max_tokens = 2, .stop_ids = {-1}}).status());

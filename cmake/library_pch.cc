@@ -1,0 +1,2 @@
+// Compiled only to build the libraries' precompiled header (CpfillLibraryPch.cmake); nothing
+// links it.
