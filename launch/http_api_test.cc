@@ -183,10 +183,10 @@ TEST(HttpApi, StopStringCutsTheTextAndItsLogprobsButNotTheTokens) {
   EXPECT_EQ(c["text"],
             "\xC3\xA9"
             "a ");
-  EXPECT_EQ(c["token_ids"], nlohmann::json(ids));
+  EXPECT_EQ(c["token_ids"], nlohmann::ordered_json(ids));
   EXPECT_EQ(c["finish_reason"], "stop");
-  EXPECT_EQ(c["logprobs"]["token_ids"], nlohmann::json({0xC3, 0xA9, 'a', ' '}));
-  EXPECT_EQ(c["logprobs"]["text_offset"], nlohmann::json({0, 0, 1, 2}));
+  EXPECT_EQ(c["logprobs"]["token_ids"], nlohmann::ordered_json({0xC3, 0xA9, 'a', ' '}));
+  EXPECT_EQ(c["logprobs"]["text_offset"], nlohmann::ordered_json({0, 0, 1, 2}));
   EXPECT_EQ(c["logprobs"]["token_logprobs"][3], -0.5 - ' ');
   EXPECT_EQ(
       CompletionResponse(request, {r}, "cmpl-1", 0, "tiny", &tok)["usage"]["completion_tokens"], 6);
@@ -195,8 +195,8 @@ TEST(HttpApi, StopStringCutsTheTextAndItsLogprobsButNotTheTokens) {
   EXPECT_EQ(c["text"],
             "\xC3\xA9"
             "a END");
-  EXPECT_EQ(c["logprobs"]["token_ids"], nlohmann::json(ids));
-  EXPECT_EQ(c["logprobs"]["text_offset"], nlohmann::json({0, 0, 1, 2, 3, 4}));
+  EXPECT_EQ(c["logprobs"]["token_ids"], nlohmann::ordered_json(ids));
+  EXPECT_EQ(c["logprobs"]["text_offset"], nlohmann::ordered_json({0, 0, 1, 2, 3, 4}));
   request.include_stop_str_in_output = false;
   request.stop = {
       "\xC3\xA9"
@@ -293,16 +293,17 @@ TEST(HttpApi, ResponseCarriesTokensUsageLogprobsAndTimings) {
   r.queue_s = 0.001;
   r.prefill_s = 0.002;
   const nlohmann::ordered_json out = CompletionResponse(request, {r}, "cmpl-1", 7, "tiny", nullptr);
-  EXPECT_EQ(out["choices"][0]["token_ids"], nlohmann::json({2, 0}));
+  EXPECT_EQ(out["choices"][0]["token_ids"], nlohmann::ordered_json({2, 0}));
   EXPECT_EQ(out["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(out["usage"]["prompt_tokens"], 3);
   EXPECT_EQ(out["usage"]["completion_tokens"], 2);
   EXPECT_EQ(out["usage"]["total_tokens"], 5);
   EXPECT_NEAR(out["cpfill"]["prompts"][0]["tpot_ms"].get<double>(), 10.0, 1e-9);
   EXPECT_EQ(out["choices"][0]["logprobs"]["token_logprobs"][1], -1.5);
-  EXPECT_EQ(out["choices"][0]["logprobs"]["tokens"], nlohmann::json({"token_id:2", "token_id:0"}));
-  EXPECT_EQ(out["choices"][0]["logprobs"]["token_ids"], nlohmann::json({2, 0}));
-  EXPECT_EQ(out["choices"][0]["logprobs"]["text_offset"], nlohmann::json({0, 0}));
+  EXPECT_EQ(out["choices"][0]["logprobs"]["tokens"],
+            nlohmann::ordered_json({"token_id:2", "token_id:0"}));
+  EXPECT_EQ(out["choices"][0]["logprobs"]["token_ids"], nlohmann::ordered_json({2, 0}));
+  EXPECT_EQ(out["choices"][0]["logprobs"]["text_offset"], nlohmann::ordered_json({0, 0}));
   EXPECT_EQ(out["usage"]["prompt_tokens_details"]["cached_tokens"], 5);
   EXPECT_EQ(out["kv_transfer_params"]["k"], 1);
   // log-softmax of (0, 1, 3, 2): the top two are tokens 2 and 3.
@@ -328,7 +329,7 @@ TEST(HttpApi, StreamChunksFollowOpenAi) {
   EXPECT_EQ(c["object"], "text_completion");
   EXPECT_EQ(c["choices"][0]["index"], 1);
   EXPECT_EQ(c["choices"][0]["text"], "ab");
-  EXPECT_EQ(c["choices"][0]["token_ids"], nlohmann::json({9}));
+  EXPECT_EQ(c["choices"][0]["token_ids"], nlohmann::ordered_json({9}));
   EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null());
   EXPECT_TRUE(c["choices"][0]["logprobs"].is_null());
   d.finish_reason = "length";
@@ -336,11 +337,11 @@ TEST(HttpApi, StreamChunksFollowOpenAi) {
   request.logprobs = 1;
   c = StreamChunk(request, "cmpl-4", 7, "tiny", d, nullptr);
   EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
-  EXPECT_EQ(c["choices"][0]["logprobs"]["text_offset"], nlohmann::json({5}));
+  EXPECT_EQ(c["choices"][0]["logprobs"]["text_offset"], nlohmann::ordered_json({5}));
   // A choice that a stop string closed: the ids past it, no text, no logprobs.
   c = StreamChunk(request, "cmpl-4", 7, "tiny",
                   {.index = 0, .unsent_ids = {3, 4}, .finish_reason = "stop"}, nullptr);
-  EXPECT_EQ(c["choices"][0]["token_ids"], nlohmann::json({3, 4}));
+  EXPECT_EQ(c["choices"][0]["token_ids"], nlohmann::ordered_json({3, 4}));
   EXPECT_EQ(c["choices"][0]["text"], "");
   EXPECT_TRUE(c["choices"][0]["logprobs"]["tokens"].empty());
   EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");

@@ -47,10 +47,10 @@ std::vector<nlohmann::json> StreamTokens(CompletionStream& stream, const std::ve
   return chunks;
 }
 
-// The same tokens as one answer (CompletionResponse's choice).
-nlohmann::ordered_json WholeChoice(const CompletionRequest& request,
-                                   const std::vector<int32_t>& ids, const std::string& reason,
-                                   const runtime::Tokenizer& tok) {
+// The same tokens as one answer (CompletionResponse's choice), as plain json like the chunks:
+// comparing the two json types is ambiguous in C++20 (clang refuses it).
+nlohmann::json WholeChoice(const CompletionRequest& request, const std::vector<int32_t>& ids,
+                           const std::string& reason, const runtime::Tokenizer& tok) {
   runtime::EngineResult r;
   r.finish_reason = reason;
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -106,7 +106,7 @@ TEST(CompletionStream, HoldsBackWhatMayBeginAStopStringAndNeverSendsIt) {
   EXPECT_TRUE(stream->Finished(0));
   // Streamed or not, the same text, token ids and logprobs.
   const Streamed s = AddUp(chunks);
-  const nlohmann::ordered_json whole = WholeChoice(request, ids, "stop", tok);
+  const nlohmann::json whole = WholeChoice(request, ids, "stop", tok);
   EXPECT_EQ(s.text, whole["text"]);
   EXPECT_EQ(s.ids, whole["token_ids"]);
   EXPECT_EQ(s.logprob_ids, whole["logprobs"]["token_ids"]);
@@ -123,7 +123,7 @@ TEST(CompletionStream, StopStringInsideOneTokenKeepsThatTokensTextBeforeIt) {
     const std::vector<int32_t> ids = {'a', 256};
     std::vector<std::string> texts;
     const Streamed s = AddUp(StreamTokens(*stream, ids, "stop", &texts));
-    const nlohmann::ordered_json whole = WholeChoice(request, ids, "stop", tok);
+    const nlohmann::json whole = WholeChoice(request, ids, "stop", tok);
     EXPECT_EQ(s.text, include ? "ax\n\n" : "ax");
     EXPECT_EQ(s.text, whole["text"]);
     EXPECT_EQ(s.ids, nlohmann::json(ids));
@@ -143,7 +143,7 @@ TEST(CompletionStream, HeldTextGoesOutWhenGenerationEndsWithoutTheStopString) {
   ASSERT_EQ(chunks.size(), ids.size());  // one chunk per token, none left out
   EXPECT_EQ(chunks.back()["choices"][0]["finish_reason"], "length");
   const Streamed s = AddUp(chunks);
-  const nlohmann::ordered_json whole = WholeChoice(request, ids, "length", tok);
+  const nlohmann::json whole = WholeChoice(request, ids, "length", tok);
   EXPECT_EQ(s.text, whole["text"]);
   EXPECT_EQ(s.offsets, whole["logprobs"]["text_offset"]);
   EXPECT_EQ(s.offsets, nlohmann::json({0, 1, 2, 3}));
@@ -164,8 +164,7 @@ TEST(CompletionStream, SplitCharactersCountOnceWithOrWithoutStopStrings) {
     EXPECT_EQ(texts[1], "a");  // half of é: nothing yet
     EXPECT_EQ(texts[2], "a\xC3\xA9");
     const Streamed s = AddUp(chunks);
-    const nlohmann::ordered_json whole =
-        WholeChoice(request, ids, with_stop ? "stop" : "length", tok);
+    const nlohmann::json whole = WholeChoice(request, ids, with_stop ? "stop" : "length", tok);
     EXPECT_EQ(s.text, with_stop ? "a\xC3\xA9"
                                 : "a\xC3\xA9"
                                   "b!");

@@ -7,8 +7,9 @@
 #      and the two-rank runs of the mpi tests (label np2: their code runs again, on more ranks,
 #      in the next build, where they took about a third of its time);
 #   2. build-asan: the same sources under AddressSanitizer + UndefinedBehaviorSanitizer (CPU
-#      only), running the GoogleTest unit and mpi tests but the np2 runs, and the e2e tests
-#      labelled sanitize (the server, bad input): any finding fails;
+#      only, clang: it compiled them in 0.6x gcc's time and ran the tests faster), running the
+#      GoogleTest unit and mpi tests but the np2 runs, and the e2e tests labelled sanitize (the
+#      server, bad input): any finding fails;
 #   3. build-fuzz: the libFuzzer targets of the safetensors and config.json readers, each for
 #      FUZZ_SECONDS (default 45) from a valid seed: any crash or sanitizer report fails.
 # Each stage says where it failed; later stages do not run after a failure. Each test runs once,
@@ -49,10 +50,12 @@ ctest --test-dir build -L "$stage1_labels" --output-on-failure -j 2
 stage "2/3 ASan + UBSan (build-asan/): unit and mpi GoogleTests (np2: stage 1), the server and bad input"
 asan=${ASAN_BUILD_DIR:-build-asan}
 if [ ! -f "$asan/build.ninja" ]; then
-  # -O1: ASan's reports stay exact and the kernels stay fast enough for the mpi tests.
+  # -O1: ASan's reports stay exact and the kernels stay fast enough for the mpi tests. clang for
+  # C too: with gcc as the C compiler CMake names the precompiled headers after gcc's.
   launcher=()
   command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-  cmake -S . -B "$asan" -G Ninja -DCPFILL_CUDA=OFF -DCPFILL_BUILD_BENCH=OFF \
+  cmake -S . -B "$asan" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+      -DCPFILL_CUDA=OFF -DCPFILL_BUILD_BENCH=OFF \
       -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
       -DCPFILL_SANITIZE=address,undefined "${launcher[@]}" ||
     { echo "run_all: configuring the sanitized build ($asan) failed; see cmake above" >&2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz/*_fuzz.cc) with clang, ASan and UBSan, seeds each with
-# a small valid input, and runs each for a bounded time. Any crash, sanitizer report, leak or
+# a small valid input, and runs both at once for a bounded time. Any crash, sanitizer report, leak or
 # timeout fails with libFuzzer's report and the input that caused it (saved under BUILD/crashes).
 #
 #   bash tests/fuzz/run_libfuzzer.sh [BUILD_DIR=build-fuzz] [SECONDS_PER_TARGET=45]
@@ -45,17 +45,30 @@ config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
 open(f"{seeds}/model_config/llama", "w").write(json.dumps(config))
 PY
 
-status=0
-for target in safetensors model_config; do
+# Both targets at once, one core each (each libFuzzer process is single-threaded): the stage
+# takes the time of one.
+fuzz() {  # fuzz TARGET: exit status of its bounded run; log in $build/fuzz_TARGET.log
+  "$build/tests/fuzz/fuzz_$1" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+    -max_len=4096 -print_final_stats=1 -artifact_prefix="$build/crashes/$1-" \
+    "$build/corpus/$1" "$seeds/$1" 2>"$build/fuzz_$1.log"
+}
+targets=(safetensors model_config)
+pids=()
+for target in "${targets[@]}"; do
   echo "run_libfuzzer: fuzz_$target for $seconds s"
   mkdir -p "$build/corpus/$target"
-  if ! "$build/tests/fuzz/fuzz_$target" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
-      -max_len=4096 -print_final_stats=1 -artifact_prefix="$build/crashes/$target-" \
-      "$build/corpus/$target" "$seeds/$target" 2>"$build/fuzz_$target.log"; then
+  fuzz "$target" &
+  pids+=($!)
+done
+status=0
+for i in "${!targets[@]}"; do
+  target=${targets[$i]}
+  if ! wait "${pids[$i]}"; then
     tail -60 "$build/fuzz_$target.log"
     echo "run_libfuzzer: fuzz_$target FAILED; reproducer(s): $(ls "$build/crashes")" >&2
     status=1
   else
+    echo -n "run_libfuzzer: fuzz_$target: "
     grep -E "^stat::number_of_executed_units|^stat::new_units_added" "$build/fuzz_$target.log" |
       tr '\n' ' '
     echo

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# cpfill's device ring against PyTorch's context parallelism, as cp_ring.sh, with every run kept
+# for medians: CP1 and CP-way on NVLink alternated twice, CP-way on sockets, each `--repeat 8`
+# (the first run of each is a warm-up), the last run's trace of each CP-way run; then the peer
+# (CP1, NVLink, sockets). The SM clocks and throttle reasons are sampled every 250 ms meanwhile:
+# under the software power cap one configuration's runs spread by up to 8%.
+#   bash bench/gpu/cp_ring_runs.sh [CP]   # default 4; summary.txt: the runs' times, the peer
+set -uo pipefail
+source "$(dirname "$0")/lib.sh"
+cp=${1:-4}
+new_summary
+nvidia-smi --query-gpu=index,name,clocks.max.sm,power.limit --format=csv > "$out/gpu.txt"
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,clocks_throttle_reasons.active \
+  --format=csv -lms 250 > "$out/clocks.csv" 2>/dev/null &
+sampler=$!
+runs() { grep -oE 'run [0-9]+/[0-9]+: [0-9.]+ ms' "$1" | awk '{printf "%s ", $3}'; }
+for i in 1 2; do
+  ring nvlink 1 "$out/cp1-$i" --seq-lens 131072 --algo pass-kv --repeat 8
+  note "CP1 ($i): $(runs "$out/cp1-$i.log")"
+  ring nvlink "$cp" "$out/cp$cp-nvlink-$i" --seq-lens 131072 --algo pass-kv --repeat 8 \
+    --trace "$out/trace-cp$cp-nvlink-$i.json"
+  note "CP$cp nvlink ($i): $(runs "$out/cp$cp-nvlink-$i.log")"
+done
+ring sockets "$cp" "$out/cp$cp-sockets" --seq-lens 131072 --algo pass-kv --repeat 8
+note "CP$cp sockets: $(runs "$out/cp$cp-sockets.log")"
+python3 bench/gpu/torch_cp_peer.py --tokens 131072 > "$out/torch-cp1.log" 2>&1
+note "torch CP1: $(grep -h '^{' "$out/torch-cp1.log" | tail -1)"
+for net in nvlink sockets; do
+  env $(net_env $net) timeout 200 python3 -m torch.distributed.run --nproc_per_node "$cp" \
+    bench/gpu/torch_cp_peer.py --tokens 131072 > "$out/torch-cp$cp-$net.log" 2>&1
+  note "torch CP$cp $net: $(grep -h '^{' "$out/torch-cp$cp-$net.log" | tail -1)"
+  grep -q '^{' "$out/torch-cp$cp-$net.log" || tail -3 "$out/torch-cp$cp-$net.log"
+done
+kill "$sampler" 2>/dev/null
+echo "== summary"
+cat "$summary"
