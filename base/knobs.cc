@@ -37,6 +37,10 @@ constexpr KnobSpec kKnobs[] = {
     {kCommunicationSms, KnobType::kInt, "4", "0..64",
      "CUDA attention beside a ring exchange: the SMs its kernels leave free for the exchange's "
      "NCCL kernel (0: none; the exchange may then wait for the attention kernel to end)"},
+    {kCommunicationPriority, KnobType::kChoice, "default", "default|high",
+     "Device ring: the priority of NCCL's stream (high: its kernels' CTAs are placed before "
+     "the attention kernel's waiting ones; for measurement: on 4 H200s the exchanges of CP4's "
+     "middle steps ended only with their steps' kernels)"},
     {kDecodeKernel, KnobType::kBool, "1", "0|1",
      "CUDA attention: calls with at most 4 query rows per slice take the split-KV decode "
      "kernel (0: the prefill kernel, for comparison; K/V read in place from the KV cache's "
