@@ -23,14 +23,9 @@ for i in 1 2; do
 done
 ring sockets "$cp" "$out/cp$cp-sockets" --seq-lens 131072 --algo pass-kv --repeat 8
 note "CP$cp sockets: $(runs "$out/cp$cp-sockets.log")"
-python3 bench/gpu/torch_cp_peer.py --tokens 131072 > "$out/torch-cp1.log" 2>&1
-note "torch CP1: $(grep -h '^{' "$out/torch-cp1.log" | tail -1)"
-for net in nvlink sockets; do
-  env $(net_env $net) timeout 200 python3 -m torch.distributed.run --nproc_per_node "$cp" \
-    bench/gpu/torch_cp_peer.py --tokens 131072 > "$out/torch-cp$cp-$net.log" 2>&1
-  note "torch CP$cp $net: $(grep -h '^{' "$out/torch-cp$cp-$net.log" | tail -1)"
-  grep -q '^{' "$out/torch-cp$cp-$net.log" || tail -3 "$out/torch-cp$cp-$net.log"
-done
+torch_cp 1 nvlink
+torch_cp "$cp" nvlink
+torch_cp "$cp" sockets
 kill "$sampler" 2>/dev/null
 echo "== summary"
 cat "$summary"

@@ -81,22 +81,27 @@ model_vs_transformers() {  # model_vs_transformers T...: the 8B cut to 2 layers 
 }
 
 ring_vs_torch() {  # ring_vs_torch CP: 128K, CP1 and CP-way on NVLink and sockets, cpfill's ring
-  local cp=$1 net np peer_log  # then PyTorch's context parallelism (cuDNN), same call
+  local cp=$1 net np  # then PyTorch's context parallelism (cuDNN), same call
   for net in nvlink sockets; do
     for np in 1 "$cp"; do
       [ "$np" = 1 ] && [ $net = sockets ] && continue
       ring $net "$np" "$out/cpfill-cp$np-$net" --seq-lens 131072 --algo pass-kv --repeat 5
       note "cpfill CP$np $net: $(slowest "$out/cpfill-cp$np-$net.log")"
-      peer_log=$out/torch-cp$np-$net.log
-      if [ "$np" = 1 ]; then
-        peer_log=$out/torch-cp1.log
-        python3 bench/gpu/torch_cp_peer.py --tokens 131072 > "$peer_log" 2>&1
-      else
-        env $(net_env $net) timeout 150 python3 -m torch.distributed.run --nproc_per_node "$np" \
-          bench/gpu/torch_cp_peer.py --tokens 131072 > "$peer_log" 2>&1
-      fi
-      note "torch CP$np $net: $(grep -h '^{' "$peer_log" | tail -1)"
-      grep -q '^{' "$peer_log" || tail -3 "$peer_log"
+      torch_cp "$np" $net
     done
   done
+}
+
+torch_cp() {  # torch_cp NP NET: PyTorch's context parallelism (cuDNN) at 128K, its line noted
+  local np=$1 net=$2 peer_log
+  if [ "$np" = 1 ]; then
+    peer_log=$out/torch-cp1.log
+    python3 bench/gpu/torch_cp_peer.py --tokens 131072 > "$peer_log" 2>&1
+  else
+    peer_log=$out/torch-cp$np-$net.log
+    env $(net_env "$net") timeout 200 python3 -m torch.distributed.run --nproc_per_node "$np" \
+      bench/gpu/torch_cp_peer.py --tokens 131072 > "$peer_log" 2>&1
+  fi
+  note "torch CP$np $net: $(grep -h '^{' "$peer_log" | tail -1)"
+  grep -q '^{' "$peer_log" || tail -3 "$peer_log"
 }

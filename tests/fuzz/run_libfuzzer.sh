@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz/*_fuzz.cc) with clang, ASan and UBSan, seeds each with
-# a small valid input, and runs both at once for a bounded time. Any crash, sanitizer report, leak or
-# timeout fails with libFuzzer's report and the input that caused it (saved under BUILD/crashes).
+# a small valid input, and runs both at once for a bounded time. Any crash, sanitizer report,
+# leak or timeout fails with libFuzzer's report and the input that caused it (saved under
+# BUILD/crashes).
 #
 #   bash tests/fuzz/run_libfuzzer.sh [BUILD_DIR=build-fuzz] [SECONDS_PER_TARGET=45]
 set -euo pipefail
