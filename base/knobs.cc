@@ -39,8 +39,11 @@ constexpr KnobSpec kKnobs[] = {
      "NCCL kernel (0: none; the exchange may then wait for the attention kernel to end)"},
     {kCommunicationPriority, KnobType::kChoice, "default", "default|high",
      "Device ring: the priority of NCCL's stream (high: its kernels' CTAs are placed before "
-     "the attention kernel's waiting ones; for measurement: on 4 H200s the exchanges of CP4's "
-     "middle steps ended only with their steps' kernels)"},
+     "the attention kernel's waiting ones; measured on 4 H200s: no change)"},
+    {kRingExchangeCtas, KnobType::kChoice, "sms", "sms|nccl",
+     "Device ring: the CTAs of a ring exchange's NCCL kernel (sms: at most "
+     "CPFILL_COMMUNICATION_SMS, so it fits beside the attention kernel; nccl: NCCL's own "
+     "count, whose CTAs beyond the free SMs waited for the kernel's end on 4 H200s)"},
     {kDecodeKernel, KnobType::kBool, "1", "0|1",
      "CUDA attention: calls with at most 4 query rows per slice take the split-KV decode "
      "kernel (0: the prefill kernel, for comparison; K/V read in place from the KV cache's "

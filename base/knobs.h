@@ -48,6 +48,7 @@ inline constexpr std::string_view kHopperMaxCtas = "CPFILL_HOPPER_MAX_CTAS";
 inline constexpr std::string_view kHopperSchedule = "CPFILL_HOPPER_SCHEDULE";
 inline constexpr std::string_view kCommunicationSms = "CPFILL_COMMUNICATION_SMS";
 inline constexpr std::string_view kCommunicationPriority = "CPFILL_COMMUNICATION_PRIORITY";
+inline constexpr std::string_view kRingExchangeCtas = "CPFILL_RING_EXCHANGE_CTAS";
 inline constexpr std::string_view kDecodeKernel = "CPFILL_DECODE_KERNEL";
 inline constexpr std::string_view kDecodeGemv = "CPFILL_DECODE_GEMV";
 inline constexpr std::string_view kDecodeSplitWaves = "CPFILL_DECODE_SPLIT_WAVES";

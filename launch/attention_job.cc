@@ -76,12 +76,12 @@ BatchMemory AttentionMemory(const AttentionBatch& b, const parallel::ProcessGrid
                             bool gather, bool check) {
   // Element counts in double: lengths up to 2^31 times heads times head_dim overflow int64
   // for a batch of many sequences; the count is only compared with what is free.
-  double q_rows = 0, kv_rows = 0, padded_new = 0, padded_kv = 0;
+  double q_rows = 0, kv_rows = 0, padded_kv = 0;
+  const double padded_new = static_cast<double>(b.plan.MaxRankNewTokens());
   for (int s = 0; s < b.plan.num_sequences(); ++s) {
     const sharding::RankSequenceShard& mine = b.plan.shard(grid.cp_rank, s);
     q_rows += mine.new_tokens();
     kv_rows += mine.kv_tokens();
-    padded_new += b.plan.PaddedNewTokens(s);
     padded_kv += b.plan.PaddedKvTokens(s);
   }
   const double hq = b.shape.num_heads, hkv = b.shape.num_kv_heads, d = b.shape.head_dim;

@@ -300,7 +300,7 @@ MessageLayout RingAttention::KvMessage() const {
 
 MessageLayout RingAttention::QMessage() const {
   const size_t row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim * ops_->elem_bytes();
-  return MessageLayout::Make(ring_plan_.q_slots_total(), row, 0);
+  return MessageLayout::Make(ring_plan_.q_message_slots(), row, 0);
 }
 
 absl::Status RingAttention::PackKv(const void* k, const void* v, char* msg) {
@@ -331,43 +331,23 @@ absl::Status RingAttention::PackKv(const void* k, const void* v, char* msg) {
   return absl::OkStatus();
 }
 
+// The message is this rank's local Q as it is (RingPlan::q_message_slots): one copy each of
+// the rows and their positions, whatever the batch's sequence count.
 absl::Status RingAttention::PackQ(const void* q, char* msg) {
   const size_t row = static_cast<size_t>(shape_.num_heads) * shape_.head_dim * ops_->elem_bytes();
   const MessageLayout m = QMessage();
-  const sharding::LocalLayout& layout = ring_plan_.layout();
-  for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
-    const int64_t n = layout.q_len[s], src = layout.q_offset[s];
-    const int64_t dst = ring_plan_.q_slot_offset(s), pad = ring_plan_.q_slots(s) - n;
-    char* mq = msg + m.a_offset + dst * row;
-    char* mpos = msg + m.pos_offset + dst * sizeof(int32_t);
-    if (n > 0) {
-      CPFILL_RETURN_IF_ERROR(ops_->Copy(mq, static_cast<const char*>(q) + src * row, n * row));
-      CPFILL_RETURN_IF_ERROR(
-          ops_->Copy(mpos, ops_->q_positions(position_slot_) + src, n * sizeof(int32_t)));
-    }
-    if (pad > 0) {
-      CPFILL_RETURN_IF_ERROR(ops_->Fill(mq + n * row, 0, pad * row));
-      CPFILL_RETURN_IF_ERROR(
-          ops_->Fill(mpos + n * sizeof(int32_t), kPadPositionByte, pad * sizeof(int32_t)));
-    }
+  const int64_t rows = ring_plan_.layout().q_rows(), pad = ring_plan_.q_message_slots() - rows;
+  char* mpos = msg + m.pos_offset;
+  if (rows > 0) {
+    CPFILL_RETURN_IF_ERROR(ops_->Copy(msg + m.a_offset, q, rows * row));
+    CPFILL_RETURN_IF_ERROR(
+        ops_->Copy(mpos, ops_->q_positions(position_slot_), rows * sizeof(int32_t)));
   }
-  return absl::OkStatus();
-}
-
-absl::Status RingAttention::UnpackQ(const float* merged_o, const float* merged_lse, float* o,
-                                    float* lse) {
-  const int heads = shape_.num_heads;
-  const size_t q_row = static_cast<size_t>(heads) * shape_.head_dim;
-  const sharding::LocalLayout& layout = ring_plan_.layout();
-  for (int s = 0; s < ring_plan_.num_sequences(); ++s) {
-    const int64_t rows = layout.q_len[s];
-    if (rows == 0) continue;
-    CPFILL_RETURN_IF_ERROR(ops_->Copy(o + layout.q_offset[s] * q_row,
-                                      merged_o + ring_plan_.q_slot_offset(s) * q_row,
-                                      rows * q_row * sizeof(float)));
-    CPFILL_RETURN_IF_ERROR(ops_->Copy(lse + layout.q_offset[s] * heads,
-                                      merged_lse + ring_plan_.q_slot_offset(s) * heads,
-                                      rows * heads * sizeof(float)));
+  // The rows past ours are in no slice; position -1 keeps them masked all the same, should a
+  // kernel's tile read past its slice.
+  if (pad > 0) {
+    CPFILL_RETURN_IF_ERROR(
+        ops_->Fill(mpos + rows * sizeof(int32_t), kPadPositionByte, pad * sizeof(int32_t)));
   }
   return absl::OkStatus();
 }
@@ -538,16 +518,16 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   const MessageLayout m = QMessage();
   const sharding::LocalLayout& layout = ring_plan_.layout();
   const size_t q_row = static_cast<size_t>(heads) * shape_.head_dim;
-  const int64_t slots = ring_plan_.q_slots_total();
-  // A partial block: [O: q slots x H x D][LSE: q slots x H], all fp32.
-  const size_t block_floats = slots * (q_row + heads);
+  // Partial block s: [O: rows x H x D][LSE: rows x H], fp32, for rank s's rows in its own
+  // order (RingPlan::source_q_rows(s)), at s times the largest block's size.
+  const size_t row_floats = q_row + heads;
+  const size_t block_floats = ring_plan_.q_message_slots() * row_floats;
   const size_t block_bytes = block_floats * sizeof(float);
   char* msg[2];
   CPFILL_ASSIGN_OR_RETURN(msg[0], Scratch(kMsg0, m.bytes));
   CPFILL_ASSIGN_OR_RETURN(msg[1], Scratch(kMsg1, m.bytes));
   CPFILL_ASSIGN_OR_RETURN(char* partials_bytes, Scratch(kPartials, n * block_bytes));
   CPFILL_ASSIGN_OR_RETURN(char* received_bytes, Scratch(kReceived, n * block_bytes));
-  CPFILL_ASSIGN_OR_RETURN(char* merged_bytes, Scratch(kMerged, block_bytes));
   float* partials = reinterpret_cast<float*>(partials_bytes);
   float* received = reinterpret_cast<float*>(received_bytes);
   CPFILL_RETURN_IF_ERROR(BeginTimedRun(n));
@@ -571,17 +551,18 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
     // Step j.2: O_s^k = GQA(Q^s, KV_k) into the partial block destined for rank s.
     ring_plan_.PassQSlices(src, &slices, &step, &keyless);
     float* block = partials + src * block_floats;
+    const int64_t rows = ring_plan_.source_q_rows(src);
     const RingStepArgs a{.shape = shape_,
                          .q = msg[cur] + m.a_offset,
                          .q_pos = reinterpret_cast<const int32_t*>(msg[cur] + m.pos_offset),
-                         .q_tokens = slots,
+                         .q_tokens = rows,
                          .k = k,
                          .v = v,
                          .k_pos = ops_->kv_positions(position_slot_),
                          .kv_tokens = layout.kv_rows(),
                          .slices = slices,
                          .o = block,
-                         .lse = block + slots * q_row,
+                         .lse = block + rows * q_row,
                          .communication_in_flight = exchange != nullptr,
                          .exchange = exchange.get(),
                          .paged_kv = options_.paged_kv,
@@ -594,42 +575,43 @@ absl::Status RingAttention::RunPassQ(const void* q, const void* k, const void* v
   // Step N: every partial goes home. Block s of `partials` (our KV against rank s's queries)
   // goes to rank s; block p of `received` is our queries against rank p's KV. Our own block
   // stays where it is.
-  std::vector<size_t> send_bytes(n, block_bytes), offsets(n);
-  for (int p = 0; p < n; ++p) offsets[p] = p * block_bytes;
-  send_bytes[me] = 0;
+  const int64_t my_rows = layout.q_rows();
+  std::vector<size_t> send_bytes(n), recv_bytes(n), offsets(n);
+  for (int p = 0; p < n; ++p) {
+    offsets[p] = p * block_bytes;
+    send_bytes[p] = p == me ? 0 : ring_plan_.source_q_rows(p) * row_floats * sizeof(float);
+    recv_bytes[p] = p == me ? 0 : my_rows * row_floats * sizeof(float);
+  }
   const int a0 = Mark();
   {
     ProfilerRange range(*ops_, "all-to-all");
     CPFILL_RETURN_IF_ERROR(
-        cp_.AllToAll(partials, send_bytes, offsets, received, send_bytes, offsets));
+        cp_.AllToAll(partials, send_bytes, offsets, received, recv_bytes, offsets));
   }
   const int a1 = Mark();
-  t->all_to_all_bytes = static_cast<int64_t>((n - 1) * block_bytes);
+  t->all_to_all_bytes = 0;
+  for (size_t b : send_bytes) t->all_to_all_bytes += static_cast<int64_t>(b);
 
-  // Step N+1: O_k = merge over s of O_k^s (App. B eq. 4), then back to local row order.
+  // Step N+1: O_k = merge over s of O_k^s (App. B eq. 4). The blocks are already in local row
+  // order (the message was our local Q), so the merge writes o and lse directly.
   std::vector<PartialView> parts(n);
   for (int p = 0; p < n; ++p) {
     const float* b = (p == me ? partials : received) + p * block_floats;
-    parts[p] = {.o = b, .lse = b + slots * q_row};
+    parts[p] = {.o = b, .lse = b + my_rows * q_row};
   }
-  float* merged_o = reinterpret_cast<float*>(merged_bytes);
-  float* merged_lse = merged_o + slots * q_row;
-  {
+  if (my_rows > 0) {
     ProfilerRange range(*ops_, "merge");
-    CPFILL_RETURN_IF_ERROR(ops_->Merge(shape_, slots, parts, merged_o, merged_lse));
+    CPFILL_RETURN_IF_ERROR(ops_->Merge(shape_, my_rows, parts, o, lse));
   }
   const int m1 = Mark();
-  CPFILL_RETURN_IF_ERROR(UnpackQ(merged_o, merged_lse, o, lse));
-  const int u1 = Mark();
 
   CPFILL_RETURN_IF_ERROR(FinishTimedRun());
-  t->pack_s += Seconds(p0, p1) + Seconds(m1, u1);
+  t->pack_s += Seconds(p0, p1);
   t->all_to_all_s = Seconds(a0, a1);
   t->merge_s = Seconds(a1, m1);
   AddSpan(t, "pack", "compute", p0, p0, p1);
   AddSpan(t, "all-to-all", "exchange", p0, a0, a1);
   AddSpan(t, "merge", "compute", p0, a1, m1);
-  AddSpan(t, "unpack", "compute", p0, m1, u1);
   log.Report(*this, t);
   return absl::OkStatus();
 }

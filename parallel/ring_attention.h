@@ -9,7 +9,9 @@
 //              running (O, LSE) as it is computed.
 //   pass-Q     (Alg. 3) queries and their positions travel, KV stays; each rank's partial outputs
 //              for the other ranks' queries go back to their owners in one all-to-all, and every
-//              rank merges the N partials of its own queries (App. B eq. 4).
+//              rank merges the N partials of its own queries (App. B eq. 4). A message is its
+//              source's local Q unpadded (a decode step's: that rank's B/N sequences), in slots
+//              for the largest rank's rows, so the merge writes the local output directly.
 //   all-gather the baseline: gather every rank's KV, then one attention per sequence.
 // All three handle full prefill (P = 0) and partial prefill (P > 0) alike: the plan says where
 // cached KV lives and every token carries its global position, so the causal mask is exact.
@@ -281,7 +283,7 @@ class RingAttention {
 
  private:
   // Scratch slots of the ops (RingOps::Buffer).
-  enum Slot : int { kMsg0, kMsg1, kPartials, kReceived, kMerged, kGathered, kGatheredKv };
+  enum Slot : int { kMsg0, kMsg1, kPartials, kReceived, kGathered, kGatheredKv };
   // Marks of one ring step: around its compute, and after its exchange was waited for.
   struct StepMarks {
     int c0 = 0, c1 = 0, w1 = 0;
@@ -310,12 +312,10 @@ class RingAttention {
   // Message layouts (ring_plan.h): pass-KV [K][V][positions], pass-Q [Q][positions].
   MessageLayout KvMessage() const;
   MessageLayout QMessage() const;
-  // Copies this rank's rows into message slots; padding slots get zeros and position -1 (all
-  // bytes 0xFF), clearing whatever a peer's message left there.
+  // Copies this rank's rows into message slots; padding slots get position -1 (all bytes 0xFF)
+  // and, in KV messages, zeros, clearing whatever a peer's message left there.
   absl::Status PackKv(const void* k, const void* v, char* msg);
   absl::Status PackQ(const void* q, char* msg);
-  // Pass-Q's merged rows (q-slot layout) back to local row order.
-  absl::Status UnpackQ(const float* merged_o, const float* merged_lse, float* o, float* lse);
   // All-gather: each sequence's keys from all ranks side by side.
   absl::Status Repack(const char* gathered, char* gathered_kv);
   absl::StatusOr<char*> Scratch(Slot slot, size_t bytes);

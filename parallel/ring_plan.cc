@@ -32,9 +32,17 @@ RingPlan::RingPlan(const sharding::ShardPlan& plan, int cp_rank, bool causal)
     kv_slot_offset_.push_back(kv_slots_total_);
     kv_slots_.push_back(plan_.PaddedKvTokens(s));
     kv_slots_total_ += kv_slots_.back();
-    q_slot_offset_.push_back(q_slots_total_);
-    q_slots_.push_back(plan_.PaddedNewTokens(s));
-    q_slots_total_ += q_slots_.back();
+  }
+  // Every source's queries in its own local order: the offsets MakeLocalLayout gives that rank.
+  source_q_offset_.resize(plan_.cp_size);
+  for (int r = 0; r < plan_.cp_size; ++r) {
+    int64_t rows = 0;
+    for (int s = 0; s < plan_.num_sequences(); ++s) {
+      source_q_offset_[r].push_back(rows);
+      rows += plan_.shard(r, s).new_tokens();
+    }
+    source_q_rows_.push_back(rows);
+    q_message_slots_ = std::max(q_message_slots_, rows);
   }
 }
 
@@ -83,11 +91,11 @@ void RingPlan::PassQSlices(int source, std::vector<attention::SequenceSlice>* sl
     if (!CountChunkPairs(s, source, cp_rank_, step)) {
       const int64_t rows = plan_.shard(source, s).new_tokens();
       if (keyless != nullptr && rows > 0) {
-        keyless->push_back({.q_begin = q_slot_offset_[s], .q_len = rows});
+        keyless->push_back({.q_begin = source_q_offset_[source][s], .q_len = rows});
       }
       continue;
     }
-    slices->push_back({.q_begin = q_slot_offset_[s],
+    slices->push_back({.q_begin = source_q_offset_[source][s],
                        .q_len = plan_.shard(source, s).new_tokens(),
                        .kv_begin = layout_.kv_offset[s],
                        .kv_len = layout_.kv_len[s]});

@@ -89,10 +89,14 @@ class RingPlan {
   int64_t kv_slot_offset(int seq) const { return kv_slot_offset_[seq]; }
   int64_t kv_slots(int seq) const { return kv_slots_[seq]; }
   int64_t kv_slots_total() const { return kv_slots_total_; }
-  // pass-Q messages: sequence i at q_slot_offset(i), max_j T_j^i slots, queries then padding.
-  int64_t q_slot_offset(int seq) const { return q_slot_offset_[seq]; }
-  int64_t q_slots(int seq) const { return q_slots_[seq]; }
-  int64_t q_slots_total() const { return q_slots_total_; }
+  // pass-Q messages carry their source rank's queries as that rank holds them (its LocalLayout:
+  // sequence after sequence, no padding between them) in q_message_slots() = max over ranks of
+  // their query rows; the rows past the source's own are in no slice. A decode step's message
+  // thus holds the source's B/N sequences, not a slot for each of the batch's B: N times fewer
+  // bytes, and forks of one prompt lie side by side for prefix batching's roots.
+  int64_t q_message_slots() const { return q_message_slots_; }
+  int64_t source_q_rows(int source) const { return source_q_rows_[source]; }
+  int64_t source_q_offset(int source, int seq) const { return source_q_offset_[source][seq]; }
 
   // Step slices. pass-KV: this rank's query rows against `source`'s keys in a KV message.
   // pass-Q: `source`'s queries in a Q message against this rank's key rows. All-gather: this
@@ -123,8 +127,9 @@ class RingPlan {
   bool causal_;
   std::vector<int64_t> kv_slot_offset_, kv_slots_;
   int64_t kv_slots_total_ = 0;
-  std::vector<int64_t> q_slot_offset_, q_slots_;
-  int64_t q_slots_total_ = 0;
+  std::vector<std::vector<int64_t>> source_q_offset_;  // [source][seq]
+  std::vector<int64_t> source_q_rows_;
+  int64_t q_message_slots_ = 0;
 };
 
 }  // namespace cpfill::parallel

@@ -121,11 +121,35 @@ TEST(RingPlan, PassQNamesQueriesWithoutKeysHere) {
   EXPECT_TRUE(slices.empty());
   ASSERT_EQ(keyless.size(), 3u);
   for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(keyless[i].q_begin, other.q_slot_offset(i));
+    EXPECT_EQ(keyless[i].q_begin, i);  // rank 0's queries, unpadded
     EXPECT_EQ(keyless[i].q_len, 1);
   }
   other.PassQSlices(1, &slices, &step, &keyless);  // rank 1 holds none of their queries
   EXPECT_TRUE(keyless.empty());
+}
+
+// A decode step's pass-Q message holds its source's queries only: B/N slots, not B, and the
+// source's sequences side by side (no other rank's padding between them), on every receiver.
+TEST(RingPlan, PassQDecodeMessagesHoldTheSourcesQueriesOnly) {
+  constexpr int kRanks = 4, kBatch = 8;
+  std::vector<sharding::SequenceRequest> seqs(kBatch, {.new_tokens = 1, .cached_tokens = 64});
+  auto plan = sharding::PlanDecode(seqs, kRanks, /*step=*/1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (int me = 0; me < kRanks; ++me) {
+    const RingPlan ring(*plan, me, /*causal=*/true);
+    EXPECT_EQ(ring.q_message_slots(), kBatch / kRanks);
+    for (int source = 0; source < kRanks; ++source) {
+      EXPECT_EQ(ring.source_q_rows(source), kBatch / kRanks);
+      std::vector<attention::SequenceSlice> slices;
+      RingStepTiming step;
+      ring.PassQSlices(source, &slices, &step);
+      ASSERT_EQ(slices.size(), static_cast<size_t>(kBatch / kRanks));
+      for (size_t i = 0; i < slices.size(); ++i) {
+        EXPECT_EQ(slices[i].q_begin, static_cast<int64_t>(i));
+        EXPECT_EQ(slices[i].q_len, 1);
+      }
+    }
+  }
 }
 
 // A mixed batch's rings: one per run of adjacent sequences with one algorithm; GroupOrder puts

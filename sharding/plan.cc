@@ -128,9 +128,13 @@ std::vector<int64_t> ChunkSizes(int64_t tokens, int cp_size) {
   return sizes;
 }
 
-int64_t ShardPlan::PaddedNewTokens(int seq) const {
+int64_t ShardPlan::MaxRankNewTokens() const {
   int64_t m = 0;
-  for (int r = 0; r < cp_size; ++r) m = std::max(m, shards[r][seq].new_tokens());
+  for (int r = 0; r < cp_size; ++r) {
+    int64_t rows = 0;
+    for (const RankSequenceShard& shard : shards[r]) rows += shard.new_tokens();
+    m = std::max(m, rows);
+  }
   return m;
 }
 
@@ -141,10 +145,8 @@ int64_t ShardPlan::PaddedKvTokens(int seq) const {
 }
 
 int64_t ShardPlan::NewTokenPadding() const {
-  int64_t pad = 0;
-  for (int s = 0; s < num_sequences(); ++s) {
-    pad += PaddedNewTokens(s) * cp_size - sequences[s].new_tokens;
-  }
+  int64_t pad = MaxRankNewTokens() * cp_size;
+  for (const SequenceRequest& s : sequences) pad -= s.new_tokens;
   return pad;
 }
 

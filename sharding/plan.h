@@ -70,12 +70,13 @@ struct ShardPlan {
   int num_sequences() const { return static_cast<int>(sequences.size()); }
   const RankSequenceShard& shard(int cp_rank, int seq) const { return shards[cp_rank][seq]; }
 
-  // Slots per rank that a sequence's new tokens occupy in an equal-sized (padded) message:
-  // the max over ranks of new_tokens (ceil(T/N) for prefill, 1 for decode).
-  int64_t PaddedNewTokens(int seq) const;
+  // The most new tokens one rank holds, over the whole batch: the slots of a pass-Q message,
+  // which carries its rank's queries unpadded (about B/N for a decode step of B sequences).
+  int64_t MaxRankNewTokens() const;
   // L^i of Alg. 2: the max over ranks of cached + new tokens of a sequence.
   int64_t PaddedKvTokens(int seq) const;
-  // Padding slots the equal-sized messages add, over all ranks and sequences.
+  // Padding slots the equal-sized messages add over all ranks: pass-Q's (N messages of
+  // MaxRankNewTokens) and pass-KV's (per sequence, N x L^i).
   int64_t NewTokenPadding() const;
   int64_t KvPadding() const;
 

@@ -67,7 +67,8 @@ TEST(PlanPrefill, EveryTokenOnceBalancedWorkAndKv) {
     for (int64_t t : lengths) seqs.push_back({.new_tokens = t});
     auto plan = PlanPrefill(seqs, n);
     ASSERT_TRUE(plan.ok()) << plan.status();
-    int64_t padding = 0;
+    std::vector<int64_t> rank_rows(n, 0);
+    int64_t total = 0;
     for (int s = 0; s < plan->num_sequences(); ++s) {
       const int64_t t = lengths[s];
       std::vector<std::vector<PositionRun>> runs;
@@ -88,10 +89,15 @@ TEST(PlanPrefill, EveryTokenOnceBalancedWorkAndKv) {
           << "T=" << t << " N=" << n;
       EXPECT_LE(*std::max_element(kv.begin(), kv.end()) - *std::min_element(kv.begin(), kv.end()),
                 1);
-      EXPECT_EQ(plan->PaddedNewTokens(s), (t + n - 1) / n);
-      padding += (t + n - 1) / n * n - t;
+      for (int r = 0; r < n; ++r) rank_rows[r] += plan->shard(r, s).new_tokens();
+      total += t;
     }
-    EXPECT_EQ(plan->NewTokenPadding(), padding);
+    // Pass-Q messages: N of the largest rank's rows; every rank within one row per sequence.
+    const int64_t most = *std::max_element(rank_rows.begin(), rank_rows.end());
+    EXPECT_EQ(plan->MaxRankNewTokens(), most);
+    EXPECT_LE(most - *std::min_element(rank_rows.begin(), rank_rows.end()),
+              static_cast<int64_t>(lengths.size()));
+    EXPECT_EQ(plan->NewTokenPadding(), most * n - total);
   }
 }
 
@@ -177,7 +183,7 @@ TEST(PlanDecode, RoundRobinWithMovingOffsetFillsRanksEvenly) {
       ++decoded[owner];
       ++lengths[b];
     }
-    EXPECT_EQ(plan->PaddedNewTokens(0), 1);
+    EXPECT_EQ(plan->MaxRankNewTokens(), 1);  // 3 sequences on 4 ranks: one query each at most
     layout = plan->KvLayoutAfter();
   }
   // 2N steps of 3 sequences: every rank took 6 tokens.

@@ -255,7 +255,7 @@ assert names[3] == "rank 3 (node 1, TP rank 1, CP rank 1)", names
 for pid in range(4):
     spans = {e["name"]: e for e in events if e["ph"] == "X" and e["pid"] == pid}
     want = {"pack", "step 0 attention", "step 0 exchange", "step 0 wait", "step 1 attention",
-            "all-to-all", "merge", "unpack"}
+            "all-to-all", "merge"}
     assert want <= set(spans), (pid, sorted(spans))
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in spans.values()), spans
     assert spans["step 0 exchange"]["tid"] == spans["all-to-all"]["tid"] != spans["merge"]["tid"]

@@ -233,6 +233,11 @@ std::vector<Case> Cases() {
       {.name = "partial prefill, few new tokens on a long cache (pass-Q territory)",
        .sequences = {{.new_tokens = 3, .cached_tokens = 700},
                      {.new_tokens = 1, .cached_tokens = 5}}},
+      {.name = "one new token after each of three caches (every query on rank 0: the other "
+               "ranks send empty pass-Q messages and merge nothing)",
+       .sequences = {{.new_tokens = 1, .cached_tokens = 40},
+                     {.new_tokens = 1, .cached_tokens = 9},
+                     {.new_tokens = 1, .cached_tokens = 130}}},
       {.name = "partial prefill on a cache built by three earlier turns",
        .sequences = {{.new_tokens = 50, .cached_tokens = 431},
                      {.new_tokens = 13, .cached_tokens = 31}},

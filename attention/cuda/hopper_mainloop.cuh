@@ -121,9 +121,12 @@ class HopperConsumer {
     acc.m_row[0] = acc.m_row[1] = -INFINITY;
     acc.l_row[0] = acc.l_row[1] = 0.f;
     // A stage's info is read before its K is released: the K/V thread rewrites it for the
-    // stage's next tile.
+    // stage's next tile. Lane 0 reads it, the lane that releases K, and shuffles it to the
+    // others: read by every lane, the word's reads by lanes 1-31 reach the K/V thread's next
+    // write only through __syncwarp and lane 0's arrive, which racecheck does not follow
+    // (it reported each such pair as a hazard).
     MbarWait(sm_.FullK(RingStage<kStages>(g)), RingPhase<kStages>(g));
-    const int info = WarpUniform(sm_.tile_info[RingStage<kStages>(g)]);
+    const int info = WarpUniform(lane_ == 0 ? sm_.tile_info[RingStage<kStages>(g)] : 0);
     if (info & kTileNone) {
       SkipEmptyStage(it, RingStage<kStages>(g), RingPhase<kStages>(g));
       return 1;
@@ -174,7 +177,7 @@ class HopperConsumer {
     while (!(info & kTileLast)) {
       const int st = stage(i), st_next = stage(i + 1);
       MbarWait(sm_.FullK(st_next), phase(i + 1));
-      const int info_next = WarpUniform(sm_.tile_info[st_next]);
+      const int info_next = WarpUniform(lane_ == 0 ? sm_.tile_info[st_next] : 0);
       TurnBegin();
       IssueQk(acc, it.q_desc, k_desc, st_next);
       MbarWait(sm_.FullV(st), phase(i));

@@ -59,8 +59,8 @@ system_steps() {
   step cli_multigpu_stopped_rank_named bash tests/cli_test.sh multigpu_stopped_rank_named \
     "$carry/cpfill"
   step cli_multigpu_device_ring bash tests/cli_test.sh multigpu_device_ring "$carry/cpfill"
-  step cli_multigpu_device_ring_priority env CPFILL_COMMUNICATION_PRIORITY=high \
-    bash tests/cli_test.sh multigpu_device_ring "$carry/cpfill"
+  step cli_multigpu_device_ring_knobs env CPFILL_COMMUNICATION_PRIORITY=high \
+    CPFILL_RING_EXCHANGE_CTAS=nccl bash tests/cli_test.sh multigpu_device_ring "$carry/cpfill"
   step hf_transformers_check python3 tests/hf_transformers_check.py "$carry/cpfill" /tmp/hf \
     --backend all
   # A batch too large for the GPU but not for the host: refused on the GPU's numbers, exit 2.

@@ -124,9 +124,11 @@ NcclCommunicator::NcclCommunicator(ncclComm_t comm, std::string name, cudaStream
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Make(ncclComm_t comm,
                                                                          std::string name,
                                                                          cudaStream_t compute,
-                                                                         CommOptions options) {
+                                                                         CommOptions options,
+                                                                         ncclComm_t ring_comm) {
   std::unique_ptr<NcclCommunicator> c(
       new NcclCommunicator(comm, std::move(name), compute, options));
+  c->ring_comm_ = ring_comm;
   CPFILL_NCCL_CHECK(ncclCommUserRank(comm, &c->rank_));
   CPFILL_NCCL_CHECK(ncclCommCount(comm, &c->size_));
   CPFILL_ASSIGN_OR_RETURN(const int priority, CommunicationStreamPriority());
@@ -139,13 +141,12 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Make(ncclCom
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  if (comm_ != nullptr) {
-    if (aborted_) {
-      // already aborted
-    } else if (Synchronize().ok()) {
+  if (comm_ != nullptr && !aborted_) {
+    if (Synchronize().ok()) {
       ncclCommDestroy(comm_);
+      if (ring_comm_ != nullptr) ncclCommDestroy(ring_comm_);
     } else {
-      ncclCommAbort(comm_);
+      Abort();
     }
   }
   for (auto e : events_) cudaEventDestroy(e);
@@ -171,24 +172,38 @@ absl::Status NcclCommunicator::BeginOp(const std::string& what) {
   return absl::OkStatus();
 }
 
-absl::Status NcclCommunicator::Settle() {
+void NcclCommunicator::Abort() {
+  ncclCommAbort(comm_);
+  if (ring_comm_ != nullptr) ncclCommAbort(ring_comm_);
+  aborted_ = true;
+}
+
+absl::Status NcclCommunicator::AsyncError(ncclResult_t* state) {
+  *state = ncclSuccess;
+  for (ncclComm_t c : {comm_, ring_comm_}) {
+    if (c == nullptr) continue;
+    CPFILL_NCCL_CHECK(ncclCommGetAsyncError(c, state));
+    if (*state != ncclSuccess && *state != ncclInProgress) break;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::Settle(ncclComm_t comm) {
   // Non-blocking communicators may return ncclInProgress from a call (typically while peers
   // connect the first time); no other call may follow until the state is ncclSuccess again.
   // This waits for the enqueue only, not for the transfer, and under the same deadline.
   const auto deadline = Clock::now() + options_.timeout;
   while (true) {
     ncclResult_t state = ncclSuccess;
-    CPFILL_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+    CPFILL_NCCL_CHECK(ncclCommGetAsyncError(comm, &state));
     if (state == ncclSuccess) return absl::OkStatus();
     if (state != ncclInProgress) {
-      ncclCommAbort(comm_);
-      aborted_ = true;
+      Abort();
       return absl::InternalError(absl::StrCat("NCCL error on ", name_, " rank ", rank_, ": ",
                                               ncclGetErrorString(state), " (", last_op_, ")"));
     }
     if (Clock::now() > deadline) {
-      ncclCommAbort(comm_);
-      aborted_ = true;
+      Abort();
       return absl::DeadlineExceededError(
           absl::StrCat(last_op_, " could not be enqueued within ",
                        std::chrono::duration<double>(options_.timeout).count(),
@@ -214,11 +229,12 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> NcclCommunicator::StartRingExch
   cudaEvent_t start = NextEvent(), end = NextEvent();
   CPFILL_CUDA_CHECK(cudaEventRecord(start, comm_stream_));
   // Step 1: one group, so the send and the receive progress together.
+  ncclComm_t comm = ring_comm_ != nullptr ? ring_comm_ : comm_;
   CPFILL_NCCL_CHECK(ncclGroupStart());
-  CPFILL_NCCL_CHECK(ncclSend(send, bytes, ncclUint8, next, comm_, comm_stream_));
-  CPFILL_NCCL_CHECK(ncclRecv(recv, bytes, ncclUint8, prev, comm_, comm_stream_));
+  CPFILL_NCCL_CHECK(ncclSend(send, bytes, ncclUint8, next, comm, comm_stream_));
+  CPFILL_NCCL_CHECK(ncclRecv(recv, bytes, ncclUint8, prev, comm, comm_stream_));
   CPFILL_NCCL_CHECK(ncclGroupEnd());
-  CPFILL_RETURN_IF_ERROR(Settle());
+  CPFILL_RETURN_IF_ERROR(Settle(comm));
   CPFILL_CUDA_CHECK(cudaEventRecord(end, comm_stream_));
   return std::unique_ptr<PendingExchange>(std::make_unique<NcclExchange>(start, end, compute_));
 }
@@ -253,7 +269,7 @@ absl::Status NcclCommunicator::AllToAll(const void* send, std::span<const size_t
     }
   }
   CPFILL_NCCL_CHECK(ncclGroupEnd());
-  CPFILL_RETURN_IF_ERROR(Settle());
+  CPFILL_RETURN_IF_ERROR(Settle(comm_));
   return EndOp();
 }
 
@@ -261,7 +277,7 @@ absl::Status NcclCommunicator::AllGather(const void* send, size_t bytes, void* r
   CPFILL_RETURN_IF_ERROR(BeginOp(absl::StrCat("all-gather on ", name_, " (rank ", rank_, " of ",
                                               size_, "): ", bytes, " bytes each")));
   CPFILL_NCCL_CHECK(ncclAllGather(send, recv, bytes, ncclUint8, comm_, comm_stream_));
-  CPFILL_RETURN_IF_ERROR(Settle());
+  CPFILL_RETURN_IF_ERROR(Settle(comm_));
   return EndOp();
 }
 
@@ -270,7 +286,7 @@ absl::Status NcclCommunicator::AllReduce(void* data, size_t count, DataType type
                                               size_, "): ", count, " elements")));
   CPFILL_NCCL_CHECK(
       ncclAllReduce(data, data, count, ToNccl(type), ToNccl(op), comm_, comm_stream_));
-  CPFILL_RETURN_IF_ERROR(Settle());
+  CPFILL_RETURN_IF_ERROR(Settle(comm_));
   return EndOp();
 }
 
@@ -279,7 +295,7 @@ absl::Status NcclCommunicator::Broadcast(void* data, size_t bytes, int root) {
   CPFILL_RETURN_IF_ERROR(
       BeginOp(absl::StrCat("broadcast on ", name_, " of ", bytes, " bytes from rank ", root)));
   CPFILL_NCCL_CHECK(ncclBroadcast(data, data, bytes, ncclUint8, root, comm_, comm_stream_));
-  CPFILL_RETURN_IF_ERROR(Settle());
+  CPFILL_RETURN_IF_ERROR(Settle(comm_));
   return EndOp();
 }
 
@@ -313,18 +329,16 @@ absl::Status NcclCommunicator::Synchronize() {
       CPFILL_CUDA_CHECK(e);
     }
     ncclResult_t state = ncclSuccess;
-    CPFILL_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+    CPFILL_RETURN_IF_ERROR(AsyncError(&state));
     if (state != ncclSuccess && state != ncclInProgress) {
-      ncclCommAbort(comm_);
-      aborted_ = true;
+      Abort();
       return absl::InternalError(absl::StrCat("NCCL error on ", name_, " rank ", rank_, ": ",
                                               ncclGetErrorString(state),
                                               " (last operation: ", last_op_, ")"));
     }
     if (Clock::now() > deadline) {
       // Abort so the kernels waiting for a dead peer end and this rank can report and exit.
-      ncclCommAbort(comm_);
-      aborted_ = true;
+      Abort();
       return absl::DeadlineExceededError(
           absl::StrCat(last_op_, " did not complete within ",
                        std::chrono::duration<double>(options_.timeout).count(),
@@ -358,6 +372,28 @@ void WarnIfBoundToOneCore(const ProcessGrid& grid) {
                "and NCCL's proxy threads share it: communication between hosts (sockets, "
                "InfiniBand) slows severalfold. Launch with `mpirun --bind-to none`, or give each "
                "rank several cores (`--map-by ppr:N:node:pe=K`).\n");
+}
+
+// The CP ring's communicator for ring exchanges: the same ranks, its kernels capped at the SMs
+// the attention kernel leaves free (CPFILL_RING_EXCHANGE_CTAS, CPFILL_COMMUNICATION_SMS). Null
+// where there is no ring or no cap. The knobs are read alike on every rank, so every member
+// splits or none does.
+absl::StatusOr<ncclComm_t> SplitRingExchanges(ncclComm_t cp, const ProcessGrid& grid,
+                                              std::chrono::milliseconds timeout) {
+  const int ctas = attention::cuda::SmsForCommunication();
+  if (grid.cp_size < 2 || ctas < 1 || knobs::Choice(knobs::kRingExchangeCtas) != "sms") {
+    return nullptr;
+  }
+  ncclConfig_t c = NCCL_CONFIG_INITIALIZER;
+  c.blocking = 0;
+  c.maxCTAs = ctas;
+  c.minCTAs = 1;
+  ncclComm_t ring = nullptr;
+  CPFILL_NCCL_CHECK(ncclCommSplit(cp, 0, grid.cp_rank, &ring, &c));
+  CPFILL_RETURN_IF_ERROR(WaitReady(cp, timeout, "NCCL split of cp"));
+  CPFILL_RETURN_IF_ERROR(
+      WaitReady(ring, timeout, absl::StrCat("NCCL cp ring of world rank ", grid.world_rank)));
+  return ring;
 }
 
 }  // namespace
@@ -420,10 +456,12 @@ absl::StatusOr<NcclGrid> CreateNcclGrid(const ProcessGrid& grid, CommOptions opt
   CPFILL_RETURN_IF_ERROR(grid.tp->AllReduce(&tp_leader, 1, DataType::kInt64, ReduceOp::kMin));
   CPFILL_ASSIGN_OR_RETURN(ncclComm_t tp, split(static_cast<int>(tp_leader), "tp"));
   CPFILL_ASSIGN_OR_RETURN(ncclComm_t cp, split(grid.tp_rank, "cp"));
+  CPFILL_ASSIGN_OR_RETURN(ncclComm_t cp_ring, SplitRingExchanges(cp, grid, options.timeout));
   CPFILL_ASSIGN_OR_RETURN(out.world,
                           NcclCommunicator::Make(world, "world", compute_stream, options));
   CPFILL_ASSIGN_OR_RETURN(out.tp, NcclCommunicator::Make(tp, "tp", compute_stream, options));
-  CPFILL_ASSIGN_OR_RETURN(out.cp, NcclCommunicator::Make(cp, "cp", compute_stream, options));
+  CPFILL_ASSIGN_OR_RETURN(out.cp,
+                          NcclCommunicator::Make(cp, "cp", compute_stream, options, cp_ring));
   CPFILL_CHECK_INTERNAL(out.cp->rank() == grid.cp_rank && out.cp->size() == grid.cp_size &&
                             out.tp->rank() == grid.tp_rank && out.tp->size() == grid.tp_size,
                         "NCCL groups differ from MPI's: cp ", out.cp->rank(), "/", out.cp->size(),

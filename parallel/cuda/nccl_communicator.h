@@ -6,7 +6,11 @@
 // a deadline); the world communicator is created non-blocking and polled until ready or the
 // deadline; TP and CP communicators come from ncclCommSplit with the MPI groups' colors and
 // keys, so NCCL ranks equal MPI ranks in every group. A communicator that does not become ready
-// in time is aborted (ncclCommAbort) and the error names the rank and the step.
+// in time is aborted (ncclCommAbort) and the error names the rank and the step. A CP ring of more
+// than one rank gets a second communicator for its ring exchanges, whose kernels may use at most
+// the SMs the attention kernel leaves free beside an exchange (CPFILL_COMMUNICATION_SMS):
+// NCCL's own CTA count does not fit there, and on 4 H200s the CTAs left over waited for the
+// attention kernel to end, so the SMs held back for the exchange never joined that kernel.
 //
 // Stream semantics (NcclCommunicator): every operation is enqueued on the communicator's own
 // stream after the work already on the compute stream (an event), and the compute stream is made
@@ -68,19 +72,26 @@ class NcclCommunicator : public Communicator {
  private:
   friend absl::StatusOr<struct NcclGrid> CreateNcclGrid(const ProcessGrid&, CommOptions);
   NcclCommunicator(ncclComm_t comm, std::string name, cudaStream_t compute, CommOptions options);
+  // `ring_comm` (may be null): the same ranks, for ring exchanges only.
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Make(ncclComm_t comm, std::string name,
                                                                 cudaStream_t compute,
-                                                                CommOptions options);
+                                                                CommOptions options,
+                                                                ncclComm_t ring_comm = nullptr);
 
   // Orders the communication stream after the compute stream's work so far.
   absl::Status BeginOp(const std::string& what);
   // Orders the compute stream after the communication stream's work so far.
   absl::Status EndOp();
-  // Waits (deadline-bounded) until a non-blocking call has been fully enqueued.
-  absl::Status Settle();
+  // Waits (deadline-bounded) until a non-blocking call on `comm` has been fully enqueued.
+  absl::Status Settle(ncclComm_t comm);
+  // The first asynchronous error of either communicator (ncclInProgress counts as none).
+  absl::Status AsyncError(ncclResult_t* state);
+  // Aborts both communicators; every later call fails.
+  void Abort();
   cudaEvent_t NextEvent();
 
   ncclComm_t comm_ = nullptr;
+  ncclComm_t ring_comm_ = nullptr;  // ring exchanges, their CTAs capped; null: comm_
   std::string name_;
   int rank_ = 0, size_ = 1;
   cudaStream_t compute_ = nullptr;  // not owned
