@@ -45,8 +45,9 @@ absl::Status PrefixBatchedAttentionCpu(const AttentionParams& p, KvTree levels, 
 // Prefix-batched attention in a paged step (issue 21): the step's keys are a KV cache's blocks
 // (PagedKv with its host_table), and sequences forked from one prompt start with the same block
 // ids. A run of consecutive slices whose tables share leading blocks becomes one root slice over
-// the run's query rows (from its first row to its last: rows between that belong to no slice,
-// a pass-Q message's padding at position -1, see no key) against the shared rows, read once
+// the run's query rows (from its first row to its last: rows between that belong to no slice are
+// padding at position -1 and see no key; a ring's pass-Q messages have none since they carry
+// their source's queries unpadded) against the shared rows, read once
 // through the first sequence's table; each member keeps its own rows after them. Those rows are
 // searched the same way, a level deeper: a system prompt under several documents, each asked
 // several questions, is a tree of three levels (Hydragen's hierarchical sharing), and each

@@ -121,11 +121,12 @@ inline TreeProblem MakeTreeProblem(const AttentionShape& shape, const TreeSpec& 
 }
 
 // A decode step over a KV cache's blocks as a ring step sees it (FindSharedBlocks' input): one
-// query row per sequence every `q_stride` rows (the rows between are a pass-Q message's padding,
-// position -1, in no slice), each sequence's keys the same `shared_blocks` blocks of prefix rows
-// then `own_rows` of its own, in a shuffled block pool (NaN in every row no sequence holds). The
-// first `sharing` sequences hold the prefix in the same blocks (forks of one prompt); the others
-// in copies of their own (prefilled apart): same keys, different block ids.
+// query row per sequence every `q_stride` rows (the rows between are padding, position -1, in no
+// slice, as pass-Q messages had until they carried their source's queries only), each sequence's
+// keys the same `shared_blocks` blocks of prefix rows then `own_rows` of its own, in a shuffled
+// block pool (NaN in every row no sequence holds). The first `sharing` sequences hold the prefix in
+// the same blocks (forks of one prompt); the others in copies of their own (prefilled apart): same
+// keys, different block ids.
 struct SharedBlocksSpec {
   int block_tokens = 16;
   int64_t shared_blocks = 3;

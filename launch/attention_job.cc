@@ -87,17 +87,18 @@ BatchMemory AttentionMemory(const AttentionBatch& b, const parallel::ProcessGrid
   const double hq = b.shape.num_heads, hkv = b.shape.num_kv_heads, d = b.shape.head_dim;
   const double inputs = q_rows * hq * d + 2 * kv_rows * hkv * d;
   const double outputs = q_rows * hq * (d + 1);  // O and LSE
-  // Pass-KV sends and receives padded KV; pass-Q padded Q, and gathers a partial O and LSE
-  // from every CP rank for the merge.
-  const double ring = 2 * (2 * padded_kv * hkv * d) + 2 * padded_new * hq * d +
-                      grid.cp_size * padded_new * hq * (d + 1);
+  // Pass-KV sends and receives padded KV; pass-Q the largest rank's Q rows (its messages, in
+  // the element type), then keeps a partial O and LSE block per CP rank, sent and received
+  // (always fp32). A ring of one rank allocates none of it.
+  const double messages = 2 * (2 * padded_kv * hkv * d) + 2 * padded_new * hq * d;
+  const double partials = grid.cp_size > 1 ? 2.0 * grid.cp_size * padded_new * hq * (d + 1) : 0.0;
   double host = 4 * (inputs + outputs);
   double dev = 0;
   if (device) {
-    host += 2 * inputs;                       // the bf16 copy uploaded
-    dev = 2 * (inputs + ring) + 4 * outputs;  // bf16 shard and messages, fp32 LSE and merge
+    host += 2 * inputs;                                        // the bf16 copy uploaded
+    dev = 2 * (inputs + messages) + 4 * (outputs + partials);  // bf16 shard and messages
   } else {
-    host += 4 * ring;
+    host += 4 * (messages + partials);
   }
   if (gather && grid.world_rank == 0) {
     const runtime::SyntheticAttention& in = b.inputs;

@@ -74,8 +74,9 @@ struct RingStepArgs {
   const PendingExchange* exchange = nullptr;  // that exchange, where there is one
   // Set: k/v are a KV cache's block pools, read in place through this table (attention.h).
   const attention::PagedKv* paged_kv = nullptr;
-  // Query rows in no slice that are not padding (a pass-Q message's sequences with no key on
-  // this rank): prefix batching's roots must not span them (attention::FindSharedBlocks).
+  // Query rows in no slice (a pass-Q message's sequences with no key on this rank): real
+  // queries, not padding, so prefix batching's roots must not span them
+  // (attention::FindSharedBlocks).
   std::span<const attention::SequenceSlice> keyless;
 };
 

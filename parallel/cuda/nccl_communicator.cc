@@ -141,11 +141,13 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Make(ncclCom
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  // Synchronize() aborts both communicators itself on an NCCL error or its deadline; abort here
+  // only what it left (a CUDA error, or a Make() that failed before its events existed).
   if (comm_ != nullptr && !aborted_) {
-    if (Synchronize().ok()) {
+    if (!events_.empty() && Synchronize().ok()) {
       ncclCommDestroy(comm_);
       if (ring_comm_ != nullptr) ncclCommDestroy(ring_comm_);
-    } else {
+    } else if (!aborted_) {
       Abort();
     }
   }

@@ -10,7 +10,9 @@
 // than one rank gets a second communicator for its ring exchanges, whose kernels may use at most
 // the SMs the attention kernel leaves free beside an exchange (CPFILL_COMMUNICATION_SMS):
 // NCCL's own CTA count does not fit there, and on 4 H200s the CTAs left over waited for the
-// attention kernel to end, so the SMs held back for the exchange never joined that kernel.
+// attention kernel to end, so the SMs held back for the exchange never joined that kernel. The
+// ring bandwidth the selector measures (launch/ MeasureRingGbps) goes through it too, as the
+// ring's own exchanges do.
 //
 // Stream semantics (NcclCommunicator): every operation is enqueued on the communicator's own
 // stream after the work already on the compute stream (an event), and the compute stream is made
