@@ -12,8 +12,7 @@ source "$(dirname "$0")/lib.sh"
 cp=${CP:-4} rounds=${ROUNDS:-2}
 [ $# -gt 0 ] || { echo "usage: CP=N bash $0 NAME[:VAR=VALUE,...]..." >&2; exit 2; }
 new_summary
-nvidia-smi --query-gpu=index,name,clocks.max.sm,power.limit --format=csv > "$out/gpu.txt"
-runs() { grep -oE 'run [0-9]+/[0-9]+: [0-9.]+ ms' "$1" | awk '{printf "%s ", $3}'; }
+gpu_info
 for round in $(seq "$rounds"); do
   for variant in "$@"; do
     name=${variant%%:*} envs=""
@@ -24,7 +23,7 @@ for round in $(seq "$rounds"); do
       ring nvlink "$cp" "$file" --seq-lens 131072 --algo pass-kv --repeat 8 \
         --trace "$file.trace.json"
     )
-    note "$name ($round) [${envs:-no change}]: $(runs "$file.log")"
+    note "$name ($round) [${envs:-no change}]: $(run_times "$file.log")"
   done
 done
 python3 bench/gpu/trace_steps.py "$out" "$@" | tee -a "$summary"

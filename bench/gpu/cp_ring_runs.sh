@@ -9,20 +9,19 @@ set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 cp=${1:-4}
 new_summary
-nvidia-smi --query-gpu=index,name,clocks.max.sm,power.limit --format=csv > "$out/gpu.txt"
+gpu_info
 nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,clocks_throttle_reasons.active \
   --format=csv -lms 250 > "$out/clocks.csv" 2>/dev/null &
 sampler=$!
-runs() { grep -oE 'run [0-9]+/[0-9]+: [0-9.]+ ms' "$1" | awk '{printf "%s ", $3}'; }
 for i in 1 2; do
   ring nvlink 1 "$out/cp1-$i" --seq-lens 131072 --algo pass-kv --repeat 8
-  note "CP1 ($i): $(runs "$out/cp1-$i.log")"
+  note "CP1 ($i): $(run_times "$out/cp1-$i.log")"
   ring nvlink "$cp" "$out/cp$cp-nvlink-$i" --seq-lens 131072 --algo pass-kv --repeat 8 \
     --trace "$out/trace-cp$cp-nvlink-$i.json"
-  note "CP$cp nvlink ($i): $(runs "$out/cp$cp-nvlink-$i.log")"
+  note "CP$cp nvlink ($i): $(run_times "$out/cp$cp-nvlink-$i.log")"
 done
 ring sockets "$cp" "$out/cp$cp-sockets" --seq-lens 131072 --algo pass-kv --repeat 8
-note "CP$cp sockets: $(runs "$out/cp$cp-sockets.log")"
+note "CP$cp sockets: $(run_times "$out/cp$cp-sockets.log")"
 torch_cp 1 nvlink
 torch_cp "$cp" nvlink
 torch_cp "$cp" sockets

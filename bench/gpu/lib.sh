@@ -50,6 +50,12 @@ ring() {  # ring NET NP FILE ARGS...: one `cpfill attention` on the device ring;
 }
 
 slowest() { grep -E 'run .*slowest' "$1" | tail -1; }  # the last run's slowest-rank line
+# Every `run i/n: T ms` time of a log, on one line.
+run_times() { grep -oE 'run [0-9]+/[0-9]+: [0-9.]+ ms' "$1" | awk '{printf "%s ", $3}'; }
+# The GPUs' names, top clocks and power limits (a power cap spreads runs), into $out/gpu.txt.
+gpu_info() {
+  nvidia-smi --query-gpu=index,name,clocks.max.sm,power.limit --format=csv > "$out/gpu.txt"
+}
 
 prefill() {  # prefill TAG NP ARGS...: one cpfill prefill of the 8B geometry, its TTFT line noted
   local tag=$1 np=$2 rc
