@@ -21,9 +21,9 @@
 
 #include <cmath>
 
-#if defined(__CUDACC__)
+#if !defined(CPFILL_HD) && defined(__CUDACC__)
 #define CPFILL_HD __host__ __device__
-#else
+#elif !defined(CPFILL_HD)
 #define CPFILL_HD
 #endif
 

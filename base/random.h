@@ -8,6 +8,14 @@
 #include <cstdint>
 #include <string_view>
 
+// Mix64 is __host__ __device__ under nvcc: the device's token draw (runtime/sampling_draw.h)
+// uses the host's generator.
+#if !defined(CPFILL_HD) && defined(__CUDACC__)
+#define CPFILL_HD __host__ __device__
+#elif !defined(CPFILL_HD)
+#define CPFILL_HD
+#endif
+
 namespace cpfill {
 
 // FNV-1a, 64 bits: a hash of bytes that every process and build agrees on (std::hash does not
@@ -22,7 +30,7 @@ inline uint64_t Fnv1a64(std::string_view bytes) {
 }
 
 // SplitMix64 finaliser: a bijective mix with full avalanche, the usual counter-based generator.
-inline uint64_t Mix64(uint64_t x) {
+CPFILL_HD inline uint64_t Mix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;

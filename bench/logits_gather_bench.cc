@@ -32,7 +32,8 @@ double TimeOneGather(parallel::Communicator& world, const runtime::ModelConfig& 
   std::vector<std::pair<int, int64_t>> last;
   for (int i = 0; i < rows; ++i) last.push_back({i * n + me, i});  // round-robin, as decode
   const auto t0 = std::chrono::steady_clock::now();
-  auto out = runtime::GatherLastLogits(config, rows * n, last, logits, /*tp_rank=*/0,
+  const std::vector<bool> wanted(rows * n, true);
+  auto out = runtime::GatherLastLogits(config, rows * n, last, logits, wanted, /*tp_rank=*/0,
                                        /*tp_size=*/1, world);
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

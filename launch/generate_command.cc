@@ -92,7 +92,8 @@ absl::StatusOr<std::vector<runtime::EngineResult>> Generate(
       runtime::EngineRequest r{.tokens = prompts[i].tokens,
                                .max_tokens = f.max_tokens,
                                .sampling = f.sampling,
-                               .ignore_eos = f.ignore_eos};
+                               .ignore_eos = f.ignore_eos,
+                               .return_logits = f.check};  // the check compares them
       r.sampling.seed = static_cast<uint64_t>(f.sample_seed) + i;
       requests.push_back(std::move(r));
     }

@@ -73,6 +73,15 @@ class Writer {
     U32(static_cast<uint32_t>(ids.size()));
     Raw(ids.data(), ids.size() * 4);
   }
+  void Draw(const std::optional<TokenDraw>& d) {
+    U32(d.has_value());
+    if (!d.has_value()) return;
+    Raw(&d->params.temperature, 8);
+    U32(static_cast<uint32_t>(d->params.top_k));
+    Raw(&d->params.top_p, 8);
+    U64(d->params.seed);
+    U64(d->step);
+  }
   std::vector<char> bytes;
 
  private:
@@ -93,6 +102,15 @@ class Reader {
     s->assign(bytes_.data() + at_, n);
     at_ += n;
     return true;
+  }
+  bool Draw(std::optional<TokenDraw>* d) {
+    uint32_t has = 0, top_k = 0;
+    if (!U32(&has) || has > 1) return false;
+    if (has == 0) return true;
+    TokenDraw& x = d->emplace();
+    if (!Raw(&x.params.temperature, 8) || !U32(&top_k) || !Raw(&x.params.top_p, 8)) return false;
+    x.params.top_k = static_cast<int>(top_k);
+    return U64(&x.params.seed) && U64(&x.step);
   }
   bool Ids(std::vector<int32_t>* ids) {
     uint32_t n = 0;
@@ -208,6 +226,7 @@ struct Engine::Command {
     for (const PrefillRequest& r : batch) {
       w.Str(r.session);
       w.Ids(r.tokens);
+      w.Draw(r.draw);
     }
     w.U32(static_cast<uint32_t>(publish.size()));
     for (const Publish& p : publish) {
@@ -229,7 +248,7 @@ struct Engine::Command {
     ok = ok && r.U32(&n);
     for (uint32_t i = 0; ok && i < n; ++i) {
       PrefillRequest& req = c.batch.emplace_back();
-      ok = r.Str(&req.session) && r.Ids(&req.tokens);
+      ok = r.Str(&req.session) && r.Ids(&req.tokens) && r.Draw(&req.draw);
     }
     ok = ok && r.U32(&n);
     for (uint32_t i = 0; ok && i < n; ++i) {
@@ -561,7 +580,7 @@ Engine::Command Engine::FormBatch() {
     }
     // What the cache lacks: the session's unfed tokens (all of them once evicted), this turn's,
     // and what a preempted generation had made.
-    PrefillRequest r{.session = name};
+    PrefillRequest r{.session = name, .draw = DrawInPlace(p)};
     p.cached = 0;
     p.recomputed = false;
     p.looked_up = false;
@@ -666,7 +685,8 @@ Engine::Command Engine::DecodeStep() {
   c.end_sessions = std::move(drop_next_);
   drop_next_.clear();
   for (auto& p : running_) {
-    c.batch.push_back({.tokens = {p->result.tokens.back().id}, .session = p->kv_name});
+    c.batch.push_back(
+        {.tokens = {p->result.tokens.back().id}, .session = p->kv_name, .draw = DrawInPlace(*p)});
     c.items.push_back(std::move(p));
   }
   decoding_ = static_cast<int64_t>(running_.size());
@@ -977,11 +997,21 @@ void Engine::MakeRoomToDecode(const Command& command, const absl::Status& why) {
   queue_.push_front(std::move(p));
 }
 
+std::optional<TokenDraw> Engine::DrawInPlace(const Pending& p) const {
+  const EngineRequest& q = p.request;
+  if (q.sampling.logprobs > 0 || (q.return_logits && !p.started)) return std::nullopt;
+  return TokenDraw{.params = q.sampling, .step = p.result.tokens.size()};
+}
+
 std::vector<SampledToken> Engine::SampleAll(const Command& command,
                                             const std::vector<SequenceOutput>& outputs) {
   std::vector<SampledToken> sampled(command.items.size());
   sampler_pool_->ParallelFor(static_cast<int64_t>(sampled.size()), [&](int64_t i) {
     const Pending& p = *command.items[i];
+    if (command.batch[i].draw.has_value()) {  // drawn where the logits were
+      sampled[i].id = outputs[i].first_token;
+      return;
+    }
     // The draw of token k is a function of (seed, k) alone: the same on any thread.
     sampled[i] = SampleToken(outputs[i].logits, p.request.sampling, p.result.tokens.size());
   });

@@ -13,11 +13,13 @@
 // While idle, rank 0 broadcasts a heartbeat every `heartbeat` that ends in a barrier, so every
 // rank's waits keep their deadline: a silent rank, rank 0 or another, ends the job.
 //
-// Generation: rank 0 picks each token from the logits (runtime/sampling.h: greedy or seeded
-// temperature / top-k / top-p) and stops at a stop id (the checkpoint's EOS unless ignore_eos),
-// at max_tokens, or at the model's last position. A request with max_tokens 1 is a prefill and
-// its first token (the prefill service of a disaggregated deployment); one with more keeps its
-// KV while it generates.
+// Generation: each token is drawn (runtime/sampling.h: greedy or seeded temperature / top-k /
+// top-p) where its logits are, on the GPU of the CP rank holding the sequence, and only its id
+// reaches rank 0; a request for logprobs or for the prompt's logits has them sent to rank 0 and
+// drawn there, the same token. Generation stops at a stop id (the checkpoint's EOS unless
+// ignore_eos), at max_tokens, or at the model's last position. A request with max_tokens 1 is a
+// prefill and its first token (the prefill service of a disaggregated deployment); one with more
+// keeps its KV while it generates.
 //
 // Sessions keep their KV in the model's cache between turns. With max_tokens > 1 the generated
 // tokens join the conversation (the last one's KV is written with the next turn); with
@@ -110,6 +112,10 @@ struct EngineRequest {
   // Set by the client (a stream whose reader left, cpfill_request_cancel): generation ends with
   // finish_reason "abort" at its next token.
   std::shared_ptr<std::atomic<bool>> cancelled;
+  // Return the logits of the prompt's last position (EngineResult::logits; the C API's, a
+  // check's). Otherwise, and for every later token, the token is drawn where its logits are
+  // (on the GPU) unless `sampling` asks for logprobs.
+  bool return_logits = false;
   // Keep the KV under a lease and return its hand-off handle (EngineResult::kv_handle). Needs
   // AttachKvHandoff, max_tokens 1 (decode runs elsewhere) and no session.
   bool publish_kv = false;
@@ -117,7 +123,7 @@ struct EngineRequest {
 
 struct EngineResult {
   int32_t first_token = -1;
-  std::vector<float> logits;         // [vocab] of the prompt's last position
+  std::vector<float> logits;         // [vocab] of the prompt's last position, with return_logits
   std::vector<SampledToken> tokens;  // generated, first token first
   std::string finish_reason;  // "stop" (a stop id), "length" (max_tokens, positions), "abort"
   int64_t prompt_tokens = 0;  // this turn's new tokens
@@ -242,9 +248,14 @@ class Engine {
                     const PrefillTimings& timings);
   void Requeue(Command& command, const absl::Status& why);
   void MakeRoomToDecode(const Command& command, const absl::Status& why);
-  // Rank 0: the next token of each item from its output's logits, drawn on sampler_pool_. With
-  // 256 samples over Llama 3's 128K logits the engine's share of a decode step was 250 ms on one
-  // core, 44 ms on 8 (an H100 host, bench/results/2026-11-26-h100x2-prefix-decode).
+  // Rank 0: how `p`'s next token is drawn where its logits are (LlamaModel, PrefillRequest::
+  // draw); nullopt when rank 0 needs the logits: the request reports logprobs, or asks for the
+  // prompt's logits (return_logits) and this is its prefill.
+  std::optional<TokenDraw> DrawInPlace(const Pending& p) const;
+  // Rank 0: the next token of each item: drawn in place, or from its output's logits on
+  // sampler_pool_. With 256 samples over Llama 3's 128K logits the host's share of a decode step
+  // was 250 ms on one core, 44 ms on 8 (an H100 host,
+  // bench/results/2026-11-26-h100x2-prefix-decode).
   std::vector<SampledToken> SampleAll(const Command& command,
                                       const std::vector<SequenceOutput>& outputs);
   // Rank 0, lock held: `token` is the next of `p`; true when `p` is finished.

@@ -39,6 +39,7 @@ enum Slot {
   kLast,
   kNormed,
   kLogits,
+  kLogitsWhole,
   kBlockTable
 };
 
@@ -356,7 +357,7 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
 
   absl::Status status = Forward(r, t, progress);
   absl::StatusOr<std::vector<SequenceOutput>> out =
-      status.ok() ? LastLogits(r, t) : absl::StatusOr<std::vector<SequenceOutput>>(status);
+      status.ok() ? LastLogits(grouped, r, t) : absl::StatusOr<std::vector<SequenceOutput>>(status);
   if (!out.ok()) {
     RollBackKv(r);
     backend_->ResetPhases();
@@ -726,16 +727,23 @@ absl::Status LlamaModel::Layer(int l, Running& r, PrefillTimings& t) {
   return phase(t.other_s, "residual", [&] { return be.Add(r.proj, &r.x); });
 }
 
-// Step 3: logits at the last positions (this TP rank's vocabulary slice), on world rank 0.
-absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(const Running& r,
-                                                                   PrefillTimings& t) {
+// Step 3: at the last positions, logits (this TP rank's vocabulary slice) or the tokens drawn
+// from them in place (PrefillRequest::draw), on world rank 0.
+absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(
+    const std::vector<PrefillRequest>& batch, const Running& r, PrefillTimings& t) {
   ModelBackend& be = *backend_;
   const auto t0 = Clock::now();
   const int64_t D = config_.hidden_size, V = config_.vocab_size / be.tp().size();
   const auto rows = LastPositionRows(r.b);
+  // Every rank knows the whole batch, so all agree on which gathers run.
+  std::vector<bool> wants_logits;
+  for (const PrefillRequest& req : batch) wants_logits.push_back(!req.draw.has_value());
+  const bool any_logits = std::count(wants_logits.begin(), wants_logits.end(), true) > 0;
+  const bool any_draws = std::count(wants_logits.begin(), wants_logits.end(), false) > 0;
   // Kept between steps: a fresh buffer would fault in its pages on every decode step.
   logits_host_.resize(std::max(logits_host_.size(), rows.size() * V));
-  const std::span<float> logits(logits_host_.data(), rows.size() * V);
+  std::span<float> logits(logits_host_.data(), rows.size() * V);
+  std::vector<std::pair<int, int64_t>> logit_rows, drawn;  // (sequence, row or token)
   if (!rows.empty()) {
     const int64_t n = static_cast<int64_t>(rows.size());
     std::vector<int64_t> row_index;
@@ -747,13 +755,63 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(const Running
     CPFILL_RETURN_IF_ERROR(
         be.RmsNorm(last, be.weights().final_norm, config_.rms_norm_eps, &normed));
     CPFILL_RETURN_IF_ERROR(be.Linear(normed, be.weights().lm_head, &out));
-    CPFILL_RETURN_IF_ERROR(be.Download(out, logits.data()));
+    CPFILL_ASSIGN_OR_RETURN(drawn, DrawInPlace(batch, rows, out));
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (wants_logits[rows[i].first]) logit_rows.push_back(rows[i]);
+    }
+    if (!logit_rows.empty()) CPFILL_RETURN_IF_ERROR(be.Download(out, logits.data()));
+    if (logit_rows.size() < rows.size()) {  // the wanted rows to the front, in order
+      size_t kept = 0;
+      for (size_t i = 0; i < rows.size(); ++i) {
+        if (!wants_logits[rows[i].first]) continue;
+        std::copy_n(logits.begin() + i * V, V, logits.begin() + kept++ * V);
+      }
+      logits = logits.first(kept * V);
+    }
   }
-  CPFILL_ASSIGN_OR_RETURN(std::vector<SequenceOutput> result,
-                          GatherLastLogits(config_, r.b.plan.num_sequences(), rows, logits,
-                                           be.tp().rank(), be.tp().size(), world_));
+  const int num_sequences = r.b.plan.num_sequences();
+  std::vector<SequenceOutput> result(num_sequences);
+  if (any_logits) {
+    CPFILL_ASSIGN_OR_RETURN(
+        result, GatherLastLogits(config_, num_sequences, logit_rows, logits, wants_logits,
+                                 be.tp().rank(), be.tp().size(), world_));
+  }
+  if (any_draws) {
+    CPFILL_RETURN_IF_ERROR(GatherDrawnTokens(be.tp().rank() == 0 ? drawn : decltype(drawn){},
+                                             wants_logits, world_, &result));
+  }
   t.lm_head_s += Since(t0);
   return result;
+}
+
+// The tokens of the rows whose requests draw in place, as (sequence, token): the TP group's
+// vocabulary slices all-gathered first, so each TP rank draws from whole rows.
+absl::StatusOr<std::vector<std::pair<int, int64_t>>> LlamaModel::DrawInPlace(
+    const std::vector<PrefillRequest>& batch, const std::vector<std::pair<int, int64_t>>& rows,
+    const Tensor& logits) {
+  ModelBackend& be = *backend_;
+  std::vector<int64_t> draw_rows;
+  std::vector<TokenDraw> draws;
+  std::vector<std::pair<int, int64_t>> drawn;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const std::optional<TokenDraw>& d = batch[rows[i].first].draw;
+    if (!d.has_value()) continue;
+    draw_rows.push_back(static_cast<int64_t>(i));
+    draws.push_back(*d);
+    drawn.push_back({rows[i].first, -1});
+  }
+  if (draws.empty()) return drawn;
+  Tensor whole = logits;
+  const int tp = be.tp().size();
+  if (tp > 1) {
+    CPFILL_ASSIGN_OR_RETURN(
+        whole, be.Scratch(kLogitsWhole, ElemType::kF32, tp * logits.rows, logits.cols));
+    CPFILL_RETURN_IF_ERROR(be.tp().AllGather(logits.data, logits.bytes(), whole.data));
+  }
+  std::vector<int32_t> ids;
+  CPFILL_RETURN_IF_ERROR(be.DrawTokens(whole, tp, draw_rows, draws, &ids));
+  for (size_t i = 0; i < drawn.size(); ++i) drawn[i].second = ids[i];
+  return drawn;
 }
 
 // Step 4: the sessions now hold this turn too; requests without one give their blocks back.

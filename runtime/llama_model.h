@@ -157,7 +157,11 @@ class LlamaModel {
                              const std::function<void(int)>& progress);
   absl::Status Layer(int layer, Running& r, PrefillTimings& t);
   absl::Status AttentionRing(int layer, Running& r);
-  absl::StatusOr<std::vector<SequenceOutput>> LastLogits(const Running& r, PrefillTimings& t);
+  absl::StatusOr<std::vector<SequenceOutput>> LastLogits(const std::vector<PrefillRequest>& batch,
+                                                         const Running& r, PrefillTimings& t);
+  absl::StatusOr<std::vector<std::pair<int, int64_t>>> DrawInPlace(
+      const std::vector<PrefillRequest>& batch, const std::vector<std::pair<int, int64_t>>& rows,
+      const Tensor& logits);
   void Commit(const std::vector<PrefillRequest>& batch, const Running& r);
 
   ModelConfig config_;

@@ -26,6 +26,7 @@
 #include "parallel/communicator.h"
 #include "parallel/ring_attention.h"
 #include "runtime/kv_cache.h"
+#include "runtime/sampling.h"
 #include "sharding/plan.h"
 
 namespace cpfill::runtime {
@@ -99,6 +100,12 @@ class ModelBackend {
   virtual absl::Status Convert(const Tensor& in, Tensor* out) = 0;
   // out row i = x row rows[i].
   virtual absl::Status GatherRows(const Tensor& x, std::span<const int64_t> rows, Tensor* out) = 0;
+  // ids[i] = the token draws[i] picks, as SampleToken would (sampling.h), from row rows[i] of
+  // `logits` [slices * n, V / slices] fp32: the vocabulary in `slices` parts (a TP group's
+  // all-gathered slices), part s of row r at row s * n + r. Waits for the result. Here: the
+  // logits downloaded and drawn on the host; the GPU draws in place (cuda/token_draw.h).
+  virtual absl::Status DrawTokens(const Tensor& logits, int slices, std::span<const int64_t> rows,
+                                  std::span<const TokenDraw> draws, std::vector<int32_t>* ids);
 
   // ---- attention, timing, KV storage ----
   // What the CP ring (parallel::RingAttention, written once) runs on here: attention kernel,

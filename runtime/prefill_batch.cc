@@ -98,7 +98,8 @@ std::vector<std::pair<int, int64_t>> LastPositionRows(const BatchPlan& b) {
 
 absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
     const ModelConfig& config, int num_sequences, const std::vector<std::pair<int, int64_t>>& rows,
-    std::span<const float> logits, int tp_rank, int tp_size, parallel::Communicator& world) {
+    std::span<const float> logits, const std::vector<bool>& wants_logits, int tp_rank, int tp_size,
+    parallel::Communicator& world) {
   const int64_t V = config.vocab_size / tp_size;
   const bool root = world.rank() == 0;
   std::vector<SequenceOutput> out(num_sequences);
@@ -148,12 +149,32 @@ absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
     place(static_cast<uint32_t>(rows[i].first), static_cast<uint32_t>(tp_rank),
           logits.data() + i * V);
   }
-  for (auto& o : out) {
-    if (o.logits.empty()) o.logits.assign(config.vocab_size, std::nanf(""));
-    o.first_token =
-        static_cast<int32_t>(std::max_element(o.logits.begin(), o.logits.end()) - o.logits.begin());
+  for (int seq = 0; seq < num_sequences; ++seq) {
+    if (!wants_logits[seq]) continue;
+    std::vector<float>& z = out[seq].logits;
+    if (z.empty()) z.assign(config.vocab_size, std::nanf(""));
+    out[seq].first_token = static_cast<int32_t>(std::max_element(z.begin(), z.end()) - z.begin());
   }
   return out;
+}
+
+absl::Status GatherDrawnTokens(const std::vector<std::pair<int, int64_t>>& drawn,
+                               const std::vector<bool>& wants_logits, parallel::Communicator& world,
+                               std::vector<SequenceOutput>* out) {
+  // A slot per sequence from every rank: a few bytes each, where logits were 0.5 MB a sequence.
+  const size_t n = wants_logits.size();
+  std::vector<int32_t> mine(n, -1), all(n * world.size());
+  for (const auto& [seq, token] : drawn) mine[seq] = static_cast<int32_t>(token);
+  CPFILL_RETURN_IF_ERROR(world.AllGather(mine.data(), n * sizeof(int32_t), all.data()));
+  if (world.rank() != 0) return absl::OkStatus();
+  for (size_t seq = 0; seq < n; ++seq) {
+    if (wants_logits[seq]) continue;
+    int32_t token = -1;
+    for (int p = 0; p < world.size(); ++p) token = std::max(token, all[p * n + seq]);
+    CPFILL_CHECK_INTERNAL(token >= 0, "no rank drew a token for sequence ", seq);
+    (*out)[seq].first_token = token;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ChooseAlgorithms(const PrefillOptions& options, const ModelConfig& config, int tp_size,

@@ -17,6 +17,7 @@
 #include "parallel/ring_plan.h"
 #include "parallel/selector.h"
 #include "runtime/model_config.h"
+#include "runtime/sampling.h"
 #include "sharding/plan.h"
 
 namespace cpfill::runtime {
@@ -24,11 +25,15 @@ namespace cpfill::runtime {
 struct PrefillRequest {
   std::vector<int32_t> tokens;  // this turn's new tokens
   std::string session;          // "": nothing kept; else continue and keep this session's cache
+  // Set: the next token is drawn where the last position's logits are (on the GPU, on the CP
+  // rank that holds it) and only its id comes back, no logits. Unset: the logits come back.
+  std::optional<TokenDraw> draw;
 };
 
+// World rank 0's (the others' are empty).
 struct SequenceOutput {
-  std::vector<float> logits;  // [vocab] of the last position (world rank 0 only)
-  int32_t first_token = -1;   // argmax of the logits
+  std::vector<float> logits;  // [vocab] of the last position; empty for a request with a draw
+  int32_t first_token = -1;   // the argmax of the logits, or the token drawn
 };
 
 struct PrefillOptions {
@@ -114,9 +119,18 @@ std::vector<std::pair<int, int64_t>> LastPositionRows(const BatchPlan& b);
 
 // Collects on world rank 0 the logits every rank computed for its last-position rows:
 // `logits` holds, for each entry of `rows`, this TP rank's vocabulary slice (vocab / tp values).
+// Sequences with wants_logits[seq] false get none (their tokens come by GatherDrawnTokens).
 absl::StatusOr<std::vector<SequenceOutput>> GatherLastLogits(
     const ModelConfig& config, int num_sequences, const std::vector<std::pair<int, int64_t>>& rows,
-    std::span<const float> logits, int tp_rank, int tp_size, parallel::Communicator& world);
+    std::span<const float> logits, const std::vector<bool>& wants_logits, int tp_rank, int tp_size,
+    parallel::Communicator& world);
+
+// Collects on world rank 0 the tokens drawn in place, (sequence, token) pairs from each rank
+// (one TP rank per group sends), into (*out)[seq].first_token: every sequence with
+// wants_logits[seq] false must get one (Internal otherwise). Collective over the world.
+absl::Status GatherDrawnTokens(const std::vector<std::pair<int, int64_t>>& drawn,
+                               const std::vector<bool>& wants_logits, parallel::Communicator& world,
+                               std::vector<SequenceOutput>* out);
 
 // Fills `t`'s token totals, the selector's decisions (on this rank's heads) for the batch as one
 // and for each sequence alone, the algorithm each sequence runs, and the model FLOPs. Each

@@ -6,8 +6,8 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
-#include "base/random.h"
 #include "base/status.h"
+#include "runtime/sampling_draw.h"
 
 namespace cpfill::runtime {
 namespace {
@@ -45,7 +45,7 @@ std::vector<int32_t> MostLikely(std::span<const float> z, size_t n) {
 std::vector<int32_t> Candidates(std::span<const float> z, const SamplingParams& p, double scale,
                                 double log_z) {
   const size_t k = p.top_k > 0 ? static_cast<size_t>(p.top_k) : z.size();
-  // (Every token kept takes DrawFromAll: no order is needed. Sorting Llama 3's 128K logits cost
+  // (Every token kept draws from all: no order is needed. Sorting Llama 3's 128K logits cost
   // about 25 ms a token on an H100 host, 1.8 s a decode step of 64 samples.)
   if (p.top_p >= 1.0) return MostLikely(z, k);
   for (size_t n = std::min(k, kNucleusFirstPass);; n = k) {
@@ -62,22 +62,24 @@ std::vector<int32_t> Candidates(std::span<const float> z, const SamplingParams& 
   }
 }
 
-// Every token kept (top_p 1, no top_k): the draw `u` in [0, 1) of the weights exp(z * scale),
-// taken relative to the largest (the normalizer cancels): one pass of single-precision
-// exponentials (each weight in [0, 1]; the sums in double) into a buffer each thread keeps,
-// where two passes in double into a fresh buffer ran before.
-int32_t DrawFromAll(std::span<const float> z, double scale, double u) {
-  thread_local std::vector<float> weight;
-  weight.resize(z.size());
-  const float s = static_cast<float>(scale);
-  const float shift = *std::max_element(z.begin(), z.end()) * s;
-  double total = 0;
-  for (size_t i = 0; i < z.size(); ++i) total += weight[i] = std::exp(z[i] * s - shift);
-  u *= total;
-  size_t i = 0;
-  for (double acc = weight[0]; acc <= u && i + 1 < z.size(); acc += weight[++i]) {
+// The Gumbel-max draw (sampling_draw.h) among `ids`, or among every token when `ids` is null.
+int32_t Draw(std::span<const float> z, const std::vector<int32_t>* ids, double scale,
+             uint64_t key) {
+  int32_t best = -1;
+  double best_score = -std::numeric_limits<double>::infinity();
+  const auto consider = [&](int32_t id) {
+    const double score = DrawScore(z[id], scale, key, id);
+    if (best < 0 || score > best_score || (score == best_score && id < best)) {
+      best = id;
+      best_score = score;
+    }
+  };
+  if (ids == nullptr) {
+    for (size_t i = 0; i < z.size(); ++i) consider(static_cast<int32_t>(i));
+  } else {
+    for (int32_t id : *ids) consider(id);
   }
-  return static_cast<int32_t>(i);
+  return best;
 }
 
 }  // namespace
@@ -96,27 +98,20 @@ absl::Status ValidateSampling(const SamplingParams& p, int64_t vocab) {
 SampledToken SampleToken(std::span<const float> logits, const SamplingParams& p, uint64_t step) {
   SampledToken out;
   if (logits.empty()) return out;
-  // A uniform draw in [0, 1) from 53 bits of the counter-based generator.
-  const double u = double(Mix64(Mix64(p.seed) ^ step) >> 11) * 0x1.0p-53;
   const bool keep_all =
       p.top_p >= 1.0 && (p.top_k <= 0 || static_cast<size_t>(p.top_k) >= logits.size());
   if (p.temperature == 0 || p.top_k == 1) {
     out.id = Argmax(logits);
-  } else if (keep_all) {
-    out.id = DrawFromAll(logits, 1.0 / p.temperature, u);
   } else {
     const double scale = 1.0 / p.temperature;
-    const double log_z = LogSumExp(logits, scale);
-    const std::vector<int32_t> kept = Candidates(logits, p, scale, log_z);
-    std::vector<double> weight(kept.size());
-    double total = 0;
-    for (size_t i = 0; i < kept.size(); ++i) {
-      total += weight[i] = std::exp(double(logits[kept[i]]) * scale - log_z);
+    const uint64_t key = DrawKey(p.seed, step);
+    if (keep_all) {
+      out.id = Draw(logits, nullptr, scale, key);
+    } else {
+      const double log_z = p.top_p < 1.0 ? LogSumExp(logits, scale) : 0.0;
+      const std::vector<int32_t> kept = Candidates(logits, p, scale, log_z);
+      out.id = Draw(logits, &kept, scale, key);
     }
-    size_t i = 0;
-    for (double acc = weight[0]; acc <= u * total && i + 1 < kept.size(); acc += weight[++i]) {
-    }
-    out.id = kept[i];
   }
   // Log-probabilities only when asked: a log-sum-exp over Llama 3's 128K logits took about 2 ms
   // of every decode step on the host (an H100's 32K step is 14 ms).

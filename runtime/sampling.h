@@ -2,9 +2,10 @@
 // or seeded sampling with temperature, top-k and top-p (nucleus), as OpenAI/vLLM clients ask for
 // it; and the log-probabilities a response reports.
 //
-// Sampling is a pure function of (logits, params, step): the random draw is counter-based
-// (base/random.h) on (seed, step), so a request with a seed generates the same tokens on any
-// run, batch composition or rank layout.
+// Sampling is a pure function of (logits, params, step): a Gumbel-max draw whose noise is
+// counter-based on (seed, step, token id) (sampling_draw.h), so a request with a seed generates
+// the same tokens on any run, batch composition or rank layout, and the device's draw
+// (cuda/token_draw.h, LlamaModel's TokenDraw) picks what SampleToken picks from the same logits.
 //
 //   SamplingParams p{.temperature = 0.8, .top_p = 0.95, .seed = 42};
 //   CPFILL_RETURN_IF_ERROR(ValidateSampling(p, vocab));
@@ -38,6 +39,14 @@ struct SampledToken {
   // for logprobs (> 0); else 0, not computed.
   double logprob = 0;
   std::vector<std::pair<int32_t, double>> top;  // the params' top `logprobs`, most likely first
+};
+
+// A token drawn where the logits are (on the GPU, on the CP rank that holds the sequence's last
+// position), so that only its id travels: `params` at generation step `step`, as SampleToken
+// would draw it. Never with logprobs (they need the logits on the host).
+struct TokenDraw {
+  SamplingParams params;
+  uint64_t step = 0;
 };
 
 // The next token from `logits` (the whole vocabulary) at generation step `step`. Log-probabilities

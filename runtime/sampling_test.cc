@@ -64,6 +64,14 @@ TEST(Sampling, TopKAndTopPKeepOnlyTheMostLikely) {
   EXPECT_FALSE(p85.count(0));
 }
 
+TEST(Sampling, TiesAtTheTopKCutAreKeptByLowerId) {
+  // Three tokens tie for second place; top_k 2 keeps the first of them (id 1) beside id 4.
+  const std::vector<float> z = {0.0f, 2.0f, 2.0f, 2.0f, 3.0f};
+  auto k2 = Draw(z, {.temperature = 1.0, .top_k = 2, .seed = 8}, 2000);
+  EXPECT_EQ(k2.size(), 2u);
+  EXPECT_TRUE(k2.count(1) && k2.count(4));
+}
+
 TEST(Sampling, TopPOverALargeVocabularyPastTheFirstPass) {
   // 4096 equally likely tokens: top_p 0.5 must keep 2048 of them, more than the first pass.
   const std::vector<float> z(4096, 0.0f);

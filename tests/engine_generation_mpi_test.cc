@@ -108,7 +108,8 @@ TEST(EngineGeneration, SessionTurnContinuesAfterTheGeneratedTokens) {
       RunWith(engine, root, [&] {
         t1 = engine.Submit({.tokens = a, .session = "s", .max_tokens = 5})->get();
         t2 = engine.Submit({.tokens = b, .session = "s", .max_tokens = 4})->get();
-        t3 = engine.Submit({.tokens = b, .session = "s"})->get();  // prefill only: no token kept
+        t3 = engine.Submit({.tokens = b, .session = "s", .return_logits = true})
+                 ->get();  // prefill only: no token kept
       }).ok());
   std::string error;
   if (root) {

@@ -61,10 +61,11 @@ TEST(Engine, ConcurrentClientsEqualOneShotPrefill) {
         const std::string session = "client-" + std::to_string(k);
         for (int turn = 0; turn < 3; ++turn) {
           const auto plain = Prompt(1 + (k * 37 + turn * 91) % 250, c.vocab_size, 100 * k + turn);
-          auto plain_reply = engine.Submit({.tokens = plain});
+          auto plain_reply = engine.Submit({.tokens = plain, .return_logits = true});
           const auto said = Prompt(5 + (k + turn) * 13, c.vocab_size, 1000 * k + turn);
           conversation.insert(conversation.end(), said.begin(), said.end());
-          auto turn_reply = engine.Submit({.tokens = said, .session = session});
+          auto turn_reply =
+              engine.Submit({.tokens = said, .session = session, .return_logits = true});
           Asked& p = asked[k].emplace_back(Asked{.whole = plain});
           p.result = plain_reply.ok() ? plain_reply->get() : plain_reply.status();
           Asked& t =
@@ -123,11 +124,12 @@ TEST(Engine, FullCacheEvictsTheIdleSessionAndRecomputesItLater) {
   auto clients = [&] {
     for (const auto& [tokens, session] :
          {std::pair{a1, "a"}, std::pair{b1, "b"}, std::pair{a2, "a"}}) {
-      auto reply = engine.Submit({.tokens = tokens, .session = session});
+      auto reply = engine.Submit({.tokens = tokens, .session = session, .return_logits = true});
       got.push_back(reply.ok() ? reply->get() : reply.status());
     }
     // Larger than the whole cache: refused on its own, after evicting what could be evicted.
-    auto reply = engine.Submit({.tokens = Prompt(400 * cp, c.vocab_size, 4)});
+    auto reply =
+        engine.Submit({.tokens = Prompt(400 * cp, c.vocab_size, 4), .return_logits = true});
     too_big = reply.ok() ? reply->get().status() : reply.status();
   };
   ASSERT_TRUE(RunWith(engine, root, clients).ok());
@@ -163,7 +165,7 @@ TEST(Engine, PromptsSubmittedTogetherShareOneBatchOrAreRefusedTogether) {
   absl::Status one_bad = absl::OkStatus(), too_many = absl::OkStatus();
   auto clients = [&] {
     std::vector<EngineRequest> batch;
-    for (const auto& p : prompts) batch.push_back({.tokens = p});
+    for (const auto& p : prompts) batch.push_back({.tokens = p, .return_logits = true});
     auto replies = engine.SubmitAll(batch);
     if (replies.ok()) {
       for (auto& r : *replies) got.push_back(r.get());

@@ -83,10 +83,11 @@ TEST(EnginePrefix, QuestionsAboutOneDocumentReuseItsKv) {
   const runtime::ModelConfig c = Tiny();
   const std::vector<int32_t> doc = Prompt(300, c.vocab_size, 1);
   std::vector<std::vector<int32_t>> whole = {Join(doc, Prompt(9, c.vocab_size, 2))};
-  std::vector<std::vector<EngineRequest>> waves = {{{.tokens = whole[0]}}, {}};
+  std::vector<std::vector<EngineRequest>> waves = {{{.tokens = whole[0], .return_logits = true}},
+                                                   {}};
   for (int q = 0; q < 12; ++q) {
     whole.push_back(Join(doc, Prompt(3 + 7 * q, c.vocab_size, 10 + q)));
-    waves[1].push_back({.tokens = whole.back()});
+    waves[1].push_back({.tokens = whole.back(), .return_logits = true});
   }
   std::vector<absl::StatusOr<EngineResult>> with, without;
   runtime::EngineStats stats;
@@ -145,10 +146,12 @@ TEST(EnginePrefix, BatchInvariantReuseIsBitExactOnOneRank) {
   const runtime::ModelConfig c = Tiny();
   const std::vector<int32_t> doc = Prompt(300, c.vocab_size, 1);
   std::vector<std::vector<EngineRequest>> waves = {
-      {{.tokens = Join(doc, Prompt(9, c.vocab_size, 2)), .max_tokens = 3}}, {}};
+      {{.tokens = Join(doc, Prompt(9, c.vocab_size, 2)), .max_tokens = 3, .return_logits = true}},
+      {}};
   for (int q = 0; q < 4; ++q) {
-    waves[1].push_back(
-        {.tokens = Join(doc, Prompt(3 + 7 * q, c.vocab_size, 10 + q)), .max_tokens = 3});
+    waves[1].push_back({.tokens = Join(doc, Prompt(3 + 7 * q, c.vocab_size, 10 + q)),
+                        .max_tokens = 3,
+                        .return_logits = true});
   }
   std::vector<absl::StatusOr<EngineResult>> with, without;
   runtime::PrefillOptions options = Options(4096);
@@ -185,11 +188,11 @@ TEST(EnginePrefix, ABatchSharingAPrefixPrefillsItOnce) {
   std::vector<EngineRequest> wave;
   for (int i = 0; i < 5; ++i) {
     whole.push_back(Join(system, Prompt(5 + i, c.vocab_size, 20 + i)));
-    wave.push_back({.tokens = whole.back()});
+    wave.push_back({.tokens = whole.back(), .return_logits = true});
   }
   for (int i = 0; i < 4; ++i) {
     whole.push_back(sampled);
-    wave.push_back({.tokens = sampled, .max_tokens = 6, .ignore_eos = true});
+    wave.push_back({.tokens = sampled, .max_tokens = 6, .ignore_eos = true, .return_logits = true});
   }
   std::vector<absl::StatusOr<EngineResult>> got;
   ASSERT_TRUE(RunWith(engine, root, [&] { got = Ask(engine, {wave}); }).ok());
@@ -221,14 +224,14 @@ TEST(EnginePrefix, SessionsStartFromACachedSystemPrompt) {
   const bool root = rig.grid->world_rank == 0;
   const std::vector<int32_t> system = Prompt(130, c.vocab_size, 7);
   std::vector<std::vector<int32_t>> whole = {Join(system, Prompt(4, c.vocab_size, 8))};
-  std::vector<std::vector<EngineRequest>> waves = {{{.tokens = whole[0]}}};
+  std::vector<std::vector<EngineRequest>> waves = {{{.tokens = whole[0], .return_logits = true}}};
   for (const char* name : {"a", "b"}) {
     const std::vector<int32_t> turn1 = Join(system, Prompt(11, c.vocab_size, name[0])),
                                turn2 = Prompt(6, c.vocab_size, name[0] + 1);
     whole.push_back(turn1);
     whole.push_back(Join(turn1, turn2));
-    waves.push_back({{.tokens = turn1, .session = name}});
-    waves.push_back({{.tokens = turn2, .session = name}});
+    waves.push_back({{.tokens = turn1, .session = name, .return_logits = true}});
+    waves.push_back({{.tokens = turn2, .session = name, .return_logits = true}});
   }
   std::vector<absl::StatusOr<EngineResult>> got;
   ASSERT_TRUE(RunWith(engine, root, [&] { got = Ask(engine, waves); }).ok());
@@ -263,13 +266,14 @@ TEST(EnginePrefix, AFullCacheEvictsEntriesFirst) {
   const std::vector<int32_t> chat1 = Prompt(40 * cp, c.vocab_size, 5),
                              chat2 = Prompt(9, c.vocab_size, 6);
   std::vector<std::vector<int32_t>> whole = {chat1};
-  std::vector<std::vector<EngineRequest>> waves = {{{.tokens = chat1, .session = "chat"}}};
+  std::vector<std::vector<EngineRequest>> waves = {
+      {{.tokens = chat1, .session = "chat", .return_logits = true}}};
   for (int d = 0; d < 6; ++d) {
     whole.push_back(Prompt(120 * cp, c.vocab_size, 30 + d));
-    waves.push_back({{.tokens = whole.back()}});
+    waves.push_back({{.tokens = whole.back(), .return_logits = true}});
   }
   whole.push_back(Join(chat1, chat2));
-  waves.push_back({{.tokens = chat2, .session = "chat"}});
+  waves.push_back({{.tokens = chat2, .session = "chat", .return_logits = true}});
   std::vector<absl::StatusOr<EngineResult>> got;
   ASSERT_TRUE(RunWith(engine, root, [&] { got = Ask(engine, waves); }).ok());
   std::string error;

@@ -22,6 +22,7 @@
 #include "runtime/kv_pull_plan.h"
 #include "runtime/llama_model.h"
 #include "runtime/model_config.h"
+#include "runtime/sampling.h"
 #include "runtime/weights.h"
 #include "tests/forked_decode.h"
 #include "tests/mpi_test_main.h"
@@ -139,6 +140,56 @@ TEST(LlamaPrefill, PassQEqualsOneRank) {
   o.auto_algorithm = false;
   o.algorithm = parallel::RingAlgorithm::kPassQ;
   CheckGrid(1, 0, o);
+}
+
+// Tokens drawn where the logits are (PrefillRequest::draw: on the rank holding the last
+// position, the TP group's vocabulary slices all-gathered) are the host's draws from the logits
+// gathered to rank 0, for greedy, temperature, top-k and top-p; in a batch that mixes both, the
+// requests without a draw still get their logits.
+TEST(LlamaPrefill, TokensDrawnInPlaceEqualTheHostsDrawsFromTheLogits) {
+  auto& mpi = testing::Mpi();
+  const runtime::ModelConfig c = Tiny();
+  const int tp = mpi.world_size() % 2 == 0 ? 2 : 1;
+  auto grid = parallel::CreateProcessGrid(mpi, {.tp = tp, .ranks_per_node = tp});
+  ASSERT_TRUE(grid.ok()) << grid.status();
+  auto w = runtime::SyntheticWeights(c, 7, grid->tp_rank, tp);
+  ASSERT_TRUE(w.ok()) << w.status();
+  auto model =
+      runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, {});
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<runtime::SamplingParams> params = {
+      {},
+      {.temperature = 1.0, .seed = 3},
+      {.temperature = 0.7, .top_k = 5, .seed = 4},
+      {.temperature = 1.3, .top_p = 0.8, .seed = 5},
+      {.temperature = 1.0, .top_k = 40, .top_p = 0.95, .seed = 6},
+      {.temperature = 2.0, .top_p = 0.3, .seed = 7}};
+  std::vector<PrefillRequest> plain, drawn, mixed;
+  for (size_t i = 0; i < params.size(); ++i) {
+    plain.push_back({.tokens = Prompt(40 + 17 * i, c.vocab_size, 50 + i)});
+    drawn.push_back(plain.back());
+    drawn.back().draw = runtime::TokenDraw{.params = params[i], .step = 9 + i};
+    mixed.push_back(i % 2 == 0 ? drawn.back() : plain.back());
+  }
+  auto logits = (*model)->Prefill(plain, nullptr, nullptr);
+  auto tokens = (*model)->Prefill(drawn, nullptr, nullptr);
+  auto both = (*model)->Prefill(mixed, nullptr, nullptr);
+  ASSERT_TRUE(logits.ok() && tokens.ok() && both.ok());
+  std::string error;
+  for (size_t i = 0; grid->world_rank == 0 && i < params.size() && error.empty(); ++i) {
+    const int32_t want = runtime::SampleToken((*logits)[i].logits, params[i], 9 + i).id;
+    const bool has_draw = i % 2 == 0;
+    if ((*tokens)[i].first_token != want || !(*tokens)[i].logits.empty()) {
+      error = "request " + std::to_string(i) + ": drew " +
+              std::to_string((*tokens)[i].first_token) + ", the host draws " + std::to_string(want);
+    } else if (has_draw ? (*both)[i].first_token != want || !(*both)[i].logits.empty()
+                        : (*both)[i].logits != (*logits)[i].logits) {
+      error = "request " + std::to_string(i) + " of the mixed batch differs";
+    }
+  }
+  auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
+  ASSERT_TRUE(agreed.ok());
+  EXPECT_TRUE(*agreed) << grid->Describe() << ": " << error;
 }
 
 TEST(LlamaPrefill, TwoTurnSessionEqualsOneFullPrefill) {

@@ -163,7 +163,8 @@ absl::Status Submit(cpfill_engine* e, const int32_t* tokens, size_t n, const cha
     return absl::InvalidArgumentError(absl::StrCat(what, ": tokens is NULL"));
   }
   cpfill::runtime::EngineRequest request{.tokens = std::vector<int32_t>(tokens, tokens + n),
-                                         .session = session == nullptr ? "" : session};
+                                         .session = session == nullptr ? "" : session,
+                                         .return_logits = true};  // cpfill_result's
   auto r = std::make_unique<cpfill_request>();
   if (params != nullptr) {
     if (absl::Status s = ApplyParams(*params, &request); !s.ok()) return s;

@@ -43,7 +43,7 @@ absl::Status Gemm::Init(cudaStream_t stream) {
 absl::Status Gemm::Linear(const __nv_bfloat16* x, int64_t tokens, int64_t in,
                           const __nv_bfloat16* w, int64_t out, void* y, OutType out_type) {
   if (tokens == 0 || out == 0) return absl::OkStatus();
-  if (SmallBatchLinearApplies(tokens, in, x, w, y)) {
+  if (tokens <= kSmallBatchRouteTokens && SmallBatchLinearApplies(tokens, in, x, w, y)) {
     return SmallBatchLinear(x, tokens, in, w, out, y, out_type == OutType::kFloat32, stream_);
   }
   // Row-major y [T, out] = x [T, in] w^T is, column-major, y^T [out, T] = W [out, in] x^T: A is

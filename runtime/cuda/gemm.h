@@ -32,7 +32,7 @@ class Gemm {
 
   // y [tokens, out] = x [tokens, in] * w^T; x and w bf16 row-major (w a Hugging Face Linear
   // weight [out, in]); y bf16 or fp32 by `out_type`. The best algorithm cuBLASLt's heuristic
-  // offers is looked up once per shape; decode's few rows take SmallBatchLinear (gemv.h).
+  // offers is looked up once per shape; a decode step of one row takes SmallBatchLinear (gemv.h).
   absl::Status Linear(const __nv_bfloat16* x, int64_t tokens, int64_t in, const __nv_bfloat16* w,
                       int64_t out, void* y, OutType out_type);
 

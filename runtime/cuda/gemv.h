@@ -26,6 +26,13 @@ namespace cpfill::runtime::cuda {
 // a tiled GEMM wins).
 inline constexpr int kSmallBatchMaxTokens = 8;
 
+// Token rows up to which the model's Gemm takes it: one. On an H200 (2026-11-28,
+// bench/decode_linear_cuda_bench) an 8B layer's GEMMs took 137 us here and 141 on cuBLASLt at one
+// row, but 150 against 141 at two rows and 290 against 142 at eight (each row adds a pass of
+// conversions and FMAs per weight chunk, and the kernel turns compute-bound); on an H100 at one
+// row it was 25% faster than cuBLASLt's choice (2026-11-24).
+inline constexpr int kSmallBatchRouteTokens = 1;
+
 // True when CPFILL_DECODE_GEMV is on, 1 <= tokens <= kSmallBatchMaxTokens, `in` is a multiple of
 // 8 and x, w, y are 16-byte aligned.
 bool SmallBatchLinearApplies(int64_t tokens, int64_t in, const void* x, const void* w,

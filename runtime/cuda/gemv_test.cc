@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/knobs.h"
 #include "gtest/gtest.h"
+#include "runtime/cuda/device_test_util.h"
 
 namespace cpfill::runtime::cuda {
 namespace {
@@ -37,21 +38,6 @@ class SmallBatchLinearTest : public ::testing::Test {
     }
   }
 };
-
-// Device memory freed when the test leaves, an ASSERT's early return included.
-struct CudaFree {
-  void operator()(void* p) const { cudaFree(p); }
-};
-template <typename T>
-using DevicePtr = std::unique_ptr<T, CudaFree>;
-
-template <typename T>
-DevicePtr<T> ToDevice(const std::vector<T>& host) {
-  void* p = nullptr;
-  if (cudaMalloc(&p, std::max<size_t>(16, host.size() * sizeof(T))) != cudaSuccess) return nullptr;
-  cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
-  return DevicePtr<T>(static_cast<T*>(p));
-}
 
 // y = x w^T on the GPU against fp64 on the same bf16 numbers. The bound scales with the sum of
 // |products| (fp32 accumulation in another order), plus bf16 rounding of y when y is bf16.
