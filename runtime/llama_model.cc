@@ -43,6 +43,24 @@ enum Slot {
   kBlockTable
 };
 
+// Of the last-position rows, those whose sequences want logits (no draw in place), their logits
+// moved to the front of `logits` in that order: what GatherLastLogits sends.
+std::vector<std::pair<int, int64_t>> KeepWantedRows(
+    const std::vector<std::pair<int, int64_t>>& rows, const std::vector<bool>& wants_logits,
+    int64_t vocab_slice, std::span<float>* logits) {
+  std::vector<std::pair<int, int64_t>> kept;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (!wants_logits[rows[i].first]) continue;
+    if (kept.size() < i) {
+      std::copy_n(logits->begin() + i * vocab_slice, vocab_slice,
+                  logits->begin() + kept.size() * vocab_slice);
+    }
+    kept.push_back(rows[i]);
+  }
+  *logits = logits->first(kept.size() * vocab_slice);
+  return kept;
+}
+
 // A new span on t's timeline, filled in by the backend once its phase is timed.
 parallel::RingSpan* AddSpan(PrefillTimings& t, std::string name, const char* lane) {
   return &t.spans.emplace_back(parallel::RingSpan{.name = std::move(name), .lane = lane});
@@ -756,18 +774,10 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(
         be.RmsNorm(last, be.weights().final_norm, config_.rms_norm_eps, &normed));
     CPFILL_RETURN_IF_ERROR(be.Linear(normed, be.weights().lm_head, &out));
     CPFILL_ASSIGN_OR_RETURN(drawn, DrawInPlace(batch, rows, out));
-    for (size_t i = 0; i < rows.size(); ++i) {
-      if (wants_logits[rows[i].first]) logit_rows.push_back(rows[i]);
+    if (std::any_of(rows.begin(), rows.end(), [&](auto& row) { return wants_logits[row.first]; })) {
+      CPFILL_RETURN_IF_ERROR(be.Download(out, logits.data()));
     }
-    if (!logit_rows.empty()) CPFILL_RETURN_IF_ERROR(be.Download(out, logits.data()));
-    if (logit_rows.size() < rows.size()) {  // the wanted rows to the front, in order
-      size_t kept = 0;
-      for (size_t i = 0; i < rows.size(); ++i) {
-        if (!wants_logits[rows[i].first]) continue;
-        std::copy_n(logits.begin() + i * V, V, logits.begin() + kept++ * V);
-      }
-      logits = logits.first(kept * V);
-    }
+    logit_rows = KeepWantedRows(rows, wants_logits, V, &logits);
   }
   const int num_sequences = r.b.plan.num_sequences();
   std::vector<SequenceOutput> result(num_sequences);

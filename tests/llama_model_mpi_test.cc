@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "gtest/gtest.h"
 #include "parallel/grid.h"
@@ -180,11 +181,11 @@ TEST(LlamaPrefill, TokensDrawnInPlaceEqualTheHostsDrawsFromTheLogits) {
     const int32_t want = runtime::SampleToken((*logits)[i].logits, params[i], 9 + i).id;
     const bool has_draw = i % 2 == 0;
     if ((*tokens)[i].first_token != want || !(*tokens)[i].logits.empty()) {
-      error = "request " + std::to_string(i) + ": drew " +
-              std::to_string((*tokens)[i].first_token) + ", the host draws " + std::to_string(want);
+      error = absl::StrCat("request ", i, ": drew ", (*tokens)[i].first_token, ", the host draws ",
+                           want);
     } else if (has_draw ? (*both)[i].first_token != want || !(*both)[i].logits.empty()
                         : (*both)[i].logits != (*logits)[i].logits) {
-      error = "request " + std::to_string(i) + " of the mixed batch differs";
+      error = absl::StrCat("request ", i, " of the mixed batch differs");
     }
   }
   auto agreed = parallel::AllRanksOk(*grid->world, error.empty());
