@@ -21,11 +21,7 @@
 
 #include <cmath>
 
-#if !defined(CPFILL_HD) && defined(__CUDACC__)
-#define CPFILL_HD __host__ __device__
-#elif !defined(CPFILL_HD)
-#define CPFILL_HD
-#endif
+#include "base/host_device.h"
 
 namespace cpfill::attention {
 namespace softmax_internal {

@@ -8,13 +8,7 @@
 #include <cstdint>
 #include <string_view>
 
-// Mix64 is __host__ __device__ under nvcc: the device's token draw (runtime/sampling_draw.h)
-// uses the host's generator.
-#if !defined(CPFILL_HD) && defined(__CUDACC__)
-#define CPFILL_HD __host__ __device__
-#elif !defined(CPFILL_HD)
-#define CPFILL_HD
-#endif
+#include "base/host_device.h"  // Mix64: the device's token draw uses the host's generator
 
 namespace cpfill {
 

@@ -758,9 +758,7 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(
   for (const PrefillRequest& req : batch) wants_logits.push_back(!req.draw.has_value());
   const bool any_logits = std::count(wants_logits.begin(), wants_logits.end(), true) > 0;
   const bool any_draws = std::count(wants_logits.begin(), wants_logits.end(), false) > 0;
-  // Kept between steps: a fresh buffer would fault in its pages on every decode step.
-  logits_host_.resize(std::max(logits_host_.size(), rows.size() * V));
-  std::span<float> logits(logits_host_.data(), rows.size() * V);
+  std::span<float> logits;  // of the rows that want them, in logits_host_
   std::vector<std::pair<int, int64_t>> logit_rows, drawn;  // (sequence, row or token)
   if (!rows.empty()) {
     const int64_t n = static_cast<int64_t>(rows.size());
@@ -775,9 +773,12 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(
     CPFILL_RETURN_IF_ERROR(be.Linear(normed, be.weights().lm_head, &out));
     CPFILL_ASSIGN_OR_RETURN(drawn, DrawInPlace(batch, rows, out));
     if (std::any_of(rows.begin(), rows.end(), [&](auto& row) { return wants_logits[row.first]; })) {
+      // Kept between steps: a fresh buffer would fault in its pages on every decode step.
+      logits_host_.resize(std::max(logits_host_.size(), rows.size() * V));
+      logits = std::span<float>(logits_host_.data(), rows.size() * V);
       CPFILL_RETURN_IF_ERROR(be.Download(out, logits.data()));
+      logit_rows = KeepWantedRows(rows, wants_logits, V, &logits);
     }
-    logit_rows = KeepWantedRows(rows, wants_logits, V, &logits);
   }
   const int num_sequences = r.b.plan.num_sequences();
   std::vector<SequenceOutput> result(num_sequences);
