@@ -55,8 +55,9 @@ constexpr KnobSpec kKnobs[] = {
      "CUDA decode attention: the key splits aim at this many waves of the split kernel's CTAs "
      "(1: one wave, the fewest and longest splits; more: shorter splits, for measurement)"},
     {kDecodeCtasPerSm, KnobType::kInt, "0", "0..2",
-     "CUDA decode attention: the key splits aim at this many split CTAs per SM (0: one for "
-     "contiguous K/V, as many as fit (2 on an H100) for paged K/V; 1, 2: for measurement)"},
+     "CUDA decode attention: the key splits aim at this many split CTAs per SM (0: for "
+     "contiguous K/V one, or two above 30 GB/s of DRAM bandwidth per SM (an H200); as many as "
+     "fit (2) for paged K/V; 1, 2: for measurement)"},
     {kDecodeCombineParts, KnobType::kInt, "0", "0..4",
      "CUDA decode attention: the combine kernel's CTAs per output row, each a share of its "
      "columns (0: chosen by the launch; 1, 2, 4: for measurement)"},
@@ -68,6 +69,11 @@ constexpr KnobSpec kKnobs[] = {
      "CUDA prefix batching: a step's shared-prefix roots only where they spare more K/V reads "
      "than their levels cost (auto: attention::kGpuTreeCosts), or wherever sequences share "
      "blocks (always: tests on small models, and measurement)"},
+    {kDecodeWideRoots, KnobType::kChoice, "auto", "auto|in-place|gather",
+     "CUDA paged decode steps: a shared prefix under many sequences' rows (a wide root) runs on "
+     "the prefill kernel, reading its blocks in place where the Hopper kernel can (1.03x-1.88x "
+     "faster on one H200), or over its rows gathered first; auto: in place on a ring of one "
+     "rank, gathered on CP rings (one A/B on two H200s was mixed)"},
     {kPagedPrefill, KnobType::kChoice, "auto", "auto|in-place|gather",
      "CUDA paged prefill steps over cached rows: read the blocks in place (the Hopper kernel) "
      "where the gather would cost more (short prefills after long cached keys) or its copy does "

@@ -56,6 +56,7 @@ inline constexpr std::string_view kDecodeCtasPerSm = "CPFILL_DECODE_CTAS_PER_SM"
 inline constexpr std::string_view kDecodeCombineParts = "CPFILL_DECODE_COMBINE_PARTS";
 inline constexpr std::string_view kPrefixRoot = "CPFILL_PREFIX_ROOT";
 inline constexpr std::string_view kPrefixTree = "CPFILL_PREFIX_TREE";
+inline constexpr std::string_view kDecodeWideRoots = "CPFILL_DECODE_WIDE_ROOTS";
 inline constexpr std::string_view kPagedPrefill = "CPFILL_PAGED_PREFILL";
 inline constexpr std::string_view kRanksPerNode = "CPFILL_RANKS_PER_NODE";
 inline constexpr std::string_view kTestExitRank = "CPFILL_TEST_EXIT_RANK";

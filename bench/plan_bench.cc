@@ -2,8 +2,9 @@
 // RingPlan, every step's pass-KV and pass-Q slices, the all-gather pair count and the next turn's
 // KvLayoutAfter, for 1K, 10K and 100K one-token prompts on CP4 (the shape where a per-sequence
 // scan inside a per-sequence loop shows), for 1K and 10K prompts of 1000 tokens (linear in
-// tokens: the local layouts list every position), and the model's PlanBatch with a session per
-// prompt (SessionAfter for every one, as LlamaModel::Commit does).
+// tokens: the local layouts list every query position), the model's PlanBatch with a session per
+// prompt (SessionAfter for every one, as LlamaModel::Commit does), and a decode step of many
+// sessions after long prompts (linear in sequences, not in their cached tokens).
 //
 //   build/bench/plan_bench --benchmark_filter=OneToken
 //   build/bench/plan_bench --benchmark_format=json > results.json
@@ -89,6 +90,37 @@ BENCHMARK(BM_PlanBatchOneTokenSessions)
     ->Arg(1000)
     ->Arg(10000)
     ->Arg(100000)
+    ->Unit(benchmark::kMillisecond);
+
+// A decode step's host planning (LlamaModel::Step before its layers) for `range(0)` sequences
+// that each hold a `range(1)`-token session on CP `range(2)`: PlanBatch (which lays out every
+// cached key of this rank) and the ring's plan (RingPlan, as MixedRing::Create builds it).
+// Forks of one prompt decoding together list every cached key position of every fork.
+void BM_PlanDecodeStep(benchmark::State& state) {
+  auto config = runtime::LoadModelConfig("tiny");
+  config->max_position_embeddings = 1 << 20;
+  const int n = static_cast<int>(state.range(0)), cp = static_cast<int>(state.range(2));
+  auto cached = sharding::LayoutOfFullPrefill({state.range(1)}, cp);
+  if (!cached.ok()) return state.SkipWithError(cached.status().ToString().c_str());
+  const runtime::SessionLayout session{.tokens = state.range(1), .layout = *cached};
+  std::vector<runtime::PrefillRequest> batch(n);
+  for (int i = 0; i < n; ++i) batch[i] = {.tokens = {i % 100}, .session = "s" + std::to_string(i)};
+  for (auto _ : state) {
+    auto b = runtime::PlanBatch(
+        *config, batch, cp, /*cp_rank=*/0,
+        [&](const std::string&) -> const runtime::SessionLayout* { return &session; },
+        /*decode_step=*/7);
+    if (!b.ok()) return state.SkipWithError(b.status().ToString().c_str());
+    parallel::RingPlan ring(b->plan, /*cp_rank=*/0, /*causal=*/true);
+    benchmark::DoNotOptimize(ring.layout().kv_rows());
+  }
+  state.SetItemsProcessed(state.iterations() * n);
+}
+BENCHMARK(BM_PlanDecodeStep)
+    ->Args({256, 16384, 1})
+    ->Args({256, 16384, 2})
+    ->Args({64, 16384, 1})
+    ->Args({8, 131072, 1})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -236,6 +236,12 @@ void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const i
     if (p->in_place) p->gather = {};
   } else {
     p->wide = PlanWideRoots(args.shape, p->tree, paged, table, WideRootRuleOf(args.shape));
+    // The wide roots read in place where the Hopper kernel can, as CudaRingOps::Attend does on
+    // a ring of one rank (CPFILL_DECODE_WIDE_ROOTS=gather: gathered first).
+    static const bool wide_in_place = knobs::Choice(knobs::kDecodeWideRoots) != "gather";
+    p->in_place = !p->wide.gathered.copies.empty() && wide_in_place &&
+                  ReadsPagedPrefillInPlace(args.shape, paged);
+    if (p->in_place) p->wide = {};
   }
   p->plan_us =
       std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();

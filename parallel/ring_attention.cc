@@ -124,9 +124,9 @@ CpuRingOps::CpuRingOps(ThreadPool* pool, HostAttention attend)
     : pool_(pool), attend_(std::move(attend)) {}
 
 absl::Status CpuRingOps::SetPositions(int slot, std::span<const int32_t> q_pos,
-                                      std::span<const int32_t> kv_pos) {
+                                      std::span<const sharding::PositionRun> kv_runs) {
   q_pos_[slot].assign(q_pos.begin(), q_pos.end());
-  kv_pos_[slot].assign(kv_pos.begin(), kv_pos.end());
+  kv_pos_[slot] = sharding::ExpandPositions(kv_runs);
   return absl::OkStatus();
 }
 
@@ -279,7 +279,7 @@ absl::Status RingAttention::BindPositions() {
     ops_->next_position_slot_ = (slot + 1) % RingOps::kPositionSlots;
   }
   const sharding::LocalLayout& layout = ring_plan_.layout();
-  CPFILL_RETURN_IF_ERROR(ops_->SetPositions(slot, layout.q_positions, layout.kv_positions));
+  CPFILL_RETURN_IF_ERROR(ops_->SetPositions(slot, layout.q_positions, layout.kv_runs));
   owners[slot] = this;
   position_slot_ = slot;
   return absl::OkStatus();

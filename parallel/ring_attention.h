@@ -109,9 +109,10 @@ class RingOps {
   // (parallel::MixedRing), and each keeps its slot instead of uploading again.
   static constexpr int kPositionSlots = 2;
   // Copies a plan's positions (host) into position slot `slot` of the ops' memory:
-  // q_positions(slot), kv_positions(slot). Enqueued (the host spans may go once it returns).
+  // q_positions(slot), and kv_positions(slot) with one position per key row of `kv_runs`
+  // (sharding::LocalLayout). Enqueued (the host spans may go once it returns).
   virtual absl::Status SetPositions(int slot, std::span<const int32_t> q_pos,
-                                    std::span<const int32_t> kv_pos) = 0;
+                                    std::span<const sharding::PositionRun> kv_runs) = 0;
   virtual const int32_t* q_positions(int slot) const = 0;
   virtual const int32_t* kv_positions(int slot) const = 0;
 
@@ -217,7 +218,7 @@ class CpuRingOps : public RingOps {
 
   size_t elem_bytes() const override { return sizeof(float); }
   absl::Status SetPositions(int slot, std::span<const int32_t> q_pos,
-                            std::span<const int32_t> kv_pos) override;
+                            std::span<const sharding::PositionRun> kv_runs) override;
   const int32_t* q_positions(int slot) const override { return q_pos_[slot].data(); }
   const int32_t* kv_positions(int slot) const override { return kv_pos_[slot].data(); }
   absl::StatusOr<void*> Buffer(int slot, size_t bytes) override;

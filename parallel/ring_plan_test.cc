@@ -14,10 +14,11 @@ namespace {
 std::vector<int32_t> KvMessagePositions(const RingPlan& rp, const sharding::ShardPlan& plan,
                                         int source) {
   const sharding::LocalLayout src = sharding::MakeLocalLayout(plan, source);
+  const std::vector<int32_t> src_positions = sharding::ExpandPositions(src.kv_runs);
   std::vector<int32_t> pos(rp.kv_slots_total(), attention::kPadPosition);
   for (int s = 0; s < plan.num_sequences(); ++s) {
     for (int64_t i = 0; i < src.kv_len[s]; ++i) {
-      pos[rp.kv_slot_offset(s) + i] = src.kv_positions[src.kv_offset[s] + i];
+      pos[rp.kv_slot_offset(s) + i] = src_positions[src.kv_offset[s] + i];
     }
   }
   return pos;

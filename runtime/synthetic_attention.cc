@@ -52,6 +52,7 @@ int64_t SyntheticAttention::total_kv_tokens() const {
 void SyntheticAttention::FillLocal(const sharding::LocalLayout& layout, const HeadSlice& slice,
                                    float* q, float* k, float* v) const {
   const int dim = head_dim;
+  const std::vector<int32_t> kv_positions = sharding::ExpandPositions(layout.kv_runs);
   for (int s = 0; s < static_cast<int>(sequences.size()); ++s) {
     auto eq = [&](int64_t p, int h, int d) { return Q(s, p, h, d); };
     auto ek = [&](int64_t p, int h, int d) { return K(s, p, h, d); };
@@ -59,10 +60,10 @@ void SyntheticAttention::FillLocal(const sharding::LocalLayout& layout, const He
     const int64_t qo = layout.q_offset[s], ko = layout.kv_offset[s];
     FillRows(eq, layout.q_positions.data() + qo, layout.q_len[s], slice.q_begin, slice.q_count, dim,
              q + qo * slice.q_count * dim);
-    FillRows(ek, layout.kv_positions.data() + ko, layout.kv_len[s], slice.kv_begin, slice.kv_count,
-             dim, k + ko * slice.kv_count * dim);
-    FillRows(ev, layout.kv_positions.data() + ko, layout.kv_len[s], slice.kv_begin, slice.kv_count,
-             dim, v + ko * slice.kv_count * dim);
+    FillRows(ek, kv_positions.data() + ko, layout.kv_len[s], slice.kv_begin, slice.kv_count, dim,
+             k + ko * slice.kv_count * dim);
+    FillRows(ev, kv_positions.data() + ko, layout.kv_len[s], slice.kv_begin, slice.kv_count, dim,
+             v + ko * slice.kv_count * dim);
   }
 }
 

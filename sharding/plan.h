@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -116,14 +117,22 @@ absl::StatusOr<ShardPlan> PlanDecode(const std::vector<SequenceRequest>& sequenc
 // The rank's view of a plan, flattened: offsets and global positions of every local row.
 // Queries of sequence b are rows [q_offset[b], q_offset[b] + q_len[b]) of the local Q; keys of
 // sequence b are rows [kv_offset[b], kv_offset[b] + kv_len[b]) of the local K and V.
+// Key positions stay runs: a decode step of 256 sequences after 16K tokens has 4M key rows but
+// a few runs per sequence, and listing every position (16 MB, filled and uploaded each step)
+// took more of its host time than the step's planning. ExpandPositions lists them where one
+// position per row is needed; the GPU ring expands them on the device.
 struct LocalLayout {
   std::vector<int64_t> q_offset, q_len, kv_offset, kv_len;
-  std::vector<int32_t> q_positions;   // [local q rows]
-  std::vector<int32_t> kv_positions;  // [local kv rows]
+  std::vector<int32_t> q_positions;  // [local q rows]
+  std::vector<PositionRun> kv_runs;  // the local key rows in order, run after run (none empty)
+  int64_t kv_row_count = 0;          // the runs' total length
   int64_t q_rows() const { return static_cast<int64_t>(q_positions.size()); }
-  int64_t kv_rows() const { return static_cast<int64_t>(kv_positions.size()); }
+  int64_t kv_rows() const { return kv_row_count; }
 };
 LocalLayout MakeLocalLayout(const ShardPlan& plan, int cp_rank);
+
+// One position per row of `runs`, in order.
+std::vector<int32_t> ExpandPositions(std::span<const PositionRun> runs);
 
 // Balanced chunk sizes of a sequence of `tokens` cut into 2N chunks: sizes differ by at most one,
 // and the extra tokens go to chunks 0..N-1 then 2N-1 down to N, so the two chunks of one rank

@@ -197,7 +197,10 @@ TEST(MakeLocalLayout, PacksQueriesThenCachedAndNewKeysWithPositions) {
   // Seq 0: new [4,12) cut in 4 chunks of 2 -> rank 0 has {4,5} and {10,11}; cached [0,4) cut in 4
   // chunks of 1 -> rank 0 has {0} and {3}.
   EXPECT_EQ(local.q_positions, (std::vector<int32_t>{4, 5, 10, 11, 0, 3}));
-  EXPECT_EQ(local.kv_positions, (std::vector<int32_t>{0, 3, 4, 5, 10, 11, 0, 3}));
+  EXPECT_EQ(ExpandPositions(local.kv_runs), (std::vector<int32_t>{0, 3, 4, 5, 10, 11, 0, 3}));
+  EXPECT_EQ(local.kv_rows(), 8);
+  EXPECT_EQ(local.kv_runs,
+            (std::vector<PositionRun>{{0, 1}, {3, 1}, {4, 2}, {10, 2}, {0, 1}, {3, 1}}));
   EXPECT_EQ(local.q_offset, (std::vector<int64_t>{0, 4}));
   EXPECT_EQ(local.kv_len, (std::vector<int64_t>{6, 2}));
 }
@@ -234,9 +237,9 @@ TEST(ShardPlan, SliceIsAContiguousSliceOfEveryRanksRows) {
     EXPECT_TRUE(
         std::equal(part.q_positions.begin(), part.q_positions.end(), all.q_positions.begin() + q0))
         << r;
-    EXPECT_TRUE(std::equal(part.kv_positions.begin(), part.kv_positions.end(),
-                           all.kv_positions.begin() + kv0))
-        << r;
+    const std::vector<int32_t> part_kv = ExpandPositions(part.kv_runs),
+                               all_kv = ExpandPositions(all.kv_runs);
+    EXPECT_TRUE(std::equal(part_kv.begin(), part_kv.end(), all_kv.begin() + kv0)) << r;
   }
 }
 

@@ -528,18 +528,40 @@ const SplitKernelInfo& SplitKernel() {
   return info;
 }
 
+// Peak DRAM bytes per second per SM, from the memory clock and bus width (double data rate):
+// 25 GB/s on an H100 SXM (3.35 TB/s), 37 on an H200 (4.8 TB/s); 0 where the device does not say.
+double DramBytesPerSecondPerSm() {
+  static const double rate = [] {
+    int device = 0, khz = 0, bits = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 0.0;
+    }
+    return 2.0 * khz * 1e3 * (bits / 8.0) / SmCount();
+  }();
+  return rate;
+}
+
+// Split CTAs per SM for contiguous K/V: one where an SM's share of the DRAM bandwidth is what
+// one CTA's two tiles in flight cover (fewer, longer splits; an SM's two CTAs finished up to 2 µs
+// after a lone one: 1.3-7% faster on 10 of 12 shapes at 32K-128K on an H100), two above
+// 30 GB/s per SM (an H200: two were 1.02-1.16x faster on 9 of 12 shapes at 32K-128K, 0.99-1.00x
+// on the other 3; bench/RESULTS.md 2026-11-28).
+int ContiguousCtasPerSm() { return DramBytesPerSecondPerSm() > 30e9 ? 2 : 1; }
+
 // The split CTAs a launch aims at: one wave (fewer SMs while a communication kernel runs beside
-// it, as the Hopper kernel leaves them). Contiguous K/V aims at one CTA per SM: fewer, longer
-// splits, and an SM's two CTAs finished up to 2 µs after a lone one (1.3-7% faster on 10 of
-// 12 shapes at 32K-128K on an H100). Paged K/V keeps two per SM, where every tile's copies wait on
-// block-table reads: one per SM was up to 1.6x slower there (bench/RESULTS.md, 2026-11-27).
+// it, as the Hopper kernel leaves them). Paged K/V takes as many per SM as fit, where every
+// tile's copies wait on block-table reads: one per SM was up to 1.6x slower there on an H100
+// (bench/RESULTS.md, 2026-11-27).
 int64_t Slots(const CudaAttentionArgs& a) {
   static const int knob = static_cast<int>(knobs::Int(knobs::kDecodeCtasPerSm));
   int sms = SmCount();
   if (a.communication_in_flight) sms = std::max(1, sms - SmsForCommunication());
   const int fit = a.shape.head_dim == 64 ? SplitKernel<64, kMaxDecodeSlices>().ctas_per_sm
                                          : SplitKernel<128, kMaxDecodeSlices>().ctas_per_sm;
-  const int per_sm = knob != 0 ? knob : a.paged == nullptr ? 1 : fit;
+  const int per_sm = knob != 0 ? knob : a.paged == nullptr ? ContiguousCtasPerSm() : fit;
   return static_cast<int64_t>(sms) * std::min(per_sm, fit);
 }
 

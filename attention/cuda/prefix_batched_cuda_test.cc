@@ -195,6 +195,16 @@ void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec
         [&](const CudaAttentionArgs& a, void* ws, size_t bytes) {
           return WideRootsAttentionCuda(a, wide, ws, bytes, nullptr);
         });
+    // CPFILL_DECODE_WIDE_ROOTS=in-place where the Hopper kernel reads the blocks: the roots on
+    // the prefill kernel in place, the rest on the decode kernel.
+    if (ReadsPagedPrefillInPlace(shape, paged) && !::testing::Test::HasFatalFailure()) {
+      check(
+          "decode, wide roots in place", OutputMode::kFloat32,
+          [&](const CudaAttentionArgs& a) { return InPlacePagedWorkspaceBytes(a, gpu_tree); },
+          [&](const CudaAttentionArgs& a, void* ws, size_t bytes) {
+            return InPlacePagedAttentionCuda(a, gpu_tree, ws, bytes, nullptr);
+          });
+    }
   }
   for (void* p :
        {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),

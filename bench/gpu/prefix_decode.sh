@@ -6,13 +6,14 @@
 # prefix_decode_client.py over PROMPTS x NS. One JSON per run under $OUT, a line each in the
 # summary.
 #   PROMPTS=2048,16384 NS=16,64,256 NPS="1 2" bash bench/gpu/prefix_decode.sh
+# BATCHING=on (or off) runs one of the two.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 new_summary
 prompts=${PROMPTS:-2048,16384} ns=${NS:-16,64,256}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 for np in ${NPS:-1 2}; do
-  for batching in on off; do
+  for batching in ${BATCHING:-on off}; do
     tmp=$(mktemp -d) flag=""
     [ $batching = off ] && flag=--no-prefix-batching
     # --bind-to none: rank 0 samples on several cores (mpirun binds 1 or 2 ranks to one each).

@@ -3,11 +3,13 @@
 #include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
+#include <string>
 
 #include "attention/cuda/attention_cuda.h"
 #include "attention/cuda/prefix_batched_cuda.h"
 #include "base/knobs.h"
 #include "base/status.h"
+#include "parallel/cuda/position_runs.h"
 
 namespace cpfill::parallel {
 namespace {
@@ -42,17 +44,35 @@ absl::Status CudaRingOps::CheckShape(const attention::AttentionShape& shape, int
 }
 
 absl::Status CudaRingOps::SetPositions(int slot, std::span<const int32_t> q_pos,
-                                       std::span<const int32_t> kv_pos) {
+                                       std::span<const sharding::PositionRun> kv_runs) {
+  // The key runs as (first row, first position) pairs, expanded on the device.
+  std::vector<int32_t> runs;
+  runs.reserve(2 * kv_runs.size());
+  int64_t rows = 0;
+  for (const sharding::PositionRun& run : kv_runs) {
+    runs.push_back(static_cast<int32_t>(rows));
+    runs.push_back(static_cast<int32_t>(run.begin));
+    rows += run.length;
+  }
+  CPFILL_CHECK_ARG(rows < (int64_t{1} << 31), "ring attention: ", rows,
+                   " key rows on one rank exceed 2^31");
   DeviceBuffer& q = q_pos_[slot];
   DeviceBuffer& kv = kv_pos_[slot];
+  DeviceBuffer& kv_runs_dev = kv_runs_[slot];
+  const size_t runs_bytes = runs.size() * sizeof(int32_t);
   CPFILL_RETURN_IF_ERROR(q.Reserve(std::max(kMinBytes, q_pos.size_bytes())));
-  CPFILL_RETURN_IF_ERROR(kv.Reserve(std::max(kMinBytes, kv_pos.size_bytes())));
+  CPFILL_RETURN_IF_ERROR(kv.Reserve(std::max<size_t>(kMinBytes, rows * sizeof(int32_t))));
+  CPFILL_RETURN_IF_ERROR(kv_runs_dev.Reserve(std::max(kMinBytes, runs_bytes)));
   // From pageable memory: each copy returns once the bytes are staged, so the host spans may go
   // (as ModelBackend::Upload); stream-ordered after the kernels that read the slot before.
   CPFILL_CUDA_CHECK(cudaMemcpyAsync(q.As<void>(), q_pos.data(), q_pos.size_bytes(),
                                     cudaMemcpyHostToDevice, stream_));
-  CPFILL_CUDA_CHECK(cudaMemcpyAsync(kv.As<void>(), kv_pos.data(), kv_pos.size_bytes(),
+  if (rows == 0) return absl::OkStatus();
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(kv_runs_dev.As<void>(), runs.data(), runs_bytes,
                                     cudaMemcpyHostToDevice, stream_));
+  CPFILL_CUDA_CHECK(cuda::ExpandPositionRuns(kv_runs_dev.As<int32_t>(),
+                                             static_cast<int>(kv_runs.size()), kv.As<int32_t>(),
+                                             rows, stream_));
   return absl::OkStatus();
 }
 
@@ -100,10 +120,22 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
   const attention::SharedBlockTree& tree = step.tree;
   if (tree.counts.roots == 0) return Launch(args);
   prefix_batch_counts_ += tree.counts;
-  // A fresh step's wide roots read their gathered rows (a folded one's stay in place: the
-  // gathered roots would overwrite the running result). The gathered rows take up to 256 MiB
-  // more workspace; where that is not free, the roots are read in place below: slower, the same
-  // result, and no step fails for the want of a speed-up.
+  // A fresh step's wide roots on the prefill kernel: read in place where the Hopper kernel can
+  // and the ring has one rank (the other levels then take the decode kernel; 1.03x-1.88x faster
+  // than gathering their rows first on one H200; on CP2 one A/B was mixed, bench/RESULTS.md
+  // 2026-11-28), else over their gathered rows (a folded step's stay in place: the gathered
+  // roots would overwrite the running result). The gathered rows take up to 256 MiB more
+  // workspace; where that is not free, the roots are read in place on the decode kernel below:
+  // slower, the same result, and no step fails for the want of a speed-up.
+  static const std::string wide = knobs::Choice(knobs::kDecodeWideRoots);
+  const bool wide_in_place = wide == "in-place" || (wide == "auto" && cp_.size() == 1);
+  if (!step.wide.gathered.copies.empty() && args.output == OutputMode::kFloat32 && wide_in_place &&
+      CanReadPagedPrefillInPlace(a.shape, *a.paged_kv)) {
+    CPFILL_RETURN_IF_ERROR(workspace_.Reserve(
+        std::max(kMinBytes, attention::cuda::InPlacePagedWorkspaceBytes(args, tree))));
+    return attention::cuda::InPlacePagedAttentionCuda(args, tree, workspace_.As<void>(),
+                                                      workspace_.capacity(), stream_);
+  }
   if (!step.wide.gathered.copies.empty() && args.output == OutputMode::kFloat32) {
     if (workspace_
             .Reserve(std::max(kMinBytes, attention::cuda::WideRootsWorkspaceBytes(args, step.wide)))

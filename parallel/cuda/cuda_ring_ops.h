@@ -61,8 +61,9 @@ class CudaRingOps : public RingOps {
       std::span<const attention::SequenceSlice> slices) const override;
   // Head dims with a kernel; CP at most kMaxMergeParts (the pass-Q merge takes all parts at once).
   absl::Status CheckShape(const attention::AttentionShape& shape, int cp_size) const override;
+  // The key positions' runs are uploaded and expanded on the device (ExpandPositionRuns).
   absl::Status SetPositions(int slot, std::span<const int32_t> q_pos,
-                            std::span<const int32_t> kv_pos) override;
+                            std::span<const sharding::PositionRun> kv_runs) override;
   const int32_t* q_positions(int slot) const override { return q_pos_[slot].As<int32_t>(); }
   const int32_t* kv_positions(int slot) const override { return kv_pos_[slot].As<int32_t>(); }
   absl::StatusOr<void*> Buffer(int slot, size_t bytes) override;
@@ -96,6 +97,7 @@ class CudaRingOps : public RingOps {
   NcclCommunicator& cp_;
   cudaStream_t stream_;
   std::array<DeviceBuffer, kPositionSlots> q_pos_, kv_pos_;  // the plans' positions, by slot
+  std::array<DeviceBuffer, kPositionSlots> kv_runs_;         // their key runs, as uploaded
   std::vector<DeviceBuffer> buffers_;  // scratch by slot
   DeviceBuffer workspace_;             // the attention kernel's
   // Gathered steps' copies in device memory, one slot per plan of the table generation in use:
