@@ -134,10 +134,12 @@ void PrintResults(Session& session, const EngineHost& host,
     const double steps = std::max<double>(1, double(r.tokens.size()) - 1);
     session.Print(
         "  per decode step (world rank 0): model %.3f ms = GEMMs %.3f, attention ring %.3f, "
-        "all-reduce %.3f, KV cache %.3f, LM head %.3f, other %.3f; engine and sampling %.3f ms\n",
+        "all-reduce %.3f, KV cache %.3f, LM head %.3f, other %.3f; host planning %.3f and "
+        "enqueueing %.3f; engine and sampling %.3f ms\n",
         d.total_s / steps * 1e3, d.gemm_s / steps * 1e3, d.attention_s / steps * 1e3,
         d.allreduce_s / steps * 1e3, d.kv_s / steps * 1e3, d.lm_head_s / steps * 1e3,
-        (d.other_s + d.embed_s) / steps * 1e3, (r.decode_s - d.total_s) / steps * 1e3);
+        (d.other_s + d.embed_s) / steps * 1e3, d.host_plan_s / steps * 1e3,
+        d.host_enqueue_s / steps * 1e3, (r.decode_s - d.total_s) / steps * 1e3);
   }
 }
 

@@ -150,7 +150,9 @@ nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
             {"all_reduce", t.allreduce_s * 1e3},
             {"kv_cache", t.kv_s * 1e3},
             {"lm_head", t.lm_head_s * 1e3},
-            {"other", t.other_s * 1e3}}},
+            {"other", t.other_s * 1e3},
+            {"host_plan", t.host_plan_s * 1e3},
+            {"host_enqueue", t.host_enqueue_s * 1e3}}},
           {"algorithm", std::string(parallel::RingAlgorithmName(r.algorithm))},
           {"selector", r.selector},
           {"batch_rings", t.rings},
@@ -297,7 +299,9 @@ nlohmann::ordered_json DecodePhasesMs(const runtime::PrefillTimings& d) {
           {"all_reduce", d.allreduce_s * 1e3},
           {"kv_cache", d.kv_s * 1e3},
           {"lm_head", d.lm_head_s * 1e3},
-          {"other", (d.other_s + d.embed_s) * 1e3}};
+          {"other", (d.other_s + d.embed_s) * 1e3},
+          {"host_plan", d.host_plan_s * 1e3},
+          {"host_enqueue", d.host_enqueue_s * 1e3}};
 }
 
 bool EndsSplit(std::string_view text) {

@@ -277,6 +277,8 @@ nlohmann::ordered_json Report(const PrefillFlags& f, const runtime::ModelConfig&
           {"kv_cache_ms", t.kv_s * 1e3},
           {"lm_head_ms", t.lm_head_s * 1e3},
           {"other_ms", (t.other_s + t.embed_s) * 1e3},
+          {"host_plan_ms", t.host_plan_s * 1e3},
+          {"host_enqueue_ms", t.host_enqueue_s * 1e3},
           {"tokens_per_s", tokens / ttft},
           {"model_tflop", t.model_flops / 1e12},
           {"kv_cache",

@@ -57,6 +57,8 @@ void AddPhases(const PrefillTimings& step, PrefillTimings* into) {
   into->lm_head_s += step.lm_head_s;
   into->other_s += step.other_s;
   into->kv_s += step.kv_s;
+  into->host_plan_s += step.host_plan_s;
+  into->host_enqueue_s += step.host_enqueue_s;
 }
 
 // The broadcast form of a command: little-endian words and length-prefixed strings. Rank 0 is

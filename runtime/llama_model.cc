@@ -69,6 +69,7 @@ parallel::RingSpan* AddSpan(PrefillTimings& t, std::string name, const char* lan
 }  // namespace
 
 struct LlamaModel::Running {
+  Clock::time_point start = Clock::now();  // the step's (PrefillTimings::host_plan_s)
   BatchPlan b;
   // Per request: the KV sequence it writes, the rows it held before (0 when new), and whether
   // the sequence was made for this batch.
@@ -516,7 +517,10 @@ absl::Status LlamaModel::Forward(Running& r, PrefillTimings& t,
   if (r.kv_in_place) CPFILL_RETURN_IF_ERROR(UploadBlockTables(r));
 
   const attention::PrefixBatchCounts batched_before = be.ring_ops().prefix_batch_counts();
+  t.host_plan_s = Since(r.start);
+  const auto enqueue_start = Clock::now();
   absl::Status enqueued = EnqueueLayers(r, t, progress);
+  t.host_enqueue_s = Since(enqueue_start);
   t.prefix_batch = be.ring_ops().prefix_batch_counts() - batched_before;
   if (absl::Status s = enqueued; !s.ok()) {
     // The layers before the failure are enqueued and may still write the KV blocks that the

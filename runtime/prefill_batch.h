@@ -66,6 +66,11 @@ struct PrefillTimings {
   double total_s = 0, embed_s = 0, gemm_s = 0, attention_s = 0, allreduce_s = 0, lm_head_s = 0;
   double other_s = 0;             // norms, RoPE, SwiGLU, residual adds
   double kv_s = 0;                // new K/V into the KV cache, each sequence's K/V out for the ring
+  // Host wall time (the phases above are the device's): from the step's start to its first
+  // layer's enqueue (checks, planning, KV blocks, ring plan, uploads), and enqueueing every
+  // layer. The GPU waits on the host where enqueueing takes longer than the phases it enqueues
+  // (the CPU backend runs each phase as it is enqueued: there it is the work itself).
+  double host_plan_s = 0, host_enqueue_s = 0;
   parallel::Selection selection;  // the selector's decision for the batch taken as one
   // In request order: the selector's decision for each sequence alone (on its own new and
   // cached lengths), and the algorithm it ran (that choice, or the one forced for all).

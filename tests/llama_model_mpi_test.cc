@@ -301,6 +301,10 @@ TEST(LlamaPrefill, MixedBatchRunsEachSequencesOwnChoice) {
   runtime::PrefillTimings t;
   auto out = (*model)->Prefill(batch, &t, nullptr);
   ASSERT_TRUE(out.ok()) << out.status();
+  // The host's share of the step: its planning and enqueueing, both within the step's time.
+  EXPECT_GT(t.host_plan_s, 0);
+  EXPECT_GT(t.host_enqueue_s, 0);
+  EXPECT_LE(t.host_plan_s + t.host_enqueue_s, t.total_s);
   using parallel::RingAlgorithm;
   ASSERT_EQ(t.selections.size(), 4u);
   if (grid->cp_size > 1) {
