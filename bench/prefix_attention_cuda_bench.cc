@@ -236,11 +236,13 @@ void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const i
     if (p->in_place) p->gather = {};
   } else {
     p->wide = PlanWideRoots(args.shape, p->tree, paged, table, WideRootRuleOf(args.shape));
-    // The wide roots read in place where the Hopper kernel can, as CudaRingOps::Attend does on
-    // a ring of one rank (CPFILL_DECODE_WIDE_ROOTS=gather: gathered first).
+    // The wide roots read in place as CudaRingOps::Attend reads them on a ring of one rank:
+    // where the outer level is wide roots only and the Hopper kernel can, unless a knob says
+    // gather (CPFILL_DECODE_WIDE_ROOTS=gather, or CPFILL_PAGED_PREFILL=gather).
     static const bool wide_in_place = knobs::Choice(knobs::kDecodeWideRoots) != "gather";
-    p->in_place = !p->wide.gathered.copies.empty() && wide_in_place &&
-                  ReadsPagedPrefillInPlace(args.shape, paged);
+    const bool only_wide = p->wide.in_place.empty() || p->wide.in_place[0].empty();
+    p->in_place = !p->wide.gathered.copies.empty() && wide_in_place && only_wide &&
+                  !GatherAsked() && ReadsPagedPrefillInPlace(args.shape, paged);
     if (p->in_place) p->wide = {};
   }
   p->plan_us =

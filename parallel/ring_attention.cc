@@ -279,6 +279,7 @@ absl::Status RingAttention::BindPositions() {
     ops_->next_position_slot_ = (slot + 1) % RingOps::kPositionSlots;
   }
   const sharding::LocalLayout& layout = ring_plan_.layout();
+  owners[slot] = nullptr;  // a failed copy leaves the slot holding no ring's positions
   CPFILL_RETURN_IF_ERROR(ops_->SetPositions(slot, layout.q_positions, layout.kv_runs));
   owners[slot] = this;
   position_slot_ = slot;

@@ -67,9 +67,10 @@ struct PrefillTimings {
   double other_s = 0;             // norms, RoPE, SwiGLU, residual adds
   double kv_s = 0;                // new K/V into the KV cache, each sequence's K/V out for the ring
   // Host wall time (the phases above are the device's): from the step's start to its first
-  // layer's enqueue (checks, planning, KV blocks, ring plan, uploads), and enqueueing every
-  // layer. The GPU waits on the host where enqueueing takes longer than the phases it enqueues
-  // (the CPU backend runs each phase as it is enqueued: there it is the work itself).
+  // layer's enqueue (checks, planning, the KV blocks agreed with every rank, ring plan, block
+  // tables), and enqueueing every layer (with the first layer's attention plan and position
+  // upload). The GPU waits on the host where enqueueing takes longer than the phases it
+  // enqueues (the CPU backend runs each phase as it is enqueued: there it is the work itself).
   double host_plan_s = 0, host_enqueue_s = 0;
   parallel::Selection selection;  // the selector's decision for the batch taken as one
   // In request order: the selector's decision for each sequence alone (on its own new and

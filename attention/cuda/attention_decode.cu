@@ -530,6 +530,8 @@ const SplitKernelInfo& SplitKernel() {
 
 // Peak DRAM bytes per second per SM, from the memory clock and bus width (double data rate):
 // 25 GB/s on an H100 SXM (3.35 TB/s), 37 on an H200 (4.8 TB/s); 0 where the device does not say.
+// Under MIG the SM count is the instance's but the bus the whole GPU's: the rate is overstated
+// there, and a small instance takes two CTAs per SM (CPFILL_DECODE_CTAS_PER_SM=1 forces one).
 double DramBytesPerSecondPerSm() {
   static const double rate = [] {
     int device = 0, khz = 0, bits = 0;

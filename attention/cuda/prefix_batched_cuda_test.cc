@@ -195,8 +195,9 @@ void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec
         [&](const CudaAttentionArgs& a, void* ws, size_t bytes) {
           return WideRootsAttentionCuda(a, wide, ws, bytes, nullptr);
         });
-    // CPFILL_DECODE_WIDE_ROOTS=in-place where the Hopper kernel reads the blocks: the roots on
-    // the prefill kernel in place, the rest on the decode kernel.
+    // CPFILL_DECODE_WIDE_ROOTS=in-place where the Hopper kernel reads the blocks: the levels
+    // with a slice of more than 4 rows (the roots) on the prefill kernel in place, the others
+    // on the decode kernel.
     if (ReadsPagedPrefillInPlace(shape, paged) && !::testing::Test::HasFatalFailure()) {
       check(
           "decode, wide roots in place", OutputMode::kFloat32,

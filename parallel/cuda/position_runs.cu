@@ -11,7 +11,9 @@ constexpr int kThreads = 256;
 // first rows stay in L1/L2 across a block's threads).
 __global__ void ExpandKernel(const int2* __restrict__ runs, int num_runs,
                              int32_t* __restrict__ positions, int32_t rows) {
-  for (int32_t row = blockIdx.x * kThreads + threadIdx.x; row < rows; row += gridDim.x * kThreads) {
+  // A 64-bit index: the last stride past a row count near 2^31 would wrap an int32.
+  for (int64_t row = int64_t{blockIdx.x} * kThreads + threadIdx.x; row < rows;
+       row += int64_t{gridDim.x} * kThreads) {
     int lo = 0, hi = num_runs - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
@@ -21,7 +23,7 @@ __global__ void ExpandKernel(const int2* __restrict__ runs, int num_runs,
         hi = mid - 1;
       }
     }
-    positions[row] = runs[lo].y + (row - runs[lo].x);
+    positions[row] = runs[lo].y + static_cast<int32_t>(row - runs[lo].x);
   }
 }
 
