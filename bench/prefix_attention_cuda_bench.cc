@@ -236,13 +236,10 @@ void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const i
     if (p->in_place) p->gather = {};
   } else {
     p->wide = PlanWideRoots(args.shape, p->tree, paged, table, WideRootRuleOf(args.shape));
-    // The wide roots read in place as CudaRingOps::Attend reads them on a ring of one rank:
-    // where the outer level is wide roots only and the Hopper kernel can, unless a knob says
-    // gather (CPFILL_DECODE_WIDE_ROOTS=gather, or CPFILL_PAGED_PREFILL=gather).
-    static const bool wide_in_place = knobs::Choice(knobs::kDecodeWideRoots) != "gather";
-    const bool only_wide = p->wide.in_place.empty() || p->wide.in_place[0].empty();
-    p->in_place = !p->wide.gathered.copies.empty() && wide_in_place && only_wide &&
-                  !GatherAsked() && ReadsPagedPrefillInPlace(args.shape, paged);
+    // The wide roots read in place as CudaRingOps::Attend reads them on a ring of one rank
+    // (CPFILL_PAGED_PREFILL=gather: never in place, as there).
+    p->in_place = WideRootsInPlaceAsked(p->wide, /*cp_size=*/1) && !GatherAsked() &&
+                  ReadsPagedPrefillInPlace(args.shape, paged);
     if (p->in_place) p->wide = {};
   }
   p->plan_us =

@@ -69,7 +69,7 @@ parallel::RingSpan* AddSpan(PrefillTimings& t, std::string name, const char* lan
 }  // namespace
 
 struct LlamaModel::Running {
-  Clock::time_point start = Clock::now();  // the step's (PrefillTimings::host_plan_s)
+  Clock::time_point start;  // the step's, for PrefillTimings::total_s and host_plan_s
   BatchPlan b;
   // Per request: the KV sequence it writes, the rows it held before (0 when new), and whether
   // the sequence was made for this batch.
@@ -346,6 +346,7 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
         decode_step);
   };
   Running r;
+  r.start = t_start;
   CPFILL_ASSIGN_OR_RETURN(r.b, plan(batch));
   CPFILL_RETURN_IF_ERROR(ChooseAlgorithms(options_, config_, backend_->tp().size(), cp.size(), r.b,
                                           decode_step.has_value(), &t));

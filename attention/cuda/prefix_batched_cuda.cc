@@ -480,6 +480,13 @@ size_t WideRootsWorkspaceBytes(const CudaAttentionArgs& args, const WideRootsPla
   return bytes;
 }
 
+bool WideRootsInPlaceAsked(const WideRootsPlan& plan, int cp_size) {
+  static const std::string knob = knobs::Choice(knobs::kDecodeWideRoots);
+  const bool asked = knob == "in-place" || (knob == "auto" && cp_size == 1);
+  return asked && !plan.gathered.copies.empty() &&
+         (plan.in_place.empty() || plan.in_place[0].empty());
+}
+
 absl::Status WideRootsAttentionCuda(const CudaAttentionArgs& args, const WideRootsPlan& plan,
                                     void* workspace, size_t workspace_bytes, cudaStream_t stream,
                                     const PagedGather::Copy* device_copies) {

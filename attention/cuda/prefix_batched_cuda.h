@@ -106,4 +106,13 @@ absl::Status WideRootsAttentionCuda(const CudaAttentionArgs& args, const WideRoo
                                     void* workspace, size_t workspace_bytes, cudaStream_t stream,
                                     const PagedGather::Copy* device_copies = nullptr);
 
+// Whether a fresh decode step's wide roots are to be read in place instead, by the Hopper kernel
+// over the step's tree (InPlacePagedAttentionCuda), on a ring of `cp_size` ranks: asked
+// (CPFILL_DECODE_WIDE_ROOTS; auto: on a ring of one rank, 1.04x-1.87x faster than gathering on
+// one H200, mixed on CP2) and the step's outer level is wide roots only (the in-place run sends
+// a whole level with a slice of more than 4 rows to the Hopper kernel, which would also take
+// that level's single rows over long keys). The caller checks that the blocks can be read in
+// place (ReadsPagedPrefillInPlace).
+bool WideRootsInPlaceAsked(const WideRootsPlan& plan, int cp_size);
+
 }  // namespace cpfill::attention::cuda

@@ -3,7 +3,6 @@
 #include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
-#include <string>
 
 #include "attention/cuda/attention_cuda.h"
 #include "attention/cuda/prefix_batched_cuda.h"
@@ -21,17 +20,6 @@ using Bf16 = __nv_bfloat16;
 
 // Smallest allocation: keeps pointers of empty buffers valid and 16-byte aligned.
 constexpr size_t kMinBytes = 256;
-
-// Whether a fresh decode step's wide roots are asked to be read in place
-// (CPFILL_DECODE_WIDE_ROOTS; auto: on a ring of one rank) and may be: the step's outer level is
-// wide roots only. The in-place run sends a whole level with a slice of more than 4 rows to the
-// Hopper kernel, which would also take that level's single rows over long keys.
-bool WideRootsInPlaceAsked(const attention::WideRootsPlan& wide, int cp_size) {
-  static const std::string knob = knobs::Choice(knobs::kDecodeWideRoots);
-  const bool asked = knob == "in-place" || (knob == "auto" && cp_size == 1);
-  return asked && !wide.gathered.copies.empty() &&
-         (wide.in_place.empty() || wide.in_place[0].empty());
-}
 
 }  // namespace
 
@@ -132,14 +120,12 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
   if (tree.counts.roots == 0) return Launch(args);
   prefix_batch_counts_ += tree.counts;
   // A fresh step's wide roots on the prefill kernel: read in place where asked and the Hopper
-  // kernel can (the roots' levels on it, the sequences' own rows on the decode kernel;
-  // 1.04x-1.87x faster than gathering the roots' rows first on one H200; on CP2 one A/B was
-  // mixed, bench/RESULTS.md 2026-11-28), else over their gathered rows (a folded step's stay in
-  // place: the gathered roots would overwrite the running result). Either takes more workspace;
-  // where that is not free, the roots are read in place on the decode kernel below: slower, the
-  // same result, and no step fails for the want of a speed-up.
+  // kernel can (attention::cuda::WideRootsInPlaceAsked), else over their gathered rows (a folded
+  // step's stay in place: the gathered roots would overwrite the running result). Either takes
+  // more workspace; where that is not free, the roots are read in place on the decode kernel
+  // below: slower, the same result, and no step fails for the want of a speed-up.
   const bool fresh = args.output == OutputMode::kFloat32;
-  if (fresh && WideRootsInPlaceAsked(step.wide, cp_.size()) &&
+  if (fresh && attention::cuda::WideRootsInPlaceAsked(step.wide, cp_.size()) &&
       CanReadPagedPrefillInPlace(a.shape, *a.paged_kv) &&
       workspace_
           .Reserve(std::max(kMinBytes, attention::cuda::InPlacePagedWorkspaceBytes(args, tree)))

@@ -75,7 +75,7 @@ TEST_F(PositionRunsTest, DeviceExpansionEqualsTheHosts) {
   }
 }
 
-TEST_F(PositionRunsTest, RefusesRunlessRowsAndNothingToDoIsFine) {
+TEST_F(PositionRunsTest, RefusesRowsWithoutRunsAndAcceptsZeroRows) {
   int32_t* out = nullptr;
   EXPECT_EQ(ExpandPositionRuns(nullptr, 0, out, 0, nullptr), cudaSuccess);
   EXPECT_EQ(ExpandPositionRuns(nullptr, 0, out, 5, nullptr), cudaErrorInvalidValue);
