@@ -103,8 +103,8 @@ const RingOps::PagedStepPlan& RingOps::PlanPagedStep(const RingStepArgs& a,
   c.shape = a.shape;
   c.plan.id = ++last_plan_id_;
   c.plan.generation = generation;
-  c.plan.tree =
-      attention::FindSharedBlocks(a.shape, a.slices, paged, StepRule(a.slices), a.keyless);
+  c.plan.tree = attention::FindSharedBlocks(a.shape, a.slices, paged,
+                                            StepRule(a.shape, a.slices, paged), a.keyless);
   if (gather) {
     c.plan.gather = attention::PlanPagedGather(c.plan.tree, paged, table);
   } else if (wide.max_rows > 0) {

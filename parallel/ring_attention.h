@@ -162,8 +162,9 @@ class RingOps {
   // What prefix batching's levels cost here (attention::TreeCosts): none on the CPU.
   virtual attention::TreeCosts tree_costs() const { return {}; }
   // The rule a paged step's roots are found by (attention::RuleForStep under tree_costs()).
-  virtual attention::SharedBlockRule StepRule(
-      std::span<const attention::SequenceSlice> slices) const {
+  virtual attention::SharedBlockRule StepRule(const attention::AttentionShape& shape,
+                                              std::span<const attention::SequenceSlice> slices,
+                                              const attention::PagedKv& paged) const {
     return attention::RuleForStep(slices, tree_costs());
   }
 

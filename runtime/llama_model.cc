@@ -596,9 +596,10 @@ int64_t LlamaModel::GatheredRows(const Running& r) const {
                         .kv_len = layout.kv_len[s]});
     }
     const attention::PagedKv paged = HostPagedKv(r);
+    const attention::AttentionShape shape = AttentionShapeOf();
     rows = attention::PlanPagedGather(
-               attention::FindSharedBlocks(AttentionShapeOf(), slices, paged,
-                                           backend_->ring_ops().StepRule(slices)),
+               attention::FindSharedBlocks(shape, slices, paged,
+                                           backend_->ring_ops().StepRule(shape, slices, paged)),
                paged, r.host_block_table)
                .rows;
   } else {

@@ -80,11 +80,24 @@ inline constexpr double kHbmBytesPerSecond = 3.0e12;        // H100 SXM copy rat
 inline constexpr double kAttentionFlopsPerSecond = 550e12;  // the Hopper kernel, bf16
 bool InPlaceBeatsGather(const AttentionShape& shape, const PagedGather& plan,
                         std::span<const SequenceSlice> slices);
+// Whether the step without roots (every slice's keys gathered for itself) would be read in place
+// by the rule above.
+bool FlatStepReadsInPlace(const AttentionShape& shape, std::span<const SequenceSlice> slices);
 
 // How a ring step on the GPU finds its roots: RuleForStep under `costs`, with a decode step's
 // roots not cut at 128 packed rows (a wide one is gathered, WideRootRuleOf; in a folded step the
-// decode kernel reads it in as many m16 tiles as its pieces would take).
-SharedBlockRule StepRuleOnGpu(std::span<const SequenceSlice> slices, const TreeCosts& costs);
+// decode kernel reads it in as many m16 tiles as its pieces would take). A prefill step's roots
+// are measured against the step without them, which `flat_in_place` says is read in place (the
+// caller's rule: FlatStepReadsInPlace, or asked): that step gathers nothing, so roots no longer
+// spare a gather of the prefix per sequence, only the in-place kernel's slower loads, and their
+// merge must cost kMergeCostAgainstInPlace times less than the reads they spare (nonzero costs).
+// Measured on an H200 (bench/RESULTS.md, 2026-11-28), 22 suffix steps whose flat step read in
+// place: the tree (gathered) ran 0.90x-0.99x the flat step at 4 to 28 spared values per merged
+// one (32:8 after 4K: 0.90x, 0.93x, 0.97x), 1.03x-1.12x from 31 up (8:1 after 64K, 32:8 after
+// 16K at B = 32 and after 64K), and 1.01x once at 15.5.
+inline constexpr double kMergeCostAgainstInPlace = 30.0;
+SharedBlockRule StepRuleOnGpu(std::span<const SequenceSlice> slices, const TreeCosts& costs,
+                              bool flat_in_place);
 // A decode step's roots of more than 128 packed rows (8 of the decode kernel's m16 tiles) that
 // re-read at least 64M K/V values (128 MB of bf16) in place and make 4 prefill tiles (x KV
 // heads) or more read their shared rows gathered, on the prefill kernels; up to 256 MiB of

@@ -118,8 +118,8 @@ void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec
       shape, t.pb.slices, paged, RuleForStep(t.pb.slices, {.min_saved_values = int64_t{1} << 62}));
   EXPECT_EQ(flat.counts.roots, 0);
   // A decode step as the GPU ring plans it (roots not cut), every outer root gathered.
-  const SharedBlockTree gpu_tree =
-      FindSharedBlocks(shape, t.pb.slices, paged, StepRuleOnGpu(t.pb.slices, {}));
+  const SharedBlockTree gpu_tree = FindSharedBlocks(
+      shape, t.pb.slices, paged, StepRuleOnGpu(t.pb.slices, {}, /*flat_in_place=*/false));
   const WideRootsPlan wide =
       PlanWideRoots(shape, gpu_tree, paged, t.table,
                     {.min_packed_rows = 0,

@@ -93,6 +93,9 @@ absl::Status CudaRingOps::Fill(void* dst, uint8_t byte, size_t bytes) {
   return absl::OkStatus();
 }
 
+// The exchange's end event lets the SMs held back for it join the prefill kernel once it ends
+// (exchange_done); a decode step (no slice longer than a decode step's queries) does without, as
+// asking for the event waits for the exchange's enqueue, which otherwise overlaps this step's.
 absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
   const CudaAttentionArgs args{
       .shape = a.shape,
@@ -109,8 +112,9 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
       .o = a.o,
       .lse = a.lse,
       .communication_in_flight = a.communication_in_flight,
-      .exchange_done =
-          a.exchange != nullptr ? static_cast<cudaEvent_t>(a.exchange->device_event()) : nullptr,
+      .exchange_done = a.exchange != nullptr && attention::GathersPagedKv(a.slices)
+                           ? static_cast<cudaEvent_t>(a.exchange->device_event())
+                           : nullptr,
       .paged = a.paged_kv};
   if (a.paged_kv == nullptr) return Launch(args);
   if (attention::GathersPagedKv(a.slices)) return AttendGathered(a, args);
@@ -149,9 +153,14 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
                                                     workspace_.capacity(), stream_);
 }
 
-attention::SharedBlockRule CudaRingOps::StepRule(
-    std::span<const attention::SequenceSlice> slices) const {
-  return attention::cuda::StepRuleOnGpu(slices, tree_costs());
+attention::SharedBlockRule CudaRingOps::StepRule(const attention::AttentionShape& shape,
+                                                 std::span<const attention::SequenceSlice> slices,
+                                                 const attention::PagedKv& paged) const {
+  // As AttendGathered decides for a step without roots.
+  const bool flat_in_place =
+      attention::GathersPagedKv(slices) && CanReadPagedPrefillInPlace(shape, paged) &&
+      (!GathersPagedPrefill(shape, paged) || attention::cuda::FlatStepReadsInPlace(shape, slices));
+  return attention::cuda::StepRuleOnGpu(slices, tree_costs(), flat_in_place);
 }
 
 bool CudaRingOps::CanReadPagedPrefillInPlace(const attention::AttentionShape& shape,

@@ -55,10 +55,12 @@ class CudaRingOps : public RingOps {
                            const attention::PagedKv& paged) const override;
   bool CanReadPagedPrefillInPlace(const attention::AttentionShape& shape,
                                   const attention::PagedKv& paged) const override;
-  // attention::cuda::StepRuleOnGpu; a fresh decode step's wide roots are gathered
-  // (attention::cuda::WideRootRuleOf).
-  attention::SharedBlockRule StepRule(
-      std::span<const attention::SequenceSlice> slices) const override;
+  // attention::cuda::StepRuleOnGpu, against the flat step read in place where this ops would
+  // read it so (GathersPagedPrefill, else attention::cuda::FlatStepReadsInPlace); a fresh decode
+  // step's wide roots are gathered (attention::cuda::WideRootRuleOf).
+  attention::SharedBlockRule StepRule(const attention::AttentionShape& shape,
+                                      std::span<const attention::SequenceSlice> slices,
+                                      const attention::PagedKv& paged) const override;
   // Head dims with a kernel; CP at most kMaxMergeParts (the pass-Q merge takes all parts at once).
   absl::Status CheckShape(const attention::AttentionShape& shape, int cp_size) const override;
   // The key positions' runs are uploaded and expanded on the device (ExpandPositionRuns).

@@ -23,6 +23,8 @@ using Clock = std::chrono::steady_clock;
 // wait holds the record it saw, so reusing one whose work is still queued is safe: a forward
 // enqueued without host waits (hundreds of operations) may wrap around.
 constexpr size_t kEventRing = 256;
+// How long NcclCommunicator::Settle spins before it sleeps between polls.
+constexpr auto kSettleSpin = std::chrono::milliseconds(1);
 
 #define CPFILL_NCCL_CHECK(call)                                                                 \
   do {                                                                                          \
@@ -81,12 +83,16 @@ ncclRedOp_t ToNccl(ReduceOp op) {
   return ncclSum;
 }
 
+}  // namespace
+
+// A ring exchange whose enqueue may still be under way on NCCL's thread (SettleExchange).
 class NcclExchange : public PendingExchange {
  public:
-  NcclExchange(cudaEvent_t start, cudaEvent_t end, cudaStream_t compute)
-      : start_(start), end_(end), compute_(compute) {}
-  // Orders the compute stream after the exchange; the host does not wait.
+  NcclExchange(NcclCommunicator* owner, cudaEvent_t start, cudaEvent_t end, cudaStream_t compute)
+      : owner_(owner), start_(start), end_(end), compute_(compute) {}
+  // Orders the compute stream after the exchange; the host does not wait for the transfer.
   absl::Status Wait() override {
+    CPFILL_RETURN_IF_ERROR(owner_->SettleExchange());
     CPFILL_CUDA_CHECK(cudaStreamWaitEvent(compute_, end_, 0));
     return absl::OkStatus();
   }
@@ -99,12 +105,19 @@ class NcclExchange : public PendingExchange {
     }
     return ms / 1e3;
   }
-  void* device_event() const override { return end_; }
+  // Recorded once the exchange is enqueued: a failure to settle shows again in Wait().
+  void* device_event() const override {
+    owner_->SettleExchange().IgnoreError();
+    return end_;
+  }
 
  private:
+  NcclCommunicator* owner_;
   cudaEvent_t start_, end_;
   cudaStream_t compute_;
 };
+
+namespace {
 
 // The communication stream's priority (CPFILL_COMMUNICATION_PRIORITY): the device's highest
 // for "high", else the default (0). Measured on 4 H200s at CP4: no change.
@@ -167,6 +180,7 @@ absl::Status NcclCommunicator::BeginOp(const std::string& what) {
     return absl::FailedPreconditionError(
         absl::StrCat("NCCL communicator ", name_, " was aborted after an earlier failure"));
   }
+  CPFILL_RETURN_IF_ERROR(SettleExchange());  // no NCCL call may follow an unsettled one
   last_op_ = what;
   cudaEvent_t ready = NextEvent();
   CPFILL_CUDA_CHECK(cudaEventRecord(ready, compute_));
@@ -191,10 +205,11 @@ absl::Status NcclCommunicator::AsyncError(ncclResult_t* state) {
 }
 
 absl::Status NcclCommunicator::Settle(ncclComm_t comm) {
-  // Non-blocking communicators may return ncclInProgress from a call (typically while peers
-  // connect the first time); no other call may follow until the state is ncclSuccess again.
-  // This waits for the enqueue only, not for the transfer, and under the same deadline.
-  const auto deadline = Clock::now() + options_.timeout;
+  // A non-blocking communicator's call returns ncclInProgress while NCCL enqueues it on a thread
+  // of its own (NCCL 2.28 does so for every group; older versions while peers connect); no other
+  // call may follow until the state is ncclSuccess again. This waits for the enqueue only, not
+  // for the transfer, and under the same deadline.
+  const auto start = Clock::now(), deadline = start + options_.timeout;
   while (true) {
     ncclResult_t state = ncclSuccess;
     CPFILL_NCCL_CHECK(ncclCommGetAsyncError(comm, &state));
@@ -204,15 +219,35 @@ absl::Status NcclCommunicator::Settle(ncclComm_t comm) {
       return absl::InternalError(absl::StrCat("NCCL error on ", name_, " rank ", rank_, ": ",
                                               ncclGetErrorString(state), " (", last_op_, ")"));
     }
-    if (Clock::now() > deadline) {
+    const auto now = Clock::now();
+    if (now > deadline) {
       Abort();
       return absl::DeadlineExceededError(
           absl::StrCat(last_op_, " could not be enqueued within ",
                        std::chrono::duration<double>(options_.timeout).count(),
                        " s (a peer is dead or stuck); NCCL communicator aborted"));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    // A steady-state enqueue ends within tens of microseconds: spin for it, since a sleep of
+    // 20 us lasts 70 or more (the timer's slack) and a decode step makes two calls per layer.
+    // Only a long wait (peers connecting) sleeps.
+    if (now - start < kSettleSpin) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
   }
+}
+
+absl::Status NcclCommunicator::SettleExchange() {
+  if (unsettled_ == nullptr) return settle_error_;
+  const ncclComm_t comm = unsettled_;
+  unsettled_ = nullptr;
+  settle_error_ = Settle(comm);
+  if (settle_error_.ok() && cudaEventRecord(unsettled_end_, comm_stream_) != cudaSuccess) {
+    settle_error_ = absl::InternalError(absl::StrCat("recording the end of ", last_op_, ": ",
+                                                     cudaGetErrorString(cudaGetLastError())));
+  }
+  return settle_error_;
 }
 
 absl::Status NcclCommunicator::EndOp() {
@@ -236,9 +271,12 @@ absl::StatusOr<std::unique_ptr<PendingExchange>> NcclCommunicator::StartRingExch
   CPFILL_NCCL_CHECK(ncclSend(send, bytes, ncclUint8, next, comm, comm_stream_));
   CPFILL_NCCL_CHECK(ncclRecv(recv, bytes, ncclUint8, prev, comm, comm_stream_));
   CPFILL_NCCL_CHECK(ncclGroupEnd());
-  CPFILL_RETURN_IF_ERROR(Settle(comm));
-  CPFILL_CUDA_CHECK(cudaEventRecord(end, comm_stream_));
-  return std::unique_ptr<PendingExchange>(std::make_unique<NcclExchange>(start, end, compute_));
+  // Settled (and `end` recorded) when the exchange is waited for or the next call begins: in
+  // between, NCCL's thread enqueues the transfer while this one enqueues the step's attention.
+  unsettled_ = comm;
+  unsettled_end_ = end;
+  return std::unique_ptr<PendingExchange>(
+      std::make_unique<NcclExchange>(this, start, end, compute_));
 }
 
 absl::Status NcclCommunicator::AllToAll(const void* send, std::span<const size_t> send_bytes,
@@ -312,6 +350,7 @@ absl::Status NcclCommunicator::Synchronize() {
     return absl::FailedPreconditionError(
         absl::StrCat("NCCL communicator ", name_, " was aborted after an earlier failure"));
   }
+  CPFILL_RETURN_IF_ERROR(SettleExchange());
   // Both streams: the compute stream's last kernels as well as the communication. (Waiting for
   // the communication stream alone let a caller read O while the last merge still ran.)
   cudaEvent_t computed = NextEvent(), done = NextEvent();

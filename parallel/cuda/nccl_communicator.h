@@ -16,12 +16,13 @@
 //
 // Stream semantics (NcclCommunicator): every operation is enqueued on the communicator's own
 // stream after the work already on the compute stream (an event), and the compute stream is made
-// to wait for it (another event). The communicators are non-blocking: a call that returns
-// ncclInProgress (peers still connecting) is polled to completion of its enqueue, under the
-// deadline, before the next call. The host never waits for a transfer: calls return once enqueued,
-// and PendingExchange::Wait() only orders the compute stream. Synchronize() is the one host wait:
-// it polls the last event and NCCL's asynchronous error state until done or the deadline, and on a
-// deadline aborts the communicator so no rank hangs.
+// to wait for it (another event). The communicators are non-blocking: NCCL enqueues each call on a
+// thread of its own and returns ncclInProgress, and the call is polled to completion of its
+// enqueue, under the deadline, before the next call (a ring exchange's when it is waited for, so
+// its enqueue overlaps the step's attention being enqueued). The host never waits for a transfer:
+// calls return once enqueued, and PendingExchange::Wait() only orders the compute stream.
+// Synchronize() is the one host wait: it polls the last event and NCCL's asynchronous error state
+// until done or the deadline, and on a deadline aborts the communicator so no rank hangs.
 //
 //   CPFILL_ASSIGN_OR_RETURN(NcclGrid nccl, CreateNcclGrid(grid, options, compute_stream));
 //   auto ex = nccl.cp->StartRingExchange(d_send, d_recv, bytes);   // enqueued
@@ -86,6 +87,10 @@ class NcclCommunicator : public Communicator {
   absl::Status EndOp();
   // Waits (deadline-bounded) until a non-blocking call on `comm` has been fully enqueued.
   absl::Status Settle(ncclComm_t comm);
+  // Settles the last ring exchange, if it is not yet, and records its end event; a failure is
+  // returned again by every later call (the communicator is aborted then).
+  absl::Status SettleExchange();
+  friend class NcclExchange;
   // The first asynchronous error of either communicator (ncclInProgress counts as none).
   absl::Status AsyncError(ncclResult_t* state);
   // Aborts both communicators; every later call fails.
@@ -104,6 +109,10 @@ class NcclCommunicator : public Communicator {
   int32_t* scratch_ = nullptr;  // device word for Barrier()
   std::string last_op_;
   bool aborted_ = false;
+  // The ring exchange whose enqueue has not been settled yet (null: none), and its end event.
+  ncclComm_t unsettled_ = nullptr;
+  cudaEvent_t unsettled_end_ = nullptr;
+  absl::Status settle_error_;
 };
 
 // An owned CUDA stream.
