@@ -227,7 +227,7 @@ void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const i
   // The flat step read in place as the engine would read it (CudaRingOps::StepRule).
   const bool flat_in_place = GathersPagedKv(slices) && !GatherAsked() &&
                              ReadsPagedPrefillInPlace(args.shape, paged) &&
-                             (InPlaceAsked() || FlatStepReadsInPlace(args.shape, slices));
+                             (InPlaceAsked() || FlatStepReadsInPlace(args.shape, slices, paged));
   const SharedBlockRule rule = batched
                                    ? StepRuleOnGpu(slices, kGpuTreeCosts, flat_in_place)
                                    : RuleForStep(slices, {.min_saved_values = int64_t{1} << 62});

@@ -43,7 +43,8 @@ class PendingExchange {
   // Seconds from posting to completion as seen by the progress side; valid after Wait().
   virtual double transfer_s() const = 0;
   // A device exchange: the CUDA event (cudaEvent_t) recorded when it has ended, which device work
-  // may wait for; null for a host exchange.
+  // may wait for; null for a host exchange. Asking for it may hold the host until the exchange
+  // is enqueued (NCCL's non-blocking enqueue, within the communicator's deadline).
   virtual void* device_event() const { return nullptr; }
 };
 

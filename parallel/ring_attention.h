@@ -69,7 +69,8 @@ struct RingStepArgs {
   // false: (o, lse) are written for every row (rows in no slice empty). true: this step's
   // result is merged into the running (o, lse) in place; rows in no slice keep their values.
   bool fold_into_output = false;
-  // A ring exchange runs beside this step (CUDA: the kernel leaves SMs to NCCL until it ends).
+  // A ring exchange runs beside this step (CUDA: the kernel leaves SMs to NCCL; a prefill step's
+  // kernel takes them back once the exchange ends, a decode step's does not).
   bool communication_in_flight = false;
   const PendingExchange* exchange = nullptr;  // that exchange, where there is one
   // Set: k/v are a KV cache's block pools, read in place through this table (attention.h).

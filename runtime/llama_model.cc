@@ -580,9 +580,10 @@ absl::Status LlamaModel::BuildBlockTables(Running& r) {
   return absl::OkStatus();
 }
 
-// The rows one ring step gathers for a prefill over cached rows: one rank, exactly its step's
-// plan (the shared blocks once); a CP ring, every sequence's rows (its steps see subsets of the
-// batch, whose runs may break).
+// The rows one ring step gathers for a prefill over cached rows: one rank, its step's plan (the
+// shared blocks once); a CP ring, every sequence's rows (its steps see subsets of the batch,
+// whose runs may break). A step the ring reads in place instead (InPlaceBeatsGather) gathers
+// nothing: the count is then too high, and a batch that fails the check on it is read in place.
 int64_t LlamaModel::GatheredRows(const Running& r) const {
   const sharding::LocalLayout& layout = r.b.layout;
   int64_t rows = 0;

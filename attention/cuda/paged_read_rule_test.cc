@@ -95,15 +95,16 @@ TEST(PagedReadRule, SuffixRootsMustBeatTheFlatStepReadInPlace) {
   const ForkedSuffixStep lost_too = Forks(32, 8, 16384, 256, 8);
   const ForkedSuffixStep won = Forks(8, 1, 65536, 256, 32);
   for (const ForkedSuffixStep* f : {&lost, &lost_too, &won}) {
-    EXPECT_TRUE(FlatStepReadsInPlace(f->step.shape, f->step.slices));
+    EXPECT_TRUE(FlatStepReadsInPlace(f->step.shape, f->step.slices, f->Paged()));
     EXPECT_EQ(GpuRoots(*f, /*flat_in_place=*/false), 1);  // against a gathered flat step
   }
   EXPECT_EQ(GpuRoots(lost, /*flat_in_place=*/true), 0);
   EXPECT_EQ(GpuRoots(lost_too, /*flat_in_place=*/true), 0);
   EXPECT_EQ(GpuRoots(won, /*flat_in_place=*/true), 1);
   // A long prefill's flat step gathers.
-  EXPECT_FALSE(FlatStepReadsInPlace(SuffixStep(32, 8, 4096, 2048, 8, false).shape,
-                                    SuffixStep(32, 8, 4096, 2048, 8, false).slices));
+  const ForkedSuffixStep long_prefill = Forks(32, 8, 4096, 2048, 8);
+  EXPECT_FALSE(FlatStepReadsInPlace(long_prefill.step.shape, long_prefill.step.slices,
+                                    long_prefill.Paged()));
 }
 
 // Only a prefill step's merge is weighed against the flat step read in place; decode steps and

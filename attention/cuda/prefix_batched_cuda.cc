@@ -405,10 +405,10 @@ bool InPlaceBeatsGather(const AttentionShape& shape, const PagedGather& plan,
   return InPlaceBeatsGatheringRows(shape, plan.rows, slices);
 }
 
-bool FlatStepReadsInPlace(const AttentionShape& shape, std::span<const SequenceSlice> slices) {
-  int64_t rows = 0;
-  for (const SequenceSlice& s : slices) rows += s.q_len > 0 ? s.kv_len : 0;
-  return InPlaceBeatsGatheringRows(shape, rows, slices);
+bool FlatStepReadsInPlace(const AttentionShape& shape, std::span<const SequenceSlice> slices,
+                          const PagedKv& paged) {
+  const SharedBlockTree flat{.levels = {{slices.begin(), slices.end()}}};
+  return InPlaceBeatsGather(shape, PlanPagedGather(flat, paged, paged.host_table), slices);
 }
 
 size_t GatheredPagedWorkspaceBytes(const CudaAttentionArgs& args, const PagedGather& plan) {

@@ -80,9 +80,10 @@ inline constexpr double kHbmBytesPerSecond = 3.0e12;        // H100 SXM copy rat
 inline constexpr double kAttentionFlopsPerSecond = 550e12;  // the Hopper kernel, bf16
 bool InPlaceBeatsGather(const AttentionShape& shape, const PagedGather& plan,
                         std::span<const SequenceSlice> slices);
-// Whether the step without roots (every slice's keys gathered for itself) would be read in place
-// by the rule above.
-bool FlatStepReadsInPlace(const AttentionShape& shape, std::span<const SequenceSlice> slices);
+// Whether the step without roots (its gather plan over paged.host_table: every slice's keys, the
+// slices that read the same blocks once) would be read in place by the rule above.
+bool FlatStepReadsInPlace(const AttentionShape& shape, std::span<const SequenceSlice> slices,
+                          const PagedKv& paged);
 
 // How a ring step on the GPU finds its roots: RuleForStep under `costs`, with a decode step's
 // roots not cut at 128 packed rows (a wide one is gathered, WideRootRuleOf; in a folded step the

@@ -156,10 +156,12 @@ absl::Status CudaRingOps::Attend(const RingStepArgs& a) {
 attention::SharedBlockRule CudaRingOps::StepRule(const attention::AttentionShape& shape,
                                                  std::span<const attention::SequenceSlice> slices,
                                                  const attention::PagedKv& paged) const {
-  // As AttendGathered decides for a step without roots.
-  const bool flat_in_place =
-      attention::GathersPagedKv(slices) && CanReadPagedPrefillInPlace(shape, paged) &&
-      (!GathersPagedPrefill(shape, paged) || attention::cuda::FlatStepReadsInPlace(shape, slices));
+  // As AttendGathered decides for a step without roots (without the host table no roots are
+  // found: nothing to weigh).
+  const bool flat_in_place = attention::GathersPagedKv(slices) && !paged.host_table.empty() &&
+                             CanReadPagedPrefillInPlace(shape, paged) &&
+                             (!GathersPagedPrefill(shape, paged) ||
+                              attention::cuda::FlatStepReadsInPlace(shape, slices, paged));
   return attention::cuda::StepRuleOnGpu(slices, tree_costs(), flat_in_place);
 }
 

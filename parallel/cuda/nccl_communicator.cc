@@ -176,10 +176,7 @@ cudaEvent_t NcclCommunicator::NextEvent() {
 }
 
 absl::Status NcclCommunicator::BeginOp(const std::string& what) {
-  if (aborted_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("NCCL communicator ", name_, " was aborted after an earlier failure"));
-  }
+  if (aborted_) return AbortedError();
   CPFILL_RETURN_IF_ERROR(SettleExchange());  // no NCCL call may follow an unsettled one
   last_op_ = what;
   cudaEvent_t ready = NextEvent();
@@ -236,6 +233,12 @@ absl::Status NcclCommunicator::Settle(ncclComm_t comm) {
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
+}
+
+absl::Status NcclCommunicator::AbortedError() const {
+  if (!settle_error_.ok()) return settle_error_;  // the failure that aborted it, if it was ours
+  return absl::FailedPreconditionError(
+      absl::StrCat("NCCL communicator ", name_, " was aborted after an earlier failure"));
 }
 
 absl::Status NcclCommunicator::SettleExchange() {
@@ -346,10 +349,7 @@ absl::Status NcclCommunicator::Barrier() {
 }
 
 absl::Status NcclCommunicator::Synchronize() {
-  if (aborted_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("NCCL communicator ", name_, " was aborted after an earlier failure"));
-  }
+  if (aborted_) return AbortedError();
   CPFILL_RETURN_IF_ERROR(SettleExchange());
   // Both streams: the compute stream's last kernels as well as the communication. (Waiting for
   // the communication stream alone let a caller read O while the last merge still ran.)

@@ -87,9 +87,13 @@ class NcclCommunicator : public Communicator {
   absl::Status EndOp();
   // Waits (deadline-bounded) until a non-blocking call on `comm` has been fully enqueued.
   absl::Status Settle(ncclComm_t comm);
-  // Settles the last ring exchange, if it is not yet, and records its end event; a failure is
-  // returned again by every later call (the communicator is aborted then).
+  // Settles the last ring exchange, if it is not yet, and records its end event. A failure is
+  // kept: SettleExchange returns it again, and so does every later call once the communicator
+  // is aborted (AbortedError).
   absl::Status SettleExchange();
+  // What a call on an aborted communicator returns: the settle failure that aborted it, else a
+  // generic error.
+  absl::Status AbortedError() const;
   friend class NcclExchange;
   // The first asynchronous error of either communicator (ncclInProgress counts as none).
   absl::Status AsyncError(ncclResult_t* state);
