@@ -223,11 +223,11 @@ void Plan(const CudaAttentionArgs& args, const PagedKv& paged, std::span<const i
           bool batched, PlannedStep* p) {
   const auto start = std::chrono::steady_clock::now();
   const std::span<const SequenceSlice> slices(args.slices, args.num_slices);
-  // Flat: a tree of no roots (no sharing spares enough).
   // The flat step read in place as the engine would read it (CudaRingOps::StepRule).
   const bool flat_in_place = GathersPagedKv(slices) && !GatherAsked() &&
                              ReadsPagedPrefillInPlace(args.shape, paged) &&
                              (InPlaceAsked() || FlatStepReadsInPlace(args.shape, slices, paged));
+  // Flat: a tree of no roots (no sharing spares enough).
   const SharedBlockRule rule = batched
                                    ? StepRuleOnGpu(slices, kGpuTreeCosts, flat_in_place)
                                    : RuleForStep(slices, {.min_saved_values = int64_t{1} << 62});

@@ -381,28 +381,17 @@ absl::Status SharedBlocksAttentionCuda(const CudaAttentionArgs& args, const Shar
   return LaunchLevels(args, tree.levels, workspace, workspace_bytes, stream);
 }
 
-namespace {
-
-// InPlaceBeatsGather for a gather of `gathered_rows` key rows.
-bool InPlaceBeatsGatheringRows(const AttentionShape& shape, int64_t gathered_rows,
-                               std::span<const SequenceSlice> slices) {
+bool InPlaceBeatsGather(const AttentionShape& shape, const PagedGather& plan,
+                        std::span<const SequenceSlice> slices) {
   double pairs = 0;  // (query, key) pairs the attention computes
   for (const SequenceSlice& s : slices) {
     const double keys = shape.causal ? std::max<double>(0, s.kv_len - s.q_len / 2.0) : s.kv_len;
     pairs += static_cast<double>(s.q_len) * keys;
   }
   const double flops = 4.0 * shape.head_dim * shape.num_heads * pairs;
-  const double gathered_bytes =
-      2.0 * gathered_rows * shape.num_kv_heads * shape.head_dim * 2;        // K, V
+  const double gathered_bytes = 2.0 * plan.rows * shape.num_kv_heads * shape.head_dim * 2;  // K, V
   const double gather_seconds = 2.0 * gathered_bytes / kHbmBytesPerSecond;  // read and write
   return flops > 0 && gather_seconds >= kMinGatherShare * flops / kAttentionFlopsPerSecond;
-}
-
-}  // namespace
-
-bool InPlaceBeatsGather(const AttentionShape& shape, const PagedGather& plan,
-                        std::span<const SequenceSlice> slices) {
-  return InPlaceBeatsGatheringRows(shape, plan.rows, slices);
 }
 
 bool FlatStepReadsInPlace(const AttentionShape& shape, std::span<const SequenceSlice> slices,
