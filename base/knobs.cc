@@ -34,6 +34,10 @@ constexpr KnobSpec kKnobs[] = {
      "Hopper kernel: at most N persistent CTAs (0: one per SM); tests walk many items per CTA"},
     {kHopperSchedule, KnobType::kChoice, "dynamic", "dynamic|static",
      "Hopper kernel: items from a global counter, longest first (static: round-robin)"},
+    {kHopperKeyTile, KnobType::kChoice, "auto", "auto|128|176",
+     "Hopper kernel: keys per K/V tile (auto: 176 for head_dim 128 without the causal mask on "
+     "contiguous K/V where every sequence has 32K keys or more, else 128; 176: wherever the "
+     "kernel has them)"},
     {kCommunicationSms, KnobType::kInt, "4", "0..64",
      "CUDA attention beside a ring exchange: the SMs its kernels leave free for the exchange's "
      "NCCL kernel (0: none; the exchange may then wait for the attention kernel to end)"},

@@ -46,6 +46,7 @@ inline constexpr std::string_view kHopperPersistent = "CPFILL_HOPPER_PERSISTENT"
 inline constexpr std::string_view kHopperQBuffers = "CPFILL_HOPPER_Q_BUFFERS";
 inline constexpr std::string_view kHopperMaxCtas = "CPFILL_HOPPER_MAX_CTAS";
 inline constexpr std::string_view kHopperSchedule = "CPFILL_HOPPER_SCHEDULE";
+inline constexpr std::string_view kHopperKeyTile = "CPFILL_HOPPER_KEY_TILE";
 inline constexpr std::string_view kCommunicationSms = "CPFILL_COMMUNICATION_SMS";
 inline constexpr std::string_view kCommunicationPriority = "CPFILL_COMMUNICATION_PRIORITY";
 inline constexpr std::string_view kRingExchangeCtas = "CPFILL_RING_EXCHANGE_CTAS";

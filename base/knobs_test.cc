@@ -29,13 +29,14 @@ TEST_F(KnobsTest, EveryNameIsDeclaredOnceWithADefaultThatPassesItsOwnCheck) {
     EXPECT_TRUE(Validate().ok()) << k.name << ": " << Validate();
     unsetenv(std::string(k.name).c_str());
   }
-  for (std::string_view n :
-       {kAttentionKernel,  kAttentionVariant, kAttentionKeySplit,  kHopperPingPong,
-        kHopperPersistent, kHopperQBuffers,   kHopperMaxCtas,      kHopperSchedule,
-        kDecodeKernel,     kDecodeCtasPerSm,  kDecodeCombineParts, kPrefixRoot,
-        kPrefixTree,       kRanksPerNode,     kTestExitRank,       kTestStallRank,
-        kLocalRanks,       kSlurmStepTasks,   kSlurmStepNodes,     kNcclP2pDisable,
-        kNcclShmDisable,   kNcclNet}) {
+  for (std::string_view n : {kAttentionKernel, kAttentionVariant, kAttentionKeySplit,
+                             kHopperPingPong,  kHopperPersistent, kHopperQBuffers,
+                             kHopperMaxCtas,   kHopperSchedule,   kHopperKeyTile,
+                             kDecodeKernel,    kDecodeCtasPerSm,  kDecodeCombineParts,
+                             kPrefixRoot,      kPrefixTree,       kRanksPerNode,
+                             kTestExitRank,    kTestStallRank,    kLocalRanks,
+                             kSlurmStepTasks,  kSlurmStepNodes,   kNcclP2pDisable,
+                             kNcclShmDisable,  kNcclNet}) {
     EXPECT_TRUE(seen.count(n)) << n;
   }
 }

@@ -372,7 +372,8 @@ absl::Status PartialAttentionCuda(const CudaAttentionArgs& a, void* workspace,
   const std::vector<int64_t> work = WorkingSlices(a);
   KeyTileSummary* summaries = static_cast<KeyTileSummary*>(workspace);
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
-  // Hopper: the wgmma/TMA kernel (its 128-key tiles need fewer summaries than reserved here).
+  // Hopper: the wgmma/TMA kernel (its 128- or 176-key tiles need fewer summaries than reserved
+  // here).
   if (internal::HopperAttentionUsable(a)) {
     if (split.parts > 1) return RunKeySplit(a, split, workspace, stream);
     // The counter is the workspace's last bytes (AttentionWorkspaceBytes).

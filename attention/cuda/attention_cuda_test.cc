@@ -414,32 +414,72 @@ TEST(CudaAttentionSmall, TileEdgesAndGqaGroupsThatDoNotFillTheTile) {
   }
 }
 
+// Without the causal mask: lengths around 128- and 176-key tiles, several sequences in one
+// launch, padding keys and queries (the element mask on a tile no causality masks). The Hopper
+// kernel's 176-key tiles run these under CPFILL_HOPPER_KEY_TILE=176 (CTest
+// attention_cuda_test_keytile176; by default they are for 32K keys and more); a 176-row box past
+// a slice's keys: GarbageOutsideTheSlicesIsNeverRead.
+TEST(CudaAttentionSmall, TileEdgesWithoutTheCausalMask) {
+  const std::pair<int, int> groups[] = {{16, 1}, {32, 8}, {6, 1}};
+  const int64_t lengths[] = {1, 175, 176, 177, 353};
+  int k = 0;
+  for (auto [h, kvh] : groups) {
+    for (int64_t n : lengths) {
+      const int64_t nk = n + (n * 7) % 181;
+      CheckCase(OneSlice(absl::StrCat("not causal ", h, ":", kvh, " q", n, " k", nk), h, kvh, 128,
+                         false, n, 0, nk, 0),
+                static_cast<uint64_t>(2000 + k++));
+    }
+  }
+  Case c{.name = "fused batch with padding, not causal", .heads = 8, .kv_heads = 2, .dim = 128};
+  c.causal = false;
+  const int64_t news[] = {0, 1, 17, 300, 1, 129}, keys[] = {5, 176, 20, 531, 1000, 352};
+  for (int s = 0; s < 6; ++s) {
+    const int64_t qb = c.q_pos.size(), kb = c.k_pos.size();
+    for (int64_t i = 0; i < news[s]; ++i)
+      c.q_pos.push_back(i % 11 == 4 ? -1 : static_cast<int32_t>(i));
+    for (int64_t i = 0; i < keys[s]; ++i)
+      c.k_pos.push_back(i % 13 == 0 ? -1 : static_cast<int32_t>(i));
+    c.slices.push_back({qb, news[s], kb, keys[s]});
+  }
+  c.q_tokens = c.q_pos.size();
+  c.kv_tokens = c.k_pos.size();
+  CheckCase(c, 2100);
+}
+
 TEST(CudaAttentionSmall, GarbageOutsideTheSlicesIsNeverRead) {
   // A persistent KV cache may hold anything in rows no slice covers, NaN included: a kernel
   // that reads past a slice's last key row (a neighbour's rows, or free cache rows) would let it
-  // into O through 0 * NaN. Key rows 0..39, 140..149 and 300.. are NaN here.
-  Case c{.name = "NaN outside slices", .heads = 16, .kv_heads = 2, .dim = 128};
-  c.kv_tokens = 420;
-  for (int i = 0; i < 420; ++i) c.k_pos.push_back(i);
-  c.q_tokens = 230;
-  AppendRun(c.q_pos, 50, 100);   // slice 0: 100 queries at [50, 150) over key rows [40, 140)
-  AppendRun(c.q_pos, 100, 130);  // slice 1: 130 queries at [100, 230) over key rows [150, 300)
-  for (int i = 150; i < 300; ++i) c.k_pos[i] = i - 150;
-  c.slices = {{0, 100, 40, 100}, {100, 130, 150, 150}};
-  for (int i = 40; i < 140; ++i) c.k_pos[i] = i - 40 + 50;
-  Inputs in = MakeInputs(c, 31);
-  const size_t row = static_cast<size_t>(c.kv_heads) * c.dim;
-  for (int i = 0; i < 420; ++i) {
-    if ((i >= 40 && i < 140) || (i >= 150 && i < 300)) continue;
-    for (size_t e = 0; e < row; ++e) {
-      in.kb[i * row + e] = in.vb[i * row + e] = __float2bfloat16(kNaN);
+  // into O through 0 * NaN. Key rows 0..39, 140..149 and 300.. are NaN here. Without the
+  // causal mask, under CPFILL_HOPPER_KEY_TILE=176, the Hopper kernel reads them in 176-key boxes.
+  for (bool causal : {true, false}) {
+    Case c{.name = causal ? "NaN outside slices" : "NaN outside slices, not causal",
+           .heads = 16,
+           .kv_heads = 2,
+           .dim = 128,
+           .causal = causal};
+    c.kv_tokens = 420;
+    for (int i = 0; i < 420; ++i) c.k_pos.push_back(i);
+    c.q_tokens = 230;
+    AppendRun(c.q_pos, 50, 100);   // slice 0: 100 queries at [50, 150) over key rows [40, 140)
+    AppendRun(c.q_pos, 100, 130);  // slice 1: 130 queries at [100, 230) over key rows [150, 300)
+    for (int i = 150; i < 300; ++i) c.k_pos[i] = i - 150;
+    c.slices = {{0, 100, 40, 100}, {100, 130, 150, 150}};
+    for (int i = 40; i < 140; ++i) c.k_pos[i] = i - 40 + 50;
+    Inputs in = MakeInputs(c, 31);
+    const size_t row = static_cast<size_t>(c.kv_heads) * c.dim;
+    for (int i = 0; i < 420; ++i) {
+      if ((i >= 40 && i < 140) || (i >= 150 && i < 300)) continue;
+      for (size_t e = 0; e < row; ++e) {
+        in.kb[i * row + e] = in.vb[i * row + e] = __float2bfloat16(kNaN);
+      }
     }
+    std::vector<double> o_ref, lse_ref;
+    Reference(c, in, &o_ref, &lse_ref);
+    std::vector<float> o, lse;
+    RunOnGpu(c, in, OutputMode::kFloat32, &o, &lse);
+    ExpectGood(Compare(c, o, lse, o_ref, lse_ref), c.name);
   }
-  std::vector<double> o_ref, lse_ref;
-  Reference(c, in, &o_ref, &lse_ref);
-  std::vector<float> o, lse;
-  RunOnGpu(c, in, OutputMode::kFloat32, &o, &lse);
-  ExpectGood(Compare(c, o, lse, o_ref, lse_ref), c.name);
 }
 
 TEST(CudaAttentionSmall, LargeScoresStayFinite) {
@@ -543,6 +583,7 @@ TEST(CudaAttentionSmall, RejectsBadInput) {
 TEST(CudaAttentionLarge, LongCausalSequenceAndManySlices) {
   // 4096 tokens causal, 16:1: many tiles, the fully visible path and the boundary path.
   CheckCase(OneSlice("4K causal", 16, 1, 128, true, 4096, 0, 4096, 0), 21);
+  CheckCase(OneSlice("4K not causal", 8, 2, 128, false, 4096, 0, 4096, 0), 23);
   // 60 sequences in one call: more slices than one launch takes.
   Case c{.name = "60 slices", .heads = 4, .kv_heads = 1, .dim = 64};
   for (int s = 0; s < 60; ++s) {

@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -65,9 +66,9 @@ absl::Status EncodeRowsMap(CUtensorMap* map, const void* base, int64_t rows, int
 
 // A map over one slice's key rows [kv_begin, kv_begin + kv_len), boxes of a whole key tile.
 absl::Status EncodeSliceMap(CUtensorMap* map, const __nv_bfloat16* base, int64_t kv_begin,
-                            int64_t kv_len, int num_kv_heads, int head_dim) {
+                            int64_t kv_len, int num_kv_heads, int head_dim, int block_n) {
   return EncodeRowsMap(map, base + kv_begin * num_kv_heads * head_dim, kv_len, num_kv_heads,
-                       head_dim, kHopperBlockN);
+                       head_dim, block_n);
 }
 
 // Paged K/V: the pools' maps (each pool as rows: HopperReadsPagedKv) and the table, once per
@@ -133,9 +134,12 @@ absl::Status SetLastBlockMaps(const CudaAttentionArgs& a, const SliceDesc& s, in
 //   CPFILL_HOPPER_MAX_CTAS=N     at most N persistent CTAs (tests: many items per CTA)
 //   CPFILL_HOPPER_SCHEDULE=static  CTA b takes items b, b + grid, b + 2 grid, ... instead of the
 //                                next free item from a counter
+//   CPFILL_HOPPER_KEY_TILE=128|176  128-key tiles everywhere, or 176-key tiles wherever the
+//                                kernel has them (auto: WideKeyTiles' rule)
 struct HopperKnobs {
   bool pingpong = true, persistent = true, dynamic_schedule = true;
   int q_buffers = 2, max_ctas = 0;
+  std::string key_tile = "auto";
 };
 const HopperKnobs& Knobs() {
   static const HopperKnobs values = [] {
@@ -145,6 +149,7 @@ const HopperKnobs& Knobs() {
     k.q_buffers = static_cast<int>(knobs::Int(knobs::kHopperQBuffers));
     k.dynamic_schedule = knobs::Choice(knobs::kHopperSchedule) != "static";
     k.max_ctas = static_cast<int>(knobs::Int(knobs::kHopperMaxCtas));
+    k.key_tile = knobs::Choice(knobs::kHopperKeyTile);
     return k;
   }();
   return values;
@@ -157,10 +162,10 @@ absl::StatusOr<int> SmCount() {
   return sms;
 }
 
-template <int kDim, int kQBuffers, bool kPingPong>
+template <int kDim, int kQBuffers, int kBlockN, bool kPingPong>
 absl::Status LaunchShape(const HopperParams& params, int num_ctas, cudaStream_t stream) {
-  using Cfg = HopperConfig<kDim, kHopperStages, kQBuffers>;
-  auto kernel = HopperFlashKernel<kDim, kHopperStages, kQBuffers, kPingPong>;
+  using Cfg = HopperConfig<kDim, kHopperStages, kQBuffers, kBlockN>;
+  auto kernel = HopperFlashKernel<kDim, kHopperStages, kQBuffers, kBlockN, kPingPong>;
   static const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   CPFILL_CUDA_CHECK(attr);
@@ -170,6 +175,39 @@ absl::Status LaunchShape(const HopperParams& params, int num_ctas, cudaStream_t 
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// 176-key tiles (kHopperWideBlockN) exist for head_dim 128 without the causal mask on
+// contiguous K/V. They run where every slice has at least kWideTileMinKeys keys: against 128-key
+// tiles in one call on an H200 (bench/RESULTS.md, 2026-11-28) they ran 1.01x-1.08x the speed at
+// 32K keys, 0.99x-1.00x at 16K and 0.93x-0.97x at 4K-8K, where an item's tiles are few and its
+// one Q buffer (two do not fit beside the wider stages) leaves each item's start exposed.
+inline constexpr int64_t kWideTileMinKeys = 32768;
+bool WideKeyTiles(const CudaAttentionArgs& a) {
+  const std::string& knob = Knobs().key_tile;
+  if (knob == "128" || a.shape.head_dim != 128 || a.shape.causal || a.paged != nullptr)
+    return false;
+  if (knob == "176") return true;
+  return std::all_of(a.slices, a.slices + a.num_slices,
+                     [](const SequenceSlice& s) { return s.kv_len >= kWideTileMinKeys; });
+}
+
+using Launch = absl::Status (*)(const HopperParams&, int, cudaStream_t);
+
+// The kernel built for the call's shape and the knobs; with wide tiles, one Q buffer (two do
+// not fit beside their stages).
+Launch KernelFor(const CudaAttentionArgs& a, bool wide) {
+  const HopperKnobs& k = Knobs();
+  if (wide)
+    return k.pingpong ? LaunchShape<128, 1, kHopperWideBlockN, true>
+                      : LaunchShape<128, 1, kHopperWideBlockN, false>;
+  // [head_dim 128][two Q buffers][ping-pong]
+  static constexpr Launch kLaunch[2][2][2] = {
+      {{LaunchShape<64, 1, kHopperBlockN, false>, LaunchShape<64, 1, kHopperBlockN, true>},
+       {LaunchShape<64, 2, kHopperBlockN, false>, LaunchShape<64, 2, kHopperBlockN, true>}},
+      {{LaunchShape<128, 1, kHopperBlockN, false>, LaunchShape<128, 1, kHopperBlockN, true>},
+       {LaunchShape<128, 2, kHopperBlockN, false>, LaunchShape<128, 2, kHopperBlockN, true>}}};
+  return kLaunch[a.shape.head_dim == 128][k.q_buffers == 2][k.pingpong];
+}
 
 // A joining grid's stream and the events that order it: after the launch's key-tile pre-pass
 // (its summaries and the reset work counter) and the exchange; the launch's stream then waits for
@@ -250,15 +288,17 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
   const std::vector<int64_t> order = LongestSlicesFirst(a.slices, work);
   const std::span<const int64_t> sorted(order);
   const HopperKnobs& settings = Knobs();
+  const bool wide = WideKeyTiles(a);
+  const int block_n = wide ? kHopperWideBlockN : kHopperBlockN;
   int64_t summary_offset = 0;
   // One launch per kMaxHopperSlices slices: a ring step of up to 48 sequences is one launch.
   for (size_t first = 0; first < sorted.size(); first += kMaxHopperSlices) {
     const size_t count = std::min<size_t>(kMaxHopperSlices, sorted.size() - first);
     HopperParams p{};  // about 14 KiB: the launch copies it into the parameter space
     LaunchExtent extent;
-    CPFILL_RETURN_IF_ERROR(PrepareLaunch(a, sorted.subspan(first, count), kHopperBlockM,
-                                         kHopperBlockN, summaries + summary_offset, &p, p.slices,
-                                         &extent, out_rows));
+    CPFILL_RETURN_IF_ERROR(PrepareLaunch(a, sorted.subspan(first, count), kHopperBlockM, block_n,
+                                         summaries + summary_offset, &p, p.slices, &extent,
+                                         out_rows));
     p.item_counter = settings.dynamic_schedule ? item_counter : nullptr;
     if (a.paged != nullptr) CPFILL_RETURN_IF_ERROR(SetPagedPools(a, &p));
     for (size_t i = 0; i < count; ++i) {
@@ -268,9 +308,9 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
         continue;
       }
       CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.k_maps[i], a.k, s.kv_begin, s.kv_len,
-                                            a.shape.num_kv_heads, a.shape.head_dim));
+                                            a.shape.num_kv_heads, a.shape.head_dim, block_n));
       CPFILL_RETURN_IF_ERROR(EncodeSliceMap(&p.v_maps[i], a.v, s.kv_begin, s.kv_len,
-                                            a.shape.num_kv_heads, a.shape.head_dim));
+                                            a.shape.num_kv_heads, a.shape.head_dim, block_n));
     }
     const int64_t q_tiles = extent.q_tiles, k_tiles = extent.k_tiles;
     static_assert(kMaxHopperSlices <= kMaxSlicesPerLaunch, "the pre-pass holds every slice");
@@ -295,16 +335,8 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
         held_back = static_cast<int>(std::min<int64_t>(sms - free_sms, items - ctas));
       }
     }
-    using Launch = absl::Status (*)(const HopperParams&, int, cudaStream_t);
-    // [head_dim 128][two Q buffers][ping-pong]
-    static constexpr Launch kLaunch[2][2][2] = {
-        {{LaunchShape<64, 1, false>, LaunchShape<64, 1, true>},
-         {LaunchShape<64, 2, false>, LaunchShape<64, 2, true>}},
-        {{LaunchShape<128, 1, false>, LaunchShape<128, 1, true>},
-         {LaunchShape<128, 2, false>, LaunchShape<128, 2, true>}}};
-    const Launch launch =
-        kLaunch[a.shape.head_dim == 128][settings.q_buffers == 2][settings.pingpong];
-    CPFILL_RETURN_IF_ERROR(LaunchWithJoin(launch, p, ctas, held_back, a.exchange_done, stream));
+    CPFILL_RETURN_IF_ERROR(
+        LaunchWithJoin(KernelFor(a, wide), p, ctas, held_back, a.exchange_done, stream));
   }
   return absl::OkStatus();
 }

@@ -41,11 +41,11 @@
 namespace cpfill::attention::cuda::internal {
 
 // kPingPong: the consumer warpgroups take turns at the tensor cores (hopper_mainloop.cuh).
-template <int kDim, int kStages, int kQBuffers, bool kPingPong>
+template <int kDim, int kStages, int kQBuffers, int kBlockN, bool kPingPong>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     HopperFlashKernel(const __grid_constant__ HopperParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Smem = HopperSmem<kDim, kStages, kQBuffers>;
+  using Smem = HopperSmem<kDim, kStages, kQBuffers, kBlockN>;
   // Layouts and barrier protocol: hopper_shared_memory.cuh.
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t bars[Smem::kNumBarriers];
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     return;
   }
   SetMaxRegistersInc<kConsumerRegisters>();
-  HopperConsumer<kDim, kStages, kQBuffers, kPingPong>(p, sm, warpgroup).Run(G, num_items);
+  HopperConsumer<kDim, kStages, kQBuffers, kBlockN, kPingPong>(p, sm, warpgroup).Run(G, num_items);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 

@@ -14,7 +14,8 @@
 // showed up as its stalls under Nsight Compute (bench/RESULTS.md), so tile classes come from
 // the K/V thread and descriptors are moved by an add.
 //
-//   HopperConsumer<kDim, kStages, kQBuffers, kPingPong>(p, sm, warpgroup).Run(G, num_items);
+//   HopperConsumer<kDim, kStages, kQBuffers, kBlockN, kPingPong>(p, sm, warpgroup)
+//       .Run(G, num_items);
 #pragma once
 
 #include <cuda_bf16.h>
@@ -39,12 +40,12 @@ namespace cpfill::attention::cuda::internal {
 // item's initial values (l = 0, m = -inf, O = 0) in reverse field order, and this order gives
 // the instruction schedule that was measured (bench/RESULTS.md); another one reschedules the
 // head_dim-128 consumer loop.
-template <int kDim>
+template <int kDim, int kBlockN>
 struct ConsumerAccumulators {
   float l_row[2];
   float m_row[2];
-  uint32_t p[kHopperBlockN / 16][4];
-  float s[kHopperBlockN / 8][4];
+  uint32_t p[kBlockN / 16][4];
+  float s[kBlockN / 8][4];
   float o[kDim / 8][4];
 };
 
@@ -60,13 +61,13 @@ struct ConsumerItem {
 // One consumer thread: its place in the CTA and its shared-memory descriptors. Holds no arrays,
 // so the compiler keeps every field in a register from the start; the accumulators and the
 // item's query positions are locals of Run, passed by reference.
-template <int kDim, int kStages, int kQBuffers, bool kPingPong>
+template <int kDim, int kStages, int kQBuffers, int kBlockN, bool kPingPong>
 class HopperConsumer {
  public:
-  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
-  using Smem = HopperSmem<kDim, kStages, kQBuffers>;
-  using Acc = ConsumerAccumulators<kDim>;
-  static constexpr int kBlockM = kHopperBlockM, kBlockN = kHopperBlockN;
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers, kBlockN>;
+  using Smem = HopperSmem<kDim, kStages, kQBuffers, kBlockN>;
+  using Acc = ConsumerAccumulators<kDim, kBlockN>;
+  static constexpr int kBlockM = kHopperBlockM;
 
   // After setmaxnreg: thread indices are read here, not carried across it.
   __device__ __forceinline__ HopperConsumer(const HopperParams& p, const Smem& sm, int warpgroup)
@@ -236,8 +237,9 @@ class HopperConsumer {
     for (int kk = 0; kk < kDim / 16; ++kk) {
       const uint32_t off_q = (kk / 4) * Cfg::kSlabBytesQ + (kk % 4) * 32;
       const uint32_t off_k = (kk / 4) * Cfg::kSlabBytesKv + (kk % 4) * 32;
-      WgmmaSS_N128(reinterpret_cast<float(&)[64]>(acc.s[0][0]), DescriptorPlus(q_desc, off_q),
-                   DescriptorPlus(k_tile, off_k), kk > 0 ? 1 : 0);
+      WgmmaSS<kBlockN>(reinterpret_cast<float(&)[kBlockN / 2]>(acc.s[0][0]),
+                       DescriptorPlus(q_desc, off_q), DescriptorPlus(k_tile, off_k),
+                       kk > 0 ? 1 : 0);
     }
     WgmmaCommit();
   }

@@ -3,7 +3,7 @@
 // dynamic shared-memory layout. Host and device code both read it; it holds no device code.
 //
 //   HopperParams p{};                                   // host: filled by the launcher
-//   using Cfg = HopperConfig<128, kHopperStages, 2>;    // head_dim 128, two Q buffers
+//   using Cfg = HopperConfig<128, kHopperStages, 2, kHopperBlockN>;  // d128, two Q buffers
 //   kernel<<<ctas, kHopperThreads, Cfg::kSmemBytes, stream>>>(p);
 #pragma once
 
@@ -55,8 +55,14 @@ static_assert(kMaxHopperSlices <= 64, "tail_runs holds a bit per slice");
 
 // ---- the CTA's shape --------------------------------------------------------------------
 
-inline constexpr int kHopperBlockM = 128;   // 2 consumer warpgroups x 64 rows
-inline constexpr int kHopperBlockN = 128;   // keys per K/V tile
+inline constexpr int kHopperBlockM = 128;  // 2 consumer warpgroups x 64 rows
+// Keys per K/V tile: 128, or 176 (kHopperWideBlockN) for calls with no causal mask at head_dim
+// 128 on contiguous K/V (FlashAttention-3's non-causal tile): the per-tile costs (the O
+// rescale, the row max and sum shuffles, the barriers) spread over 1.375x the keys. A wide tile's
+// stages leave room for one Q buffer only. Paged K/V and the causal mask keep 128: the pool's
+// block parts (kMaxPagedParts) and the diagonal's masked keys are sized for it.
+inline constexpr int kHopperBlockN = 128;
+inline constexpr int kHopperWideBlockN = 176;
 inline constexpr int kHopperThreads = 384;  // warpgroup 0: producer; 1 and 2: consumers
 // Two K/V stages: a third was measured 0.5-2% slower (bench/RESULTS.md), and its shared memory
 // now holds the second Q buffer.
@@ -83,15 +89,17 @@ inline constexpr int kTileIndex = kTileNone - 1;
 // The dynamic shared memory, all tiles bf16 in the 128-byte swizzle (hopper_kernel.cuh's file
 // comment), in this order from the 1024-byte-aligned base:
 //   Q: kQBuffers x kQBytes          [buffer][consumer warpgroup][slab][64 rows][128 bytes]
-//   K: kStages x kTileBytes         [stage][slab][128 keys][128 bytes]
-//   V: kStages x kTileBytes         [stage][slab][128 keys][128 bytes]
-// head_dim 128: Q 2 x 32 KiB, K and V 2 x 32 KiB each, 193 KiB with the alignment slack.
-template <int kDim, int kStages, int kQBuffers>
+//   K: kStages x kTileBytes         [stage][slab][kBlockN keys][128 bytes]
+//   V: kStages x kTileBytes         [stage][slab][kBlockN keys][128 bytes]
+// head_dim 128: Q 2 x 32 KiB, K and V 2 x 32 KiB each, 193 KiB with the alignment slack; with
+// 176-key tiles, Q 32 KiB, K and V 2 x 44 KiB each, 209 KiB.
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
 struct HopperConfig {
   static_assert(kDim == 64 || kDim == 128, "head_dim 64 or 128");
-  static constexpr int kSlabs = kDim / 64;                  // 128-byte-wide column slabs
-  static constexpr int kSlabBytesQ = 64 * 128;              // 64 rows of one consumer
-  static constexpr int kSlabBytesKv = kHopperBlockN * 128;  // 128 keys
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a key tile is wgmma's N and its k-steps");
+  static constexpr int kSlabs = kDim / 64;            // 128-byte-wide column slabs
+  static constexpr int kSlabBytesQ = 64 * 128;        // 64 rows of one consumer
+  static constexpr int kSlabBytesKv = kBlockN * 128;  // kBlockN keys
   static constexpr int kQBytesPerWarpgroup = kSlabs * kSlabBytesQ;
   static constexpr int kQBytes = 2 * kQBytesPerWarpgroup;
   static constexpr int kTileBytes = kSlabs * kSlabBytesKv;  // one K or V tile

@@ -31,9 +31,9 @@ namespace cpfill::attention::cuda::internal {
 // ---- the K/V thread ---------------------------------------------------------------------
 
 // The visible key tiles of an item, from the statistics its loaders left in slot `slot`.
-template <int kDim, int kStages, int kQBuffers>
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
 __device__ __forceinline__ VisibleKeyTiles
-ItemVisibleTiles(const HopperParams& p, const HopperSmem<kDim, kStages, kQBuffers>& sm,
+ItemVisibleTiles(const HopperParams& p, const HopperSmem<kDim, kStages, kQBuffers, kBlockN>& sm,
                  const SliceDesc& sl, int slot) {
   int32_t q_min = INT32_MAX, q_max = -1, q_pad = 0;
 #pragma unroll
@@ -43,7 +43,7 @@ ItemVisibleTiles(const HopperParams& p, const HopperSmem<kDim, kStages, kQBuffer
     q_pad |= sm.qstat[slot][w][2];
   }
   return VisibleKeyTiles{p.key_tiles + sl.k_tile_start,
-                         static_cast<int>((sl.kv_len + kHopperBlockN - 1) / kHopperBlockN),
+                         static_cast<int>((sl.kv_len + kBlockN - 1) / kBlockN),
                          q_min,
                          q_max,
                          q_pad,
@@ -51,21 +51,21 @@ ItemVisibleTiles(const HopperParams& p, const HopperSmem<kDim, kStages, kQBuffer
 }
 
 // Key tile j of the item into a stage's K or V buffer at `dst`, one TMA per 64-column slab.
-template <int kDim, int kStages, int kQBuffers>
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
 __device__ __forceinline__ void LoadKvTile(uint32_t dst, const CUtensorMap* map, int kv_head, int j,
                                            uint32_t bar) {
-  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers, kBlockN>;
 #pragma unroll
   for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
-    TmaLoad2d(dst + slab * Cfg::kSlabBytesKv, map, kv_head * kDim + slab * 64, j * kHopperBlockN,
-              bar);
+    TmaLoad2d(dst + slab * Cfg::kSlabBytesKv, map, kv_head * kDim + slab * 64, j * kBlockN, bar);
   }
 }
 
-// Paged K/V: a key tile loads as one box where its rows are consecutive in the pool (a sequence's
-// blocks mostly are: the KV cache hands out the lowest free block first), else in parts of
-// box_rows keys, each inside one block, at most kMaxPagedParts of them (HopperReadsPagedKv:
-// blocks of a multiple of 32 tokens). Everything a tile's loads need is found a tile ahead, while
+// Paged K/V, in tiles of kHopperBlockN keys (the launcher takes no wide tile for it): a key tile
+// loads as one box where its rows are consecutive in the pool (a sequence's blocks mostly are:
+// the KV cache hands out the lowest free block first), else in parts of box_rows keys, each
+// inside one block, at most kMaxPagedParts of them (HopperReadsPagedKv: blocks of a multiple of
+// 32 tokens). Everything a tile's loads need is found a tile ahead, while
 // the K/V thread waits for a free stage: after the wait it only issues them. (Computed after it,
 // the block ids' loads and a 64-bit division delayed every tile's copies, and paged steps ran up
 // to 1.6x slower than gathered ones.)
@@ -117,13 +117,13 @@ __device__ __forceinline__ PagedTile PagedTileOf(const HopperParams& p, const Sl
 // rows, the rest through the slice's map over its last block (its rows past the slice's keys read
 // as zeros, whatever the pool holds there; parts past the slice too: that map at a row past its
 // rows).
-template <int kDim, int kStages, int kQBuffers>
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
 __device__ __forceinline__ void LoadPagedKvTile(const HopperParams& p, uint32_t dst,
                                                 const CUtensorMap* pool_map,
                                                 const CUtensorMap* run_map,
                                                 const CUtensorMap* slice_map, const PagedTile& t,
                                                 int kv_head, uint32_t bar) {
-  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers, kBlockN>;
   if (t.run() || t.tail()) {
 #pragma unroll
     for (int slab = 0; slab < Cfg::kSlabs; ++slab) {
@@ -149,18 +149,18 @@ __device__ __forceinline__ void LoadPagedKvTile(const HopperParams& p, uint32_t 
 // Every visible tile of an item fills one stage. An item with none still fills one, with no
 // data (an arrival of 0 bytes completes each barrier's phase) and kTileNone, so the consumers
 // learn it from the ring and never read the summaries. `g` counts the CTA's tiles.
-template <int kDim, int kStages, int kQBuffers>
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
 __device__ __forceinline__ void LoadItemKv(const HopperParams& p,
-                                           const HopperSmem<kDim, kStages, kQBuffers>& sm,
+                                           const HopperSmem<kDim, kStages, kQBuffers, kBlockN>& sm,
                                            const HopperItem& item, const VisibleKeyTiles& tiles,
                                            int& g) {
-  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers, kBlockN>;
   const CUtensorMap* kmap = &p.k_maps[item.tile.slice_index];
   const CUtensorMap* vmap = &p.v_maps[item.tile.slice_index];
   int j = tiles.NextVisible(0);
   const bool none = j >= tiles.num_tiles;
   const uint32_t bytes = none ? 0u : static_cast<uint32_t>(Cfg::kTileBytes);
-  const bool paged = !none && p.block_table != nullptr;
+  const bool paged = kBlockN == kHopperBlockN && !none && p.block_table != nullptr;
   const int last = paged ? static_cast<int>((item.tile.slice.kv_len - 1) / p.block_tokens) : 0;
   // A paged tile's block ids are loaded a tile ahead, while the thread waits for the stage.
   PagedTile paged_tile;
@@ -179,12 +179,12 @@ __device__ __forceinline__ void LoadItemKv(const HopperParams& p,
     // 3. K: expect the bytes, then the copies complete them.
     MbarArriveExpectTx(sm.FullK(st), bytes);
     if (paged) {
-      LoadPagedKvTile<kDim, kStages, kQBuffers>(p, sm.k + st * Cfg::kTileBytes, &p.k_pool_map,
-                                                &p.k_run_map, kmap, paged_tile, item.kv_head,
-                                                sm.FullK(st));
+      LoadPagedKvTile<kDim, kStages, kQBuffers, kBlockN>(p, sm.k + st * Cfg::kTileBytes,
+                                                         &p.k_pool_map, &p.k_run_map, kmap,
+                                                         paged_tile, item.kv_head, sm.FullK(st));
     } else if (!none) {
-      LoadKvTile<kDim, kStages, kQBuffers>(sm.k + st * Cfg::kTileBytes, kmap, item.kv_head, j,
-                                           sm.FullK(st));
+      LoadKvTile<kDim, kStages, kQBuffers, kBlockN>(sm.k + st * Cfg::kTileBytes, kmap, item.kv_head,
+                                                    j, sm.FullK(st));
     }
     PagedTile next_tile;
     if (paged && j_next < tiles.num_tiles)
@@ -193,12 +193,12 @@ __device__ __forceinline__ void LoadItemKv(const HopperParams& p,
     MbarWait(sm.EmptyV(st), free_parity);
     MbarArriveExpectTx(sm.FullV(st), bytes);
     if (paged) {
-      LoadPagedKvTile<kDim, kStages, kQBuffers>(p, sm.v + st * Cfg::kTileBytes, &p.v_pool_map,
-                                                &p.v_run_map, vmap, paged_tile, item.kv_head,
-                                                sm.FullV(st));
+      LoadPagedKvTile<kDim, kStages, kQBuffers, kBlockN>(p, sm.v + st * Cfg::kTileBytes,
+                                                         &p.v_pool_map, &p.v_run_map, vmap,
+                                                         paged_tile, item.kv_head, sm.FullV(st));
     } else if (!none) {
-      LoadKvTile<kDim, kStages, kQBuffers>(sm.v + st * Cfg::kTileBytes, vmap, item.kv_head, j,
-                                           sm.FullV(st));
+      LoadKvTile<kDim, kStages, kQBuffers, kBlockN>(sm.v + st * Cfg::kTileBytes, vmap, item.kv_head,
+                                                    j, sm.FullV(st));
     }
     if (paged) paged_tile = next_tile;
     j = j_next;
@@ -207,9 +207,9 @@ __device__ __forceinline__ void LoadItemKv(const HopperParams& p,
 }
 
 // Lane 0 of warp 0: every item's K and V tiles, until the loaders publish the stop.
-template <int kDim, int kStages, int kQBuffers>
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
 __device__ __forceinline__ void RunKvLoads(const HopperParams& p,
-                                           const HopperSmem<kDim, kStages, kQBuffers>& sm,
+                                           const HopperSmem<kDim, kStages, kQBuffers, kBlockN>& sm,
                                            int num_items) {
   int g = 0;  // tiles issued so far by this CTA: the ring's stage and phase
   for (int n = 0;; ++n) {
@@ -227,10 +227,11 @@ __device__ __forceinline__ void RunKvLoads(const HopperParams& p,
 
 // Each query row's position into the slot, and per loader warp the smallest and largest valid
 // position and whether any row is padding (the K/V thread's tile classes come from these).
-template <int kDim, int kStages, int kQBuffers>
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
 __device__ __forceinline__ void PublishQueryPositions(
-    const HopperParams& p, const HopperSmem<kDim, kStages, kQBuffers>& sm, const SliceDesc& sl,
-    int G, int64_t row0, int64_t slice_rows, int slot, int t, int warp, int lane) {
+    const HopperParams& p, const HopperSmem<kDim, kStages, kQBuffers, kBlockN>& sm,
+    const SliceDesc& sl, int G, int64_t row0, int64_t slice_rows, int slot, int t, int warp,
+    int lane) {
   int32_t mn = INT32_MAX, mx = -1, pad = 0;
   for (int r = t; r < kHopperBlockM; r += kLoaderThreads) {
     const int64_t row = row0 + r;
@@ -257,12 +258,12 @@ __device__ __forceinline__ void PublishQueryPositions(
 // the swizzled layout; rows past the slice are zero-filled by the copy. A thread keeps one
 // 16-byte column chunk and walks rows 6 apart (96 threads, 16 chunks). Issues the copies only:
 // the caller waits for them.
-template <int kDim, int kStages, int kQBuffers>
-__device__ __forceinline__ void IssueQTileLoads(const HopperParams& p,
-                                                const HopperSmem<kDim, kStages, kQBuffers>& sm,
-                                                const HopperItem& item, const SliceDesc& sl, int G,
-                                                int64_t row0, int64_t slice_rows, int qb, int t) {
-  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
+__device__ __forceinline__ void IssueQTileLoads(
+    const HopperParams& p, const HopperSmem<kDim, kStages, kQBuffers, kBlockN>& sm,
+    const HopperItem& item, const SliceDesc& sl, int G, int64_t row0, int64_t slice_rows, int qb,
+    int t) {
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers, kBlockN>;
   static_assert(kLoaderThreads % (kDim / 8) == 0);
   constexpr int kRowStep = kLoaderThreads / (kDim / 8);
   const int c = t % (kDim / 8), slab = c / 8, cc = c % 8;
@@ -287,10 +288,10 @@ __device__ __forceinline__ void IssueQTileLoads(const HopperParams& p,
 
 // Warps 1-3 (thread tid = warp * 32 + lane): for each of the CTA's items n, in order, until the
 // scheduler runs out.
-template <int kDim, int kStages, int kQBuffers>
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
 __device__ __forceinline__ void RunQLoaders(const HopperParams& p,
-                                            const HopperSmem<kDim, kStages, kQBuffers>& sm, int G,
-                                            int num_items, int tid, int warp, int lane) {
+                                            const HopperSmem<kDim, kStages, kQBuffers, kBlockN>& sm,
+                                            int G, int num_items, int tid, int warp, int lane) {
   const int t = tid - 32;
   for (int n = 0;; ++n) {
     const int slot = n & 1;

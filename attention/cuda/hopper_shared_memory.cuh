@@ -44,9 +44,9 @@ namespace cpfill::attention::cuda::internal {
 //   qstat[2][3][3]        [slot][loader warp][min position, max position, any padding]
 //
 // Dynamic buffers (HopperConfig, hopper_params.h): q, k and v are their shared-space addresses.
-template <int kDim, int kStages, int kQBuffers>
+template <int kDim, int kStages, int kQBuffers, int kBlockN>
 struct HopperSmem {
-  using Cfg = HopperConfig<kDim, kStages, kQBuffers>;
+  using Cfg = HopperConfig<kDim, kStages, kQBuffers, kBlockN>;
   static constexpr int kNumBarriers = 4 * kStages + 2 * kQBuffers + 4;
 
   int32_t* item;

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU and multi-GPU test of the system on a GPU host, in one device call, from the carried
 # binaries (bench/gpu/build-carry.sh): the kernel tests (with the environments CTest runs them
-# in: the mma kernel, 3 persistent CTAs, the static schedule, decode on the prefill kernel, and
-# compute-sanitizer), the prefix-batched kernels (each root kind), the KV cache and UCX tests, the
-# CUDA model against the CPU model, the CLI's CUDA check and memory refusals, the NCCL fault and
-# device-ring tests (two GPUs), and transformers' checkpoints on every backend. Each step stops
+# in: the mma kernel, 3 persistent CTAs, the static schedule, 176-key tiles, decode on the
+# prefill kernel, and compute-sanitizer), the prefix-batched kernels (each root kind), the KV
+# cache and UCX tests, the CUDA model against the CPU model, the CLI's CUDA check and memory
+# refusals, the NCCL fault and device-ring tests (two GPUs), and transformers' checkpoints on
+# every backend. Each step stops
 # after 300 s. Logs go to $OUT (or /tmp/validate), with a verdict line per step in summary.txt.
-# All of it takes about 10 minutes, more than one device call may run: "kernels" runs the kernel,
-# cache and model tests, "system" the rest.
+# All of it takes about 12 minutes, more than one device call may run: "attention" runs the
+# attention kernel's tests (about 6 minutes), "models" the prefix-batched, cache, GEMV, UCX and
+# model tests, "kernels" both, "system" the rest.
 #
-#   run(command="bash bench/gpu/validate.sh [kernels|system]", carry=[".gpu-carry"],
+#   run(command="bash bench/gpu/validate.sh [attention|models|kernels|system]", carry=[".gpu-carry"],
 #       kind="nvidia-h200-x2")
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -31,17 +33,22 @@ step() {  # step NAME command...: runs it, logs to $out/NAME.log, prints one ver
     "$out/$name.log" | tail -2 | tr '\n' ' ')" | tee -a "$out/summary.txt"
   [ $rc -eq 0 ] || [ $rc -eq 77 ] || failed+=("$name")
 }
-kernel_steps() {
+attention_steps() {
   step attention_cuda_test "$carry/attention_cuda_test"
   step attention_cuda_test_mma env CPFILL_ATTENTION_KERNEL=mma "$carry/attention_cuda_test"
   step attention_cuda_test_persistent3 env CPFILL_HOPPER_MAX_CTAS=3 "$carry/attention_cuda_test" \
     --gtest_filter='*Small*'
   step attention_cuda_test_static3 env CPFILL_HOPPER_MAX_CTAS=3 CPFILL_HOPPER_SCHEDULE=static \
     "$carry/attention_cuda_test" --gtest_filter='*Small*'
+  step attention_cuda_test_keytile176 env CPFILL_HOPPER_KEY_TILE=176 "$carry/attention_cuda_test" \
+    --gtest_filter='*Small*:*Large.Long*'
   step attention_cuda_test_nodecode env CPFILL_DECODE_KERNEL=0 "$carry/attention_cuda_test" \
     --gtest_filter='*Decode*:-*ManySplits*'
   step attention_cuda_sanitizer bash tests/under_compute_sanitizer.sh "$carry/attention_cuda_test" \
     --gtest_filter='*Small*'
+}
+
+model_steps() {
   step prefix_batched_cuda_test "$carry/prefix_batched_cuda_test"
   for root in decode split; do
     step "prefix_batched_cuda_test_$root" env CPFILL_PREFIX_ROOT=$root \
@@ -71,10 +78,13 @@ system_steps() {
 }
 
 case $part in
-  kernels) kernel_steps ;;
+  attention) attention_steps ;;
+  models) model_steps ;;
+  kernels) attention_steps; model_steps ;;
   system) system_steps ;;
-  all) kernel_steps; system_steps ;;
-  *) echo "validate.sh: unknown part '$part' (kernels, system or all)" >&2; exit 2 ;;
+  all) attention_steps; model_steps; system_steps ;;
+  *) echo "validate.sh: unknown part '$part' (attention, models, kernels, system or all)" >&2
+     exit 2 ;;
 esac
 echo "validate: ${#failed[@]} failed ${failed[*]:-}"
 [ ${#failed[@]} -eq 0 ]
