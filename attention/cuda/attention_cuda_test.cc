@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "attention/attention.h"
 #include "attention/cuda/attention_decode.h"
+#include "attention/cuda/hopper_key_tile.h"
 #include "attention/cuda/key_split.h"
 #include "attention/reference.h"
 #include "base/knobs.h"
@@ -421,14 +422,27 @@ TEST(CudaAttentionSmall, TileEdgesAndGqaGroupsThatDoNotFillTheTile) {
 // a slice's keys: GarbageOutsideTheSlicesIsNeverRead.
 TEST(CudaAttentionSmall, TileEdgesWithoutTheCausalMask) {
   const std::pair<int, int> groups[] = {{16, 1}, {32, 8}, {6, 1}};
-  const int64_t lengths[] = {1, 175, 176, 177, 353};
+  // Query and key lengths each at, below and past a tile's edge (a last tile that is full and
+  // unmasked among them), keys 4 places along the list from queries.
+  const int64_t lengths[] = {1, 127, 128, 129, 175, 176, 177, 352, 353};
+  constexpr int kLengths = sizeof(lengths) / sizeof(lengths[0]);
+  const bool wide = knobs::Choice(knobs::kHopperKeyTile) == "176";
   int k = 0;
   for (auto [h, kvh] : groups) {
-    for (int64_t n : lengths) {
-      const int64_t nk = n + (n * 7) % 181;
-      CheckCase(OneSlice(absl::StrCat("not causal ", h, ":", kvh, " q", n, " k", nk), h, kvh, 128,
-                         false, n, 0, nk, 0),
-                static_cast<uint64_t>(2000 + k++));
+    for (int i = 0; i < kLengths; ++i) {
+      const int64_t n = lengths[i], nk = lengths[(i + 4) % kLengths];
+      const Case c = OneSlice(absl::StrCat("not causal ", h, ":", kvh, " q", n, " k", nk), h, kvh,
+                              128, false, n, 0, nk, 0);
+      // The tile the launcher takes for it: 176 keys only where the knob forces them (these
+      // sequences are far below kWideTileMinKeys).
+      const CudaAttentionArgs a{.shape = ShapeOf(c),
+                                .slices = c.slices.data(),
+                                .num_slices = static_cast<int64_t>(c.slices.size())};
+      const int64_t work[] = {0};
+      EXPECT_EQ(internal::HopperKeyTile(a, work, knobs::Choice(knobs::kHopperKeyTile)),
+                wide ? internal::kHopperWideBlockN : internal::kHopperBlockN)
+          << c.name;
+      CheckCase(c, static_cast<uint64_t>(2000 + k++));
     }
   }
   Case c{.name = "fused batch with padding, not causal", .heads = 8, .kv_heads = 2, .dim = 128};
@@ -655,7 +669,9 @@ TEST(CudaKeySplitAttention, ShortSuffixesAfterLongPrefixesMatchTheReference) {
   const Case cases[] = {
       SuffixCase("8:1, 256 after 4K", 8, 1, 128, true, {{256, 4352}}),
       SuffixCase("32:8, three sequences", 32, 8, 128, true, {{100, 3000}, {17, 700}, {5, 1041}}),
-      SuffixCase("16:1 d64, not causal", 16, 1, 64, false, {{130, 5000}})};
+      SuffixCase("16:1 d64, not causal", 16, 1, 64, false, {{130, 5000}}),
+      // Parts of 128-key units on 176-key tiles under CPFILL_HOPPER_KEY_TILE=176.
+      SuffixCase("16:1 d128, not causal", 16, 1, 128, false, {{130, 5000}})};
   uint64_t seed = 81;
   for (const Case& c : cases) {
     const CudaAttentionArgs a{.shape = ShapeOf(c),

@@ -1,5 +1,5 @@
 // Launcher of the Hopper kernel (hopper_kernel.cuh): tensor maps, knobs, grid, and the kernel's
-// explicit instantiations (through kLaunch); no device code of its own. This file alone is
+// explicit instantiations (through KernelFor); no device code of its own. This file alone is
 // compiled for sm_90a (wgmma and setmaxnreg exist only there); attention_cuda.cu calls it on
 // compute capability 9.0 devices and keeps the mma.sync kernel for every other GPU.
 #include <cuda.h>
@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/attention_hopper.h"
 #include "attention/cuda/hopper_kernel.cuh"
+#include "attention/cuda/hopper_key_tile.h"
 #include "attention/cuda/hopper_params.h"
 #include "attention/cuda/hopper_tile_scheduler.cuh"
 #include "attention/cuda/pdl.cuh"
@@ -135,7 +136,7 @@ absl::Status SetLastBlockMaps(const CudaAttentionArgs& a, const SliceDesc& s, in
 //   CPFILL_HOPPER_SCHEDULE=static  CTA b takes items b, b + grid, b + 2 grid, ... instead of the
 //                                next free item from a counter
 //   CPFILL_HOPPER_KEY_TILE=128|176  128-key tiles everywhere, or 176-key tiles wherever the
-//                                kernel has them (auto: WideKeyTiles' rule)
+//                                kernel has them (auto: HopperKeyTile's rule)
 struct HopperKnobs {
   bool pingpong = true, persistent = true, dynamic_schedule = true;
   int q_buffers = 2, max_ctas = 0;
@@ -176,30 +177,16 @@ absl::Status LaunchShape(const HopperParams& params, int num_ctas, cudaStream_t 
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// 176-key tiles (kHopperWideBlockN) exist for head_dim 128 without the causal mask on
-// contiguous K/V. They run where every slice has at least kWideTileMinKeys keys: against 128-key
-// tiles in one call on an H200 (bench/RESULTS.md, 2026-11-28) they ran 1.01x-1.08x the speed at
-// 32K keys, 0.99x-1.00x at 16K and 0.93x-0.97x at 4K-8K, where an item's tiles are few and its
-// one Q buffer (two do not fit beside the wider stages) leaves each item's start exposed.
-inline constexpr int64_t kWideTileMinKeys = 32768;
-bool WideKeyTiles(const CudaAttentionArgs& a) {
-  const std::string& knob = Knobs().key_tile;
-  if (knob == "128" || a.shape.head_dim != 128 || a.shape.causal || a.paged != nullptr)
-    return false;
-  if (knob == "176") return true;
-  return std::all_of(a.slices, a.slices + a.num_slices,
-                     [](const SequenceSlice& s) { return s.kv_len >= kWideTileMinKeys; });
-}
-
 using Launch = absl::Status (*)(const HopperParams&, int, cudaStream_t);
 
-// The kernel built for the call's shape and the knobs; with wide tiles, one Q buffer (two do
-// not fit beside their stages).
-Launch KernelFor(const CudaAttentionArgs& a, bool wide) {
+// The kernel built for the call's shape, key tile (HopperKeyTile) and the knobs; with 176-key
+// tiles, one Q buffer (two do not fit beside their stages).
+Launch KernelFor(const CudaAttentionArgs& a, int block_n) {
   const HopperKnobs& k = Knobs();
-  if (wide)
+  if (block_n == kHopperWideBlockN) {
     return k.pingpong ? LaunchShape<128, 1, kHopperWideBlockN, true>
                       : LaunchShape<128, 1, kHopperWideBlockN, false>;
+  }
   // [head_dim 128][two Q buffers][ping-pong]
   static constexpr Launch kLaunch[2][2][2] = {
       {{LaunchShape<64, 1, kHopperBlockN, false>, LaunchShape<64, 1, kHopperBlockN, true>},
@@ -288,8 +275,7 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
   const std::vector<int64_t> order = LongestSlicesFirst(a.slices, work);
   const std::span<const int64_t> sorted(order);
   const HopperKnobs& settings = Knobs();
-  const bool wide = WideKeyTiles(a);
-  const int block_n = wide ? kHopperWideBlockN : kHopperBlockN;
+  const int block_n = HopperKeyTile(a, work, settings.key_tile);
   int64_t summary_offset = 0;
   // One launch per kMaxHopperSlices slices: a ring step of up to 48 sequences is one launch.
   for (size_t first = 0; first < sorted.size(); first += kMaxHopperSlices) {
@@ -336,7 +322,7 @@ absl::Status LaunchHopperAttention(const CudaAttentionArgs& a, std::span<const i
       }
     }
     CPFILL_RETURN_IF_ERROR(
-        LaunchWithJoin(KernelFor(a, wide), p, ctas, held_back, a.exchange_done, stream));
+        LaunchWithJoin(KernelFor(a, block_n), p, ctas, held_back, a.exchange_done, stream));
   }
   return absl::OkStatus();
 }

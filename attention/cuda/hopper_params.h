@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/hopper_key_tile.h"
 
 namespace cpfill::attention::cuda::internal {
 
@@ -56,13 +57,7 @@ static_assert(kMaxHopperSlices <= 64, "tail_runs holds a bit per slice");
 // ---- the CTA's shape --------------------------------------------------------------------
 
 inline constexpr int kHopperBlockM = 128;  // 2 consumer warpgroups x 64 rows
-// Keys per K/V tile: 128, or 176 (kHopperWideBlockN) for calls with no causal mask at head_dim
-// 128 on contiguous K/V (FlashAttention-3's non-causal tile): the per-tile costs (the O
-// rescale, the row max and sum shuffles, the barriers) spread over 1.375x the keys. A wide tile's
-// stages leave room for one Q buffer only. Paged K/V and the causal mask keep 128: the pool's
-// block parts (kMaxPagedParts) and the diagonal's masked keys are sized for it.
-inline constexpr int kHopperBlockN = 128;
-inline constexpr int kHopperWideBlockN = 176;
+// Keys per K/V tile: kHopperBlockN (128) or kHopperWideBlockN (176), hopper_key_tile.h.
 inline constexpr int kHopperThreads = 384;  // warpgroup 0: producer; 1 and 2: consumers
 // Two K/V stages: a third was measured 0.5-2% slower (bench/RESULTS.md), and its shared memory
 // now holds the second Q buffer.
@@ -75,7 +70,9 @@ inline constexpr int kLoaderBarrier = 3;
 // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64512 of the SM's 65536. The
 // producer needs 56 (not the 24 of a TMA-only producer): its warps 1-3 walk the work items and
 // compute the gather addresses of the next item's Q rows, and at 40 or 48 ptxas spilled them to
-// local memory; the consumers still fit 224 with no spill.
+// local memory; the consumers fit 224 with no spill at 128-key tiles (at 176 keys ptxas spills
+// 40 bytes: the row sums and one more value, stored and loaded once a tile; at 232 registers it
+// spilled more).
 inline constexpr int kProducerRegisters = 56;
 inline constexpr int kConsumerRegisters = 224;
 

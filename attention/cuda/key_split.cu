@@ -13,7 +13,9 @@ constexpr int64_t kMinPartTiles = 2;
 
 // The keys a part's share is counted in: 128-key tiles, or with paged K/V runs of whole tiles
 // that are also whole blocks, so that every part starts on a block (its first table entry) and
-// the kernel's tiles keep their place in the blocks.
+// the kernel's tiles keep their place in the blocks. (Parts of a call without the causal mask
+// may run 176-key tiles, attention_hopper.h's HopperKeyTile: each part then ends in a partial
+// tile, which the kernel masks like any slice's last.)
 int64_t UnitKeys(const CudaAttentionArgs& a) {
   return a.paged == nullptr ? kHopperBlockN
                             : std::lcm<int64_t>(kHopperBlockN, a.paged->block_tokens);

@@ -11,8 +11,8 @@
 # attention kernel's tests (about 6 minutes), "models" the prefix-batched, cache, GEMV, UCX and
 # model tests, "kernels" both, "system" the rest.
 #
-#   run(command="bash bench/gpu/validate.sh [attention|models|kernels|system]", carry=[".gpu-carry"],
-#       kind="nvidia-h200-x2")
+#   run(command="bash bench/gpu/validate.sh [attention|models|kernels|system]",
+#       carry=[".gpu-carry"], kind="nvidia-h200-x2")
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:-all}
@@ -41,11 +41,14 @@ attention_steps() {
   step attention_cuda_test_static3 env CPFILL_HOPPER_MAX_CTAS=3 CPFILL_HOPPER_SCHEDULE=static \
     "$carry/attention_cuda_test" --gtest_filter='*Small*'
   step attention_cuda_test_keytile176 env CPFILL_HOPPER_KEY_TILE=176 "$carry/attention_cuda_test" \
-    --gtest_filter='*Small*:*Large.Long*'
+    --gtest_filter='*Small*:*Large.Long*:*KeySplit*:*Paged*'
   step attention_cuda_test_nodecode env CPFILL_DECODE_KERNEL=0 "$carry/attention_cuda_test" \
     --gtest_filter='*Decode*:-*ManySplits*'
   step attention_cuda_sanitizer bash tests/under_compute_sanitizer.sh "$carry/attention_cuda_test" \
     --gtest_filter='*Small*'
+  step attention_cuda_sanitizer_keytile176 env CPFILL_HOPPER_KEY_TILE=176 \
+    bash tests/under_compute_sanitizer.sh "$carry/attention_cuda_test" \
+    --gtest_filter='*WithoutTheCausalMask*:*Garbage*'
 }
 
 model_steps() {
