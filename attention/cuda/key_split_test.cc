@@ -7,36 +7,12 @@
 
 #include <vector>
 
+#include "attention/cuda/test_call.h"
+
 namespace cpfill::attention::cuda::internal {
 namespace {
 
 constexpr int kH100Sms = 132;
-
-struct Call {
-  std::vector<SequenceSlice> slices;
-  CudaAttentionArgs args;
-};
-
-// `seqs` of (queries, keys): each sequence's queries and keys back to back.
-Call MakeCall(int heads, int kv_heads, const std::vector<std::pair<int64_t, int64_t>>& seqs) {
-  Call c;
-  int64_t q = 0, kv = 0;
-  for (auto [nq, nk] : seqs) {
-    c.slices.push_back({.q_begin = q, .q_len = nq, .kv_begin = kv, .kv_len = nk});
-    q += nq;
-    kv += nk;
-  }
-  c.args.shape = {.num_heads = heads,
-                  .num_kv_heads = kv_heads,
-                  .head_dim = 128,
-                  .softmax_scale = 0.1f,
-                  .causal = true};
-  c.args.q_tokens = q;
-  c.args.kv_tokens = kv;
-  c.args.slices = c.slices.data();
-  c.args.num_slices = static_cast<int64_t>(c.slices.size());
-  return c;
-}
 
 // Every part holds a non-empty share of each slice's keys starting a multiple of `unit` keys
 // into it, the shares of a slice tile its keys in order, and each part's rows land at
