@@ -74,7 +74,7 @@ struct AttentionParams {
   float* lse = nullptr;
 };
 
-// K/V read in place from a block pool (a KV cache, runtime/kv_cache.h) instead of contiguous
+// K/V read in place from a block pool (a KV cache, runtime/kv/kv_cache.h) instead of contiguous
 // rows: the keys of a slice whose kv_begin is a sequence's first local row, or a block boundary
 // inside its rows, lie in that sequence's blocks, key r of the slice in block
 // table[table_begin + r / block_tokens], row r % block_tokens (table_begin: the sequence's first
@@ -92,7 +92,7 @@ struct PagedKv {
   std::span<const int64_t> seq_kv_begin;
   std::span<const int64_t> seq_table_begin;
   // Optional: `table` in host memory. With it the caller lets the kernels' callers batch the
-  // queries of sequences whose tables start with the same blocks (a shared prefix, issue 21:
+  // queries of sequences whose tables start with the same blocks (a shared prefix:
   // prefix_batched.h FindSharedBlocks); empty, every sequence reads its own keys.
   std::span<const int32_t> host_table;
   // The caller's name for these tables and sequences, nonzero when it keeps them for several

@@ -1,6 +1,6 @@
 // cpfill/attention/prefix_batched.h — attention over a tree of shared KV: Hydragen's prefix /
-// suffix decomposition, bifurcated attention's decode case, ChunkAttention's chunk-first phase
-// (issue 21).
+// suffix decomposition, bifurcated attention's decode case, ChunkAttention's chunk-first phase. The
+// model's decode and prefill steps over shared prefixes run it (runtime/serving/prefix_cache.md).
 //
 // When sequences share a prefix, plain attention reads the prefix's K/V once per sequence. Here
 // the batch's KV is a tree of levels, each a set of slices (attention.h) whose query rows are
@@ -42,16 +42,16 @@ absl::Status ValidateKvTree(const AttentionParams& p, KvTree levels);
 absl::Status PrefixBatchedAttentionCpu(const AttentionParams& p, KvTree levels, float* o_part,
                                        float* lse_part, ThreadPool* pool);
 
-// Prefix-batched attention in a paged step (issue 21): the step's keys are a KV cache's blocks
-// (PagedKv with its host_table), and sequences forked from one prompt start with the same block
-// ids. A run of consecutive slices whose tables share leading blocks becomes one root slice over
-// the run's query rows (from its first row to its last: rows between that belong to no slice are
-// padding at position -1 and see no key; a ring's pass-Q messages have none since they carry
-// their source's queries unpadded) against the shared rows, read once
-// through the first sequence's table; each member keeps its own rows after them. Those rows are
-// searched the same way, a level deeper: a system prompt under several documents, each asked
-// several questions, is a tree of three levels (Hydragen's hierarchical sharing), and each
-// document is read once, under its own root.
+// Prefix-batched attention in a paged step (runtime/serving/prefix_cache.md, "Prefix-batched
+// decode" and "Prefix-batched prefill"): the step's keys are a KV cache's blocks (PagedKv with its
+// host_table), and sequences forked from one prompt start with the same block ids. A run of
+// consecutive slices whose tables share leading blocks becomes one root slice over the run's query
+// rows (from its first row to its last: rows between that belong to no slice are padding at
+// position -1 and see no key; a ring's pass-Q messages have none since they carry their source's
+// queries unpadded) against the shared rows, read once through the first sequence's table; each
+// member keeps its own rows after them. Those rows are searched the same way, a level deeper: a
+// system prompt under several documents, each asked several questions, is a tree of three levels
+// (Hydragen's hierarchical sharing), and each document is read once, under its own root.
 // What a tree's levels cost where each is a kernel launch (the GPU): a step keeps its roots only
 // when the K and V values they spare from being read again (key rows saved x KV heads x head dim
 // x 2) reach min_saved_values plus merge_cost x the values its later levels merge (their query

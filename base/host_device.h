@@ -1,6 +1,6 @@
 // cpfill/base/host_device.h — CPFILL_HD: __host__ __device__ under nvcc, nothing elsewhere, for
 // the small functions the host and the GPU share (attention/online_softmax.h, base/random.h,
-// runtime/sampling_draw.h).
+// runtime/model/sampling_draw.h).
 #pragma once
 
 #if defined(__CUDACC__)

@@ -1,7 +1,8 @@
-// The linear layers of a decode step (issue 19): one Llama-3-8B layer's seven GEMMs (q, k, v, o,
-// gate, up, down; bf16 weights, fp32 accumulation) at 1..32 token rows, on the small-batch kernel
-// (runtime/cuda/gemv.h, up to its row limit) and through the model's Gemm::Linear (which takes
-// that kernel at one row, cuBLASLt otherwise; with CPFILL_DECODE_GEMV=0, cuBLASLt always):
+// The linear layers of a decode step (LlamaModel::Decode): one Llama-3-8B layer's seven GEMMs
+// (q, k, v, o, gate, up, down; bf16 weights, fp32 accumulation) at 1..32 token rows, on the
+// small-batch kernel (runtime/model/cuda/gemv.h, up to its row limit) and through the model's
+// Gemm::Linear (which takes that kernel at one row, cuBLASLt otherwise; with
+// CPFILL_DECODE_GEMV=0, cuBLASLt always):
 //
 //   decode_linear_cuda_bench [ROWS...]          (default 1 2 3 4 5 6 7 8 12 16 32)
 //
@@ -15,11 +16,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "base/knobs.h"
 #include "bench/gpu_spin.h"
-#include "runtime/cuda/gemm.h"
-#include "runtime/cuda/gemv.h"
+#include "runtime/model/cuda/gemm.h"
+#include "runtime/model/cuda/gemv.h"
 
 namespace {
 
@@ -89,6 +92,12 @@ double MedianLayerUs(Gemm& gemm, const std::vector<std::vector<__nv_bfloat16*>>&
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A malformed knob (CPFILL_DECODE_GEMV=yes) is refused, as cpfill refuses it at start-up,
+  // rather than measured at the default under the wrong name.
+  if (const absl::Status s = cpfill::knobs::Validate(); !s.ok()) {
+    std::fprintf(stderr, "decode_linear_cuda_bench: %s\n", s.ToString().c_str());
+    return 2;
+  }
   std::vector<int> rows_list = {1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32};
   if (argc > 1) rows_list.clear();
   for (int i = 1; i < argc; ++i) rows_list.push_back(std::atoi(argv[i]));
@@ -108,9 +117,11 @@ int main(int argc, char** argv) {
   __nv_bfloat16* x = RandomBf16(size_t{1} * max_rows * kFfn, 99);
   float* y = nullptr;
   Check(cudaMalloc(reinterpret_cast<void**>(&y), size_t{4} * max_rows * kFfn), "cudaMalloc");
-  const char* knob = std::getenv("CPFILL_DECODE_GEMV");
-  std::printf("CPFILL_DECODE_GEMV=%s: one 8B layer's 7 GEMMs, %.0f MB of weights\n",
-              knob ? knob : "(default)", weight_bytes / 1e6);
+  // The knob as Gemm::Linear reads it (runtime/model/cuda/gemv.cu): the value in effect.
+  namespace knobs = cpfill::knobs;
+  std::printf("%s=%d%s: one 8B layer's 7 GEMMs, %.0f MB of weights\n",
+              std::string(knobs::kDecodeGemv).c_str(), knobs::Bool(knobs::kDecodeGemv) ? 1 : 0,
+              knobs::IsSet(knobs::kDecodeGemv) ? "" : " (default)", weight_bytes / 1e6);
   std::printf("%5s %16s %10s %16s %10s\n", "rows", "small-batch us", "GB/s", "Gemm::Linear us",
               "GB/s");
   for (int rows : rows_list) {

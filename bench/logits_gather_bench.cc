@@ -1,7 +1,8 @@
-// The host side of a decode step's logits on CP > 1 (issues 19, 21): every rank's last-position
-// logits go to world rank 0 (runtime::GatherLastLogits), which places them per sequence and takes
-// each argmax. On a GPU the logits are downloaded first; this times what follows, on host memory.
-// At n = 64 samples on CP2 with Llama 3's vocabulary each rank holds 32 rows: 16 MB a step.
+// The host side of a decode step's logits on CP > 1 (LlamaModel::Decode; the n samples of a prompt
+// decode together, runtime/serving/prefix_cache.md): every rank's last-position logits go to world
+// rank 0 (runtime::GatherLastLogits), which places them per sequence and takes each argmax. On a
+// GPU the logits are downloaded first; this times what follows, on host memory. At n = 64 samples
+// on CP2 with Llama 3's vocabulary each rank holds 32 rows: 16 MB a step.
 //
 //   mpirun -np 2 build/bench/logits_gather_bench [ROWS_PER_RANK...]   (default 16 32 128)
 //
@@ -16,8 +17,8 @@
 #include <vector>
 
 #include "parallel/mpi_communicator.h"
-#include "runtime/model_config.h"
-#include "runtime/prefill_batch.h"
+#include "runtime/model/model_config.h"
+#include "runtime/model/prefill_batch.h"
 
 namespace cpfill {
 namespace {

@@ -15,7 +15,7 @@
 
 #include "benchmark/benchmark.h"
 #include "parallel/ring_plan.h"
-#include "runtime/prefill_batch.h"
+#include "runtime/model/prefill_batch.h"
 #include "sharding/plan.h"
 
 namespace cpfill {
@@ -62,7 +62,7 @@ void BM_PlanThousandTokenPrompts(benchmark::State& state) {
 }
 BENCHMARK(BM_PlanThousandTokenPrompts)->Arg(1000)->Arg(10000)->Unit(benchmark::kMillisecond);
 
-// The model's planning around its layers (runtime/prefill_batch.h) for one-token prompts that
+// The model's planning around its layers (runtime/model/prefill_batch.h) for one-token prompts that
 // each open a session: PlanBatch on CP rank 0 of 4, the last-position rows, and every session's
 // layout after the batch (what LlamaModel::Commit asks for).
 void BM_PlanBatchOneTokenSessions(benchmark::State& state) {

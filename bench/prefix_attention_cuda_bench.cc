@@ -1,7 +1,7 @@
-// Prefix-batched attention on the GPU (issue 21), on the path the engine runs: B sequences that
-// share a P-token prefix, each with S tokens of its own, in a KV cache's blocks (64 tokens, the
-// engine's default) whose tables start with the same prefix blocks, one attention step as
-// parallel/cuda/cuda_ring_ops.cc runs it:
+// Prefix-batched attention on the GPU (attention/cuda/prefix_batched_cuda.h), on the path the
+// engine runs: B sequences that share a P-token prefix, each with S tokens of its own, in a KV
+// cache's blocks (64 tokens, the engine's default) whose tables start with the same prefix blocks,
+// one attention step as parallel/cuda/cuda_ring_ops.cc runs it:
 //   decode:  one query per sequence (its newest token) against P + S keys, read in place:
 //            FindSharedBlocks' roots (attention/prefix_batched.h) on the decode kernel
 //            (SharedBlocksAttentionCuda), or the plain paged launch where it finds none; roots
@@ -398,8 +398,9 @@ void Run(const Shape& s, double copy_gbps) {
   }
 }
 
-// The issue's grid: prefixes 1K-64K, 8:1 and 32:8 heads, decode with suffixes of 1 and 2K keys
-// at batch 1-256, and suffix prefills of 256 and 2K tokens at batches up to 64K query tokens.
+// The grid of bench/RESULTS.md's "Shared prefixes" (bench/gpu/prefix_peer.py runs the peers on the
+// same): prefixes 1K-64K, 8:1 and 32:8 heads, decode with suffixes of 1 and 2K keys at batch 1-256,
+// and suffix prefills of 256 and 2K tokens at batches up to 64K query tokens.
 std::vector<Shape> Grid(bool quick) {
   std::vector<Shape> grid;
   const std::vector<int64_t> prefixes =

@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.parse
 
-# Per-request fields of the response's "cpfill" object (launch/http_api.cc, Timing()).
+# Per-request fields of the response's "cpfill" object (launch/http/http_api.cc, Timing()).
 SERVER_KEYS = ("queue_ms", "ttft_ms", "prefill_ms", "batch_requests", "phases_ms", "algorithm",
                "recomputed_session")
 # The target the overhead is checked against: client TTFT - prefill <= 2 ms + 1% of prefill.

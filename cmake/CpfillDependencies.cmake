@@ -26,7 +26,7 @@ if(PkgConfig_FOUND)
 endif()
 cpfill_require(HTTPLIB_FOUND "cpp-httplib (httplib.h)" "libcpp-httplib-dev pkg-config")
 
-# PCRE2 (runtime/tokenizer.cc): the pre-tokenizer patterns of tokenizer.json, with Unicode
+# PCRE2 (runtime/text/tokenizer.cc): the pre-tokenizer patterns of tokenizer.json, with Unicode
 # classes (\p{L}, \p{N}) and its JIT.
 if(PkgConfig_FOUND)
   pkg_check_modules(PCRE2 QUIET IMPORTED_TARGET libpcre2-8)
@@ -86,7 +86,7 @@ if(NOT CPFILL_CUDA STREQUAL "OFF")
   endif()
 endif()
 
-# OpenBLAS for the CPU Linear layers (runtime/cpu/layers.cc). cblas.h sits under a
+# OpenBLAS for the CPU Linear layers (runtime/model/cpu/layers.cc). cblas.h sits under a
 # multiarch/alternatives directory on Debian, hence the suffixes. Its thread count comes from
 # OPENBLAS_NUM_THREADS, set per rank by the launcher.
 find_path(CBLAS_INCLUDE_DIR cblas.h

@@ -12,7 +12,8 @@
 #include <cstring>
 #include <string>
 
-#include "launch/commands.h"
+#include "launch/commands/commands.h"
+#include "launch/job/job.h"
 
 namespace {
 

@@ -1,5 +1,6 @@
-// CpuRingOps::Attend on paged K/V whose sequences share leading blocks (issue 21): the roots
-// FindSharedBlocks makes, run and merged, give every sequence its attention over its own keys.
+// CpuRingOps::Attend on paged K/V whose sequences share leading blocks (prefix-batched decode,
+// runtime/serving/prefix_cache.md): the roots FindSharedBlocks makes, run and merged, give every
+// sequence its attention over its own keys.
 #include <cmath>
 #include <string>
 #include <vector>

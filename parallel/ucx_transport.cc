@@ -69,7 +69,7 @@ constexpr uint32_t kFrameMagic = 0x58555043;  // "CPUX" read as little-endian
 constexpr uint16_t kFrameVersion = 1;
 constexpr size_t kFrameHeaderBytes = 24;
 static_assert(kFrameHeaderBytes == 4 + 2 + 2 + 4 + 4 + 8, "frame header layout");
-// runtime/kv_handle.h bounds a handle's decoded worker address and rkey at 64 KiB.
+// runtime/handoff/kv_handle.h bounds a handle's decoded worker address and rkey at 64 KiB.
 constexpr size_t kMaxFrameBytes = 64 * 1024;
 constexpr size_t kMemoryKeyPrefixBytes = 16;  // region address, region size
 

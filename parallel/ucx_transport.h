@@ -1,5 +1,6 @@
 // cpfill/parallel/ucx_transport.h — UCX (ucp) transport of the KV hand-off to a decode worker
-// (issue 20): one-sided gets from a peer's registered memory, and small active messages.
+// (runtime/handoff/kv_handoff.md): one-sided gets from a peer's registered memory, and small
+// active messages.
 //
 // Main types:
 //   UcxTransport     one UCX context and worker for the process (features RMA and AM). Exports

@@ -301,8 +301,8 @@ TEST(UcxTransportFaults, GetFromADestroyedPeerFailsWithinTheDeadline) {
   EXPECT_NE(status.message().find("peer 'server'"), std::string::npos) << status;
 }
 
-// The prefill side outlives a puller that vanishes (issue 20's faults): its worker keeps
-// progressing and serves the next puller.
+// The prefill side outlives a puller that vanishes (a decode worker that dies mid-pull,
+// runtime/handoff/kv_handoff.md): its worker keeps progressing and serves the next puller.
 TEST(UcxTransportFaults, ServerSurvivesAPullerThatVanishes) {
   auto pair = MakeWorkerPair("tcp", 1 << 20);
   ASSERT_TRUE(pair.ok()) << pair.status();

@@ -134,7 +134,7 @@ bad_input_flags)
     expect_exit 2 'a rank sees no CUDA device' -- mpi 2 "$cpfill" attention --seq-lens 100 \
       --backend cuda
   fi
-  # Hardening (issue 15): a repeated flag, out-of-range and non-finite values, unwritable outputs.
+  # Hardening: a repeated flag, out-of-range and non-finite values, unwritable outputs.
   expect_exit 2 '--seq-lens given twice' -- mpi 2 "$cpfill" attention --seq-lens 100 --seq-lens 5
   expect_exit 2 '--timeout-s: -1 is negative; allowed \(0, 1000000\]' -- mpi 2 "$cpfill" attention \
     --seq-lens 100 --timeout-s -1
@@ -455,7 +455,7 @@ PY
     fail "prefill JSON"
   ;;
 generate_check)
-  # Decode (issue 19): greedy generation on TP2 x CP2 and on CP4 (pass-Q decode steps) equals one
+  # Decode: greedy generation on TP2 x CP2 and on CP4 (pass-Q decode steps) equals one
   # rank teacher-forced on the same tokens; the JSON report says so.
   expect_exit 0 'check: .*0 not the reference.*PASS' -- mpi 4 "$cpfill" generate --model tiny \
     --tp 2 --ranks-per-node 2 --backend cpu --prompt-lens 300,77,1000 --max-tokens 12 --check
@@ -522,7 +522,7 @@ prefill_bad_input)
   ;;
 env_lists_knobs)
   # cuBLASLt is opened by the first GEMM, not linked: its start-up (0.14 s, 210 MiB) is not paid
-  # by every process (runtime/cuda/cublaslt_library.h).
+  # by every process (runtime/model/cuda/cublaslt_library.h).
   if ldd "$cpfill" | grep -q libcublasLt; then fail "cpfill links libcublasLt"; fi
   expect_exit 0 'CPFILL_HOPPER_MAX_CTAS=0  \(default; int, default 0, allowed 0\.\.1000000\)' -- \
     "$cpfill" env

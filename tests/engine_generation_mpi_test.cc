@@ -1,15 +1,15 @@
-// Multi-rank tests of generation in the engine (runtime/engine.h) on the `tiny` preset, TP2 x CP2
-// on 4 ranks (TP1 x CP-all elsewhere): greedy generations from concurrent clients, interleaved
-// with prefill-only requests, each equal to one rank's greedy generation by whole prefills; a
-// session whose second turn continues after the generated tokens; stop ids and streaming; seeded
-// sampling that repeats; a KV cache too small for every generation at once (preemption and
-// recompute, results unchanged); max_running.
+// Multi-rank tests of generation in the engine (runtime/serving/engine.h) on the `tiny` preset, TP2
+// x CP2 on 4 ranks (TP1 x CP-all elsewhere): greedy generations from concurrent clients,
+// interleaved with prefill-only requests, each equal to one rank's greedy generation by whole
+// prefills; a session whose second turn continues after the generated tokens; stop ids and
+// streaming; seeded sampling that repeats; a KV cache too small for every generation at once
+// (preemption and recompute, results unchanged); max_running.
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "runtime/engine.h"
+#include "runtime/serving/engine.h"
 #include "tests/engine_test_util.h"
 #include "tests/mpi_test_main.h"
 #include "tests/tiny_model.h"
@@ -104,13 +104,12 @@ TEST(EngineGeneration, SessionTurnContinuesAfterTheGeneratedTokens) {
   const bool root = rig.grid->world_rank == 0;
   const auto a = Prompt(41, c.vocab_size, 1), b = Prompt(6, c.vocab_size, 2);
   absl::StatusOr<EngineResult> t1 = absl::UnknownError(""), t2 = t1, t3 = t1;
-  ASSERT_TRUE(
-      RunWith(engine, root, [&] {
-        t1 = engine.Submit({.tokens = a, .session = "s", .max_tokens = 5})->get();
-        t2 = engine.Submit({.tokens = b, .session = "s", .max_tokens = 4})->get();
-        t3 = engine.Submit({.tokens = b, .session = "s", .return_logits = true})
-                 ->get();  // prefill only: no token kept
-      }).ok());
+  ASSERT_TRUE(RunWith(engine, root, [&] {
+                t1 = engine.Submit({.tokens = a, .session = "s", .max_tokens = 5})->get();
+                t2 = engine.Submit({.tokens = b, .session = "s", .max_tokens = 4})->get();
+                t3 = engine.Submit({.tokens = b, .session = "s", .return_logits = true})
+                         ->get();  // prefill only: no token kept
+              }).ok());
   std::string error;
   if (root) {
     OneRank reference(c);
@@ -187,7 +186,7 @@ TEST(EngineGeneration, StopIdsStreamingAndSeededSampling) {
 
 TEST(EngineGeneration, FullKvCachePreemptsAndRecomputesWithTheSameResults) {
   const runtime::ModelConfig c = Tiny();
-  runtime::PrefillOptions options;
+  runtime::StepOptions options;
   options.kv_capacity_tokens = 64;  // per rank: not every generation's KV at once
   options.kv_block_tokens = 16;
   Rig rig = MakeRig(c, options);

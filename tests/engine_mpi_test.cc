@@ -1,9 +1,9 @@
-// Multi-rank tests of the engine (runtime/engine.h) on the `tiny` preset, TP2 x CP2 on 4 ranks
-// (TP1 x CP-all elsewhere): requests from 8 concurrent client threads on rank 0 — plain prompts,
-// 3-turn sessions, bad ones — each equal to a one-shot prefill of the same tokens on one rank (a
-// session turn to one prefill of the whole conversation so far); bad requests refused alone;
-// sessions evicted when the KV cache is full and recomputed on their next turn; a shutdown that
-// drains the queue. Run by CTest under mpirun.
+// Multi-rank tests of the engine (runtime/serving/engine.h) on the `tiny` preset, TP2 x CP2 on 4
+// ranks (TP1 x CP-all elsewhere): requests from 8 concurrent client threads on rank 0 — plain
+// prompts, 3-turn sessions, bad ones — each equal to a one-shot prefill of the same tokens on one
+// rank (a session turn to one prefill of the whole conversation so far); bad requests refused
+// alone; sessions evicted when the KV cache is full and recomputed on their next turn; a shutdown
+// that drains the queue. Run by CTest under mpirun.
 #include <cmath>
 #include <string>
 #include <thread>
@@ -12,10 +12,10 @@
 #include "gtest/gtest.h"
 #include "parallel/grid.h"
 #include "parallel/self_communicator.h"
-#include "runtime/cpu/cpu_backend.h"
-#include "runtime/engine.h"
-#include "runtime/llama_model.h"
-#include "runtime/weights.h"
+#include "runtime/model/cpu/cpu_backend.h"
+#include "runtime/model/llama_model.h"
+#include "runtime/model/weights.h"
+#include "runtime/serving/engine.h"
 #include "tests/engine_test_util.h"
 #include "tests/mpi_test_main.h"
 #include "tests/tiny_model.h"
@@ -110,7 +110,7 @@ TEST(Engine, ConcurrentClientsEqualOneShotPrefill) {
 
 TEST(Engine, FullCacheEvictsTheIdleSessionAndRecomputesItLater) {
   const runtime::ModelConfig c = Tiny();
-  runtime::PrefillOptions options;
+  runtime::StepOptions options;
   options.kv_capacity_tokens = 160;  // per rank: one 200-token conversation, not two
   options.kv_block_tokens = 16;
   Rig rig = MakeRig(c, options);

@@ -1,4 +1,4 @@
-// Multi-rank tests of the engine's prefix cache (issue 21; runtime/engine.h, prefix_index.h) on
+// Multi-rank tests of the engine's prefix cache (runtime/serving/engine.h, prefix_index.h) on
 // the `tiny` preset: one rank, TP1 x CP2, TP2 x CP2. Requests that share a document reuse its KV
 // (cached_tokens) and each still equals a one-shot prefill on one rank, and the same engine
 // without the cache to float rounding on one rank; prompts submitted together that share a prefix
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "runtime/engine.h"
+#include "runtime/serving/engine.h"
 #include "tests/engine_test_util.h"
 #include "tests/mpi_test_main.h"
 #include "tests/tiny_model.h"
@@ -31,8 +31,8 @@ using testing::Tiny;
 
 constexpr int kBlock = 16;
 
-runtime::PrefillOptions Options(int64_t capacity_tokens) {
-  runtime::PrefillOptions o;
+runtime::StepOptions Options(int64_t capacity_tokens) {
+  runtime::StepOptions o;
   o.kv_block_tokens = kBlock;
   o.kv_capacity_tokens = capacity_tokens;
   return o;
@@ -138,7 +138,7 @@ TEST(EnginePrefix, QuestionsAboutOneDocumentReuseItsKv) {
   ExpectAgreed(rig, error);
 }
 
-// With batch-invariant GEMMs (PrefillOptions::batch_invariant) on one rank, a question after the
+// With batch-invariant GEMMs (StepOptions::batch_invariant) on one rank, a question after the
 // cached document gives the logits of the same prompt prefilled whole, bit for bit, and so do
 // greedy generations decoded beside other sequences.
 TEST(EnginePrefix, BatchInvariantReuseIsBitExactOnOneRank) {
@@ -154,7 +154,7 @@ TEST(EnginePrefix, BatchInvariantReuseIsBitExactOnOneRank) {
                         .return_logits = true});
   }
   std::vector<absl::StatusOr<EngineResult>> with, without;
-  runtime::PrefillOptions options = Options(4096);
+  runtime::StepOptions options = Options(4096);
   options.batch_invariant = true;
   for (const bool cache : {true, false}) {
     Rig rig = MakeRig(c, options);

@@ -14,10 +14,10 @@
 #include "gtest/gtest.h"
 #include "parallel/grid.h"
 #include "parallel/self_communicator.h"
-#include "runtime/cpu/cpu_backend.h"
-#include "runtime/engine.h"
-#include "runtime/llama_model.h"
-#include "runtime/weights.h"
+#include "runtime/model/cpu/cpu_backend.h"
+#include "runtime/model/llama_model.h"
+#include "runtime/model/weights.h"
+#include "runtime/serving/engine.h"
 #include "tests/mpi_test_main.h"
 
 namespace cpfill::testing {
@@ -30,7 +30,7 @@ struct Rig {
   std::optional<parallel::ProcessGrid> grid;
   std::unique_ptr<runtime::LlamaModel> model;
 };
-inline Rig MakeRig(const runtime::ModelConfig& c, runtime::PrefillOptions options) {
+inline Rig MakeRig(const runtime::ModelConfig& c, runtime::StepOptions options) {
   auto& mpi = testing::Mpi();
   const int tp = mpi.world_size() == 4 ? 2 : 1;
   auto grid = parallel::CreateProcessGrid(mpi, {.tp = tp, .ranks_per_node = tp});

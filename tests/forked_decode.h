@@ -1,5 +1,5 @@
 // cpfill/tests/forked_decode.h — what the CPU and GPU model tests of prefix-batched decode share
-// (issue 21): forks of one prompt decoded together, one collective step at a time.
+// (the prefix cache): forks of one prompt decoded together, one collective step at a time.
 //
 //   ForkedDecode forks;
 //   CPFILL_RETURN_IF_ERROR(forks.Fork(model, grid, "doc", doc, first_token, 6, vocab));
@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "parallel/grid.h"
-#include "runtime/llama_model.h"
+#include "runtime/model/llama_model.h"
 
 namespace cpfill::testing {
 
@@ -40,7 +40,7 @@ class ForkedDecode {
   // outputs (greedy) choose the tokens of the step after.
   absl::StatusOr<std::vector<runtime::SequenceOutput>> Step(runtime::LlamaModel& m,
                                                             const parallel::ProcessGrid& grid,
-                                                            int step, runtime::PrefillTimings* t) {
+                                                            int step, runtime::StepTimings* t) {
     CPFILL_RETURN_IF_ERROR(grid.world->Broadcast(next_.data(), next_.size() * sizeof(int32_t), 0));
     std::vector<runtime::PrefillRequest> batch;
     for (size_t i = 0; i < seqs_.size(); ++i) {
@@ -56,10 +56,10 @@ class ForkedDecode {
 
   // One prefill of every fork's own `questions[i]` after its prompt, in one batch (collective):
   // a prefill over cached rows, which reads them in place and batches the shared prompt
-  // (issue 21). Rank 0's outputs choose the tokens the next Step feeds.
+  //. Rank 0's outputs choose the tokens the next Step feeds.
   absl::StatusOr<std::vector<runtime::SequenceOutput>> Ask(
       runtime::LlamaModel& m, const parallel::ProcessGrid& grid,
-      const std::vector<std::vector<int32_t>>& questions, runtime::PrefillTimings* t) {
+      const std::vector<std::vector<int32_t>>& questions, runtime::StepTimings* t) {
     std::vector<runtime::PrefillRequest> batch;
     for (size_t i = 0; i < seqs_.size(); ++i) {
       seqs_[i].insert(seqs_[i].end(), questions[i].begin(), questions[i].end());

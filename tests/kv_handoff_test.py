@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The KV hand-off end to end (issue 20; standard library and ctypes only):
+"""The KV hand-off end to end (standard library and ctypes only):
 
     python3 tests/kv_handoff_test.py build/cpfill build/lib/libcpfill.so [--transports tcp,sm]
         [--skip-c-api]

@@ -16,10 +16,10 @@
 #include "parallel/cuda/nccl_communicator.h"
 #include "parallel/grid.h"
 #include "parallel/self_communicator.h"
-#include "runtime/cpu/cpu_backend.h"
-#include "runtime/cuda/cuda_backend.h"
-#include "runtime/llama_model.h"
-#include "runtime/weights.h"
+#include "runtime/model/cpu/cpu_backend.h"
+#include "runtime/model/cuda/cuda_backend.h"
+#include "runtime/model/llama_model.h"
+#include "runtime/model/weights.h"
 #include "tests/forked_decode.h"
 #include "tests/mpi_test_main.h"
 #include "tests/tiny_model.h"
@@ -82,7 +82,7 @@ struct GpuModel {
   std::unique_ptr<runtime::LlamaModel> model;
 };
 absl::StatusOr<std::unique_ptr<GpuModel>> MakeGpuModel(int64_t capacity,
-                                                       runtime::PrefillOptions options = {}) {
+                                                       runtime::StepOptions options = {}) {
   auto& mpi = testing::Mpi();
   auto g = std::make_unique<GpuModel>();
   CPFILL_ASSIGN_OR_RETURN(g->config, runtime::LoadModelConfig("tiny"));
@@ -104,7 +104,7 @@ std::string CompareWithCpu(const runtime::ModelConfig& c, runtime::ModelWeights*
                            const std::vector<std::vector<runtime::PrefillRequest>>& batches,
                            const std::vector<const std::vector<runtime::SequenceOutput>*>& got) {
   parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
-  runtime::PrefillOptions options;
+  runtime::StepOptions options;
   options.threads = 0;
   auto ref = runtime::cpu::CreateCpuModel(c, std::move(*w), tp, cp, world, options);
   if (!ref.ok()) return ref.status().ToString();
@@ -147,7 +147,7 @@ TEST(LlamaCuda, TwoTurnSessionEqualsOneFullPrefillOnTheCpu) {
   EXPECT_TRUE(*agreed) << error;
 }
 
-// Forks of one prompt decoded together on the GPU (n samples, issue 21): the decode kernel reads
+// Forks of one prompt decoded together on the GPU (n samples): the decode kernel reads
 // the shared blocks once for all of them (prefix-batched), and each step equals the CPU model's
 // prefill of every whole sequence. On one GPU and on CP2.
 TEST(LlamaCuda, ForksDecodedTogetherEqualTheCpu) {
@@ -167,7 +167,7 @@ TEST(LlamaCuda, ForksDecodedTogetherEqualTheCpu) {
   ASSERT_TRUE(forks.Fork(m, *grid, "doc", doc, (*out)[0].first_token, kForks, c->vocab_size).ok());
   int64_t batched = 0;
   for (int step = 0; step < kSteps; ++step) {
-    runtime::PrefillTimings t;
+    runtime::StepTimings t;
     out = forks.Step(m, *grid, step, &t);
     ASSERT_TRUE(out.ok()) << out.status();
     batched += t.prefix_batch.sequences;
@@ -181,13 +181,13 @@ TEST(LlamaCuda, ForksDecodedTogetherEqualTheCpu) {
   EXPECT_TRUE(*agreed) << error;
 }
 
-// Questions about one cached document prefilled in one batch on the GPU (issue 21): the prefill
+// Questions about one cached document prefilled in one batch on the GPU: the prefill
 // reads the cache in place, gathers the document's shared blocks once and runs every question
 // against them as one root on the prefill kernels; the outputs, and a decode step after, equal
 // the CPU model's prefill of each whole sequence. On one GPU and on CP2 (pass-Q).
 TEST(LlamaCuda, QuestionsAboutACachedDocumentEqualTheCpu) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device for every rank";
-  runtime::PrefillOptions options;
+  runtime::StepOptions options;
   options.auto_algorithm = false;
   options.algorithm = parallel::RingAlgorithm::kPassQ;
   auto made = MakeGpuModel(8192, options);
@@ -205,7 +205,7 @@ TEST(LlamaCuda, QuestionsAboutACachedDocumentEqualTheCpu) {
   ASSERT_TRUE(forks.Fork(m, *grid, "doc", doc, 0, kQuestions, c->vocab_size).ok());
   std::vector<std::vector<int32_t>> questions;
   for (int i = 0; i < kQuestions; ++i) questions.push_back(Prompt(30 + 19 * i, c->vocab_size, i));
-  runtime::PrefillTimings t;
+  runtime::StepTimings t;
   out = forks.Ask(m, *grid, questions, &t);
   ASSERT_TRUE(out.ok()) << out.status();
   std::string error =

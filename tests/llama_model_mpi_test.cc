@@ -18,13 +18,14 @@
 #include "gtest/gtest.h"
 #include "parallel/grid.h"
 #include "parallel/self_communicator.h"
-#include "runtime/cpu/cpu_backend.h"
-#include "runtime/kv_handle.h"
-#include "runtime/kv_pull_plan.h"
-#include "runtime/llama_model.h"
-#include "runtime/model_config.h"
-#include "runtime/sampling.h"
-#include "runtime/weights.h"
+#include "runtime/handoff/kv_export.h"
+#include "runtime/handoff/kv_handle.h"
+#include "runtime/handoff/kv_pull_plan.h"
+#include "runtime/model/cpu/cpu_backend.h"
+#include "runtime/model/llama_model.h"
+#include "runtime/model/model_config.h"
+#include "runtime/model/sampling.h"
+#include "runtime/model/weights.h"
 #include "tests/forked_decode.h"
 #include "tests/mpi_test_main.h"
 #include "tests/tiny_model.h"
@@ -95,7 +96,7 @@ struct CpModel {
   parallel::ProcessGrid grid;
   std::unique_ptr<runtime::LlamaModel> model;
 };
-absl::StatusOr<CpModel> MakeCpModel(const runtime::PrefillOptions& options) {
+absl::StatusOr<CpModel> MakeCpModel(const runtime::StepOptions& options) {
   CpModel m;
   CPFILL_ASSIGN_OR_RETURN(m.grid, parallel::CreateProcessGrid(testing::Mpi(), {.tp = 1}));
   CPFILL_ASSIGN_OR_RETURN(auto w, runtime::SyntheticWeights(Tiny(), 7, 0, 1));
@@ -105,7 +106,7 @@ absl::StatusOr<CpModel> MakeCpModel(const runtime::PrefillOptions& options) {
   return m;
 }
 
-void CheckGrid(int tp, int ranks_per_node, runtime::PrefillOptions options) {
+void CheckGrid(int tp, int ranks_per_node, runtime::StepOptions options) {
   auto& mpi = testing::Mpi();
   const runtime::ModelConfig c = Tiny();
   if (mpi.world_size() % tp != 0 || c.num_kv_heads % tp != 0) GTEST_SKIP() << "TP" << tp;
@@ -137,7 +138,7 @@ TEST(LlamaPrefill, TpAllCp1EqualsOneRank) {
   CheckGrid(mpi.world_size(), 0, {});
 }
 TEST(LlamaPrefill, PassQEqualsOneRank) {
-  runtime::PrefillOptions o;
+  runtime::StepOptions o;
   o.auto_algorithm = false;
   o.algorithm = parallel::RingAlgorithm::kPassQ;
   CheckGrid(1, 0, o);
@@ -219,12 +220,12 @@ TEST(LlamaPrefill, TwoTurnSessionEqualsOneFullPrefill) {
   EXPECT_TRUE(*agreed) << error;
 }
 
-// A forked session (issue 21's groundwork): the fork shares the parent's first tokens' KV blocks
-// on every rank; its next turn, and the parent's, each equal one rank's prefill of the whole
+// A forked session (the prefix cache's groundwork): the fork shares the parent's first tokens' KV
+// blocks on every rank; its next turn, and the parent's, each equal one rank's prefill of the whole
 // conversation. The fork point falls inside the parent's second turn, and inside a block.
 TEST(LlamaPrefill, ForkedSessionContinuesLikeOneFullPrefill) {
   const runtime::ModelConfig c = Tiny();
-  runtime::PrefillOptions options;
+  runtime::StepOptions options;
   options.kv_block_tokens = 16;
   options.kv_capacity_tokens = 2048;
   auto made = MakeCpModel(options);
@@ -298,7 +299,7 @@ TEST(LlamaPrefill, MixedBatchRunsEachSequencesOwnChoice) {
                                              {.tokens = tail(a, 2), .session = "a"},
                                              {.tokens = Prompt(50, c.vocab_size, 14)},
                                              {.tokens = tail(b, 1), .session = "b"}};
-  runtime::PrefillTimings t;
+  runtime::StepTimings t;
   auto out = (*model)->Prefill(batch, &t, nullptr);
   ASSERT_TRUE(out.ok()) << out.status();
   // The host's share of the step: its planning and enqueueing, both within the step's time.
@@ -335,7 +336,7 @@ TEST(LlamaPrefill, OverCapacityIsRefusedEverywhereAndChangesNothing) {
   ASSERT_TRUE(grid.ok());
   auto w = runtime::SyntheticWeights(c, 7, 0, 1);
   ASSERT_TRUE(w.ok());
-  runtime::PrefillOptions options;
+  runtime::StepOptions options;
   options.kv_capacity_tokens = 100;  // token slots per rank
   auto model =
       runtime::cpu::CreateCpuModel(c, std::move(*w), *grid->tp, *grid->cp, *grid->world, options);
@@ -368,7 +369,7 @@ TEST(LlamaPrefill, KvBlocksFollowSessions) {
   ASSERT_TRUE(grid.ok());
   auto w = runtime::SyntheticWeights(c, 7, 0, 1);
   ASSERT_TRUE(w.ok());
-  runtime::PrefillOptions options;
+  runtime::StepOptions options;
   options.kv_capacity_tokens = 1024;
   options.kv_block_tokens = 16;
   auto model =
@@ -424,7 +425,7 @@ TEST(LlamaModel, DecodeStepsEqualOneRankPrefillOfTheWholeSequence) {
     int32_t next[2] = {(*out)[0].first_token, (*out)[1].first_token};
     ASSERT_TRUE(grid->world->Broadcast(next, sizeof(next), 0).ok());
     for (int s = 0; s < 2; ++s) seqs[s].push_back(next[s]);
-    runtime::PrefillTimings t;
+    runtime::StepTimings t;
     out = m.Decode({{.tokens = {next[0]}, .session = "a"}, {.tokens = {next[1]}, .session = "b"}},
                    step, &t);
     ASSERT_TRUE(out.ok()) << out.status();
@@ -455,7 +456,7 @@ TEST(LlamaModel, DecodeStepsEqualOneRankPrefillOfTheWholeSequence) {
 }
 
 // Forks of one prompt decoded together (n samples): on every rank their queries meet the
-// prompt's shared blocks as one root (prefix-batched decode, issue 21), and every step equals one
+// prompt's shared blocks as one root (prefix-batched decode), and every step equals one
 // rank's prefill of each whole sequence; with prefix batching off nothing is batched and the
 // results are the same.
 TEST(LlamaModel, DecodeOfForksBatchesTheirSharedPrompt) {
@@ -463,7 +464,7 @@ TEST(LlamaModel, DecodeOfForksBatchesTheirSharedPrompt) {
   constexpr int kForks = 6, kSteps = 4;
   for (bool batched : {true, false}) {
     SCOPED_TRACE(batched ? "prefix-batched" : "per sequence");
-    runtime::PrefillOptions options;
+    runtime::StepOptions options;
     options.kv_block_tokens = 16;
     options.kv_capacity_tokens = 4096;
     options.prefix_batching = batched;
@@ -479,7 +480,7 @@ TEST(LlamaModel, DecodeOfForksBatchesTheirSharedPrompt) {
     std::string error;
     // Every rank runs every step (a collective), whatever it found.
     for (int step = 0; step < kSteps; ++step) {
-      runtime::PrefillTimings t;
+      runtime::StepTimings t;
       out = forks.Step(m, grid, step, &t);
       ASSERT_TRUE(out.ok()) << out.status();
       if (error.empty() && (batched ? t.prefix_batch.sequences == 0 : t.prefix_batch.roots != 0)) {
@@ -498,7 +499,7 @@ TEST(LlamaModel, DecodeOfForksBatchesTheirSharedPrompt) {
   }
 }
 
-// Questions about one cached document, prefilled in one batch (issue 21): on one rank and on
+// Questions about one cached document, prefilled in one batch: on one rank and on
 // pass-Q rings the prefill reads the cache in place, gathers the document's shared blocks once
 // and attends every question to them as one root; outputs, and the decode steps after, equal
 // one rank's prefill of each whole sequence. Prefix batching off: the per-sequence copy.
@@ -507,7 +508,7 @@ TEST(LlamaModel, QuestionsAboutACachedDocumentPrefillTogether) {
   constexpr int kQuestions = 5, kSteps = 2;
   for (bool batched : {true, false}) {
     SCOPED_TRACE(batched ? "prefix-batched" : "per sequence");
-    runtime::PrefillOptions options;
+    runtime::StepOptions options;
     options.kv_block_tokens = 16;
     options.kv_capacity_tokens = 4096;
     options.prefix_batching = batched;
@@ -527,7 +528,7 @@ TEST(LlamaModel, QuestionsAboutACachedDocumentPrefillTogether) {
       questions.push_back(Prompt(40 + 7 * i, c.vocab_size, 50 + i));  // > 4 rows a rank on CP4
     }
     std::string error;
-    runtime::PrefillTimings t;
+    runtime::StepTimings t;
     out = forks.Ask(m, grid, questions, &t);
     ASSERT_TRUE(out.ok()) << out.status();
     if (batched ? t.prefix_batch.sequences < kQuestions : t.prefix_batch.roots != 0) {
@@ -558,7 +559,7 @@ TEST(LlamaModel, QuestionsAboutACachedDocumentPrefillTogether) {
 // sequence.
 TEST(LlamaModel, ForksOfTwoDocumentsUnderOneSystemPromptAreATree) {
   const runtime::ModelConfig c = Tiny();
-  runtime::PrefillOptions options;
+  runtime::StepOptions options;
   options.kv_block_tokens = 16;
   options.kv_capacity_tokens = 4096;
   options.auto_algorithm = false;
@@ -591,7 +592,7 @@ TEST(LlamaModel, ForksOfTwoDocumentsUnderOneSystemPromptAreATree) {
     whole.back().tokens.insert(whole.back().tokens.end(), batch.back().tokens.begin(),
                                batch.back().tokens.end());
   }
-  runtime::PrefillTimings t;
+  runtime::StepTimings t;
   auto out = m.Prefill(batch, &t, nullptr);
   ASSERT_TRUE(out.ok()) << out.status();
   // Counts sum over layers and pass-Q's steps: each step, 3 roots over 5 + 3 + 2 forks.
@@ -638,7 +639,7 @@ absl::StatusOr<GatheredPools> GatherPools(const parallel::ProcessGrid& grid,
 // The KV of `tokens` as one rank computes it in one prefill: [kind][layer][position][kv head][dim]
 // floats, read out of its KvCache's blocks by the session's block table (not through a handle).
 absl::StatusOr<std::vector<float>> OneRankKv(const runtime::ModelConfig& c,
-                                             const runtime::PrefillOptions& options,
+                                             const runtime::StepOptions& options,
                                              const std::vector<int32_t>& tokens) {
   parallel::SelfCommunicator tp("tp"), cp("cp"), world("world");
   CPFILL_ASSIGN_OR_RETURN(auto w, runtime::SyntheticWeights(c, 7, 0, 1));
@@ -773,7 +774,7 @@ TEST(LlamaModel, ExportedKvHandlePullsTheOneRankKv) {
   ASSERT_TRUE(grid.ok()) << grid.status();
   auto w = runtime::SyntheticWeights(c, 7, grid->tp_rank, tp);
   ASSERT_TRUE(w.ok());
-  runtime::PrefillOptions options;
+  runtime::StepOptions options;
   options.kv_capacity_tokens = 512;  // per rank: small pools to gather
   options.kv_block_tokens = 16;
   auto model =
@@ -796,9 +797,9 @@ TEST(LlamaModel, ExportedKvHandlePullsTheOneRankKv) {
   ASSERT_TRUE(out.ok()) << out.status();
   DecodeSteps(*grid, m, "s", (*out)[0].first_token, 2, tokens);
 
-  EXPECT_EQ(m.ExportSessionKv("nobody", {"e", "r"}).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(m.ExportSessionKv("s", {"", "r"}).status().code(), absl::StatusCode::kInvalidArgument);
-  auto handle = m.ExportSessionKv("s", {"cpfill-test", "cmpl-1"});
+  EXPECT_EQ(ExportSessionKv(m, "nobody", {"e", "r"}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ExportSessionKv(m, "s", {"", "r"}).status().code(), absl::StatusCode::kInvalidArgument);
+  auto handle = ExportSessionKv(m, "s", {"cpfill-test", "cmpl-1"});
   ASSERT_TRUE(handle.ok()) << handle.status();
   EXPECT_EQ(handle->layout.tokens, static_cast<int64_t>(tokens.size()));
   EXPECT_EQ(handle->layout.tp_size, grid->tp_size);
@@ -823,7 +824,7 @@ TEST(LlamaModel, ExportedKvHandlePullsTheOneRankKv) {
   if (grid->world_rank == 0) {
     EXPECT_TRUE(m.EndSession("other").ok());
   }
-  EXPECT_EQ(m.ExportSessionKv("other", {"e", "r"}).status().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(ExportSessionKv(m, "other", {"e", "r"}).status().code(), absl::StatusCode::kInternal);
 }
 
 }  // namespace

@@ -14,11 +14,11 @@
 #include "absl/strings/str_join.h"
 #include "attention/attention.h"
 #include "gtest/gtest.h"
+#include "launch/job/synthetic_attention.h"
 #include "parallel/gather_outputs.h"
 #include "parallel/grid.h"
 #include "parallel/mixed_ring.h"
 #include "parallel/ring_attention.h"
-#include "runtime/synthetic_attention.h"
 #include "sharding/plan.h"
 #include "tests/mpi_test_main.h"
 
@@ -130,15 +130,15 @@ std::string RunAndCompare(parallel::ProcessGrid& grid, const Case& c,
   auto other = parallel::RingAttention::Create(*grid.cp, *other_plan, shape, &ops);
   if (!other.ok()) return fail(other.status());
   const auto& layout = (*ring)->layout();
-  const runtime::SyntheticAttention batch{.sequences = c.sequences,
-                                          .num_heads = c.heads,
-                                          .num_kv_heads = c.kv_heads,
-                                          .head_dim = c.head_dim,
-                                          .seed = 1234};
+  const launch::SyntheticAttention batch{.sequences = c.sequences,
+                                         .num_heads = c.heads,
+                                         .num_kv_heads = c.kv_heads,
+                                         .head_dim = c.head_dim,
+                                         .seed = 1234};
   std::vector<float> q(layout.q_rows() * shape.num_heads * c.head_dim);
   std::vector<float> k(layout.kv_rows() * shape.num_kv_heads * c.head_dim), v(k.size());
   batch.FillLocal(layout,
-                  runtime::HeadSlice::ForTpRank(c.heads, c.kv_heads, grid.tp_rank, grid.tp_size),
+                  launch::HeadSlice::ForTpRank(c.heads, c.kv_heads, grid.tp_rank, grid.tp_size),
                   q.data(), k.data(), v.data());
   std::vector<float> o(q.size(), std::nanf("")),
       lse(layout.q_rows() * shape.num_heads, std::nanf(""));

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`cpfill serve` generating (issue 19), end to end (standard library only):
+"""`cpfill serve` generating, end to end (standard library only):
 
     python3 tests/serve_generate_test.py build/cpfill
 

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "runtime/model_config.h"
+#include "runtime/model/model_config.h"
 
 namespace cpfill::testing {
 

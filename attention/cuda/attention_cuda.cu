@@ -1,5 +1,5 @@
 // Launchers of the CUDA attention backend: validation, the key-tile summary pre-pass, the
-// forward kernel (flash_kernel.cuh) per head dim, the fill of uncovered rows, and the merge.
+// mma.sync forward kernel (mma_kernel.cuh) per head dim, the fill of uncovered rows, and the merge.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -10,8 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/attention_cuda.h"
 #include "attention/cuda/attention_decode.h"
-#include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/key_split.h"
+#include "attention/cuda/mma_kernel.cuh"
+#include "attention/cuda/pdl.cuh"
 #include "attention/online_softmax.h"
 #ifdef CPFILL_HAVE_HOPPER_KERNEL
 #include "attention/cuda/attention_hopper.h"

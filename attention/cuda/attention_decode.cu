@@ -20,7 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/attention_decode.h"
-#include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/pdl.cuh"
 #include "attention/online_softmax.h"
 #include "base/knobs.h"
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
 #pragma unroll
   for (int i = 0; i < kDim / 8; ++i) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0.f;
   float m_row[2] = {-INFINITY, -INFINITY}, l_row[2] = {0.f, 0.f};
-  // ldmatrix geometry as the prefill kernel's (flash_kernel.cuh): rows differ from k_row /
+  // ldmatrix geometry as the prefill kernel's (mma_kernel.cuh): rows differ from k_row /
   // v_row by multiples of 8, so the swizzle is one XOR with a per-thread constant.
   const int k_row = warp * 16 + (lane & 7) + (lane >> 4) * 8, k_half = (lane >> 3) & 1;
   const int v_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, v_half = lane >> 4;

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention/cuda/attention_hopper.h"
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper_kernel.cuh"
 #include "attention/cuda/hopper_key_tile.h"
 #include "attention/cuda/hopper_params.h"

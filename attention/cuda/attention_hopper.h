@@ -7,7 +7,7 @@
 
 #include "absl/status/status.h"
 #include "attention/cuda/attention_cuda.h"
-#include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/flash_common.cuh"
 
 namespace cpfill::attention::cuda::internal {
 

@@ -2,7 +2,7 @@
 //
 // The wgmma m64 accumulator layout gives each warp 16 rows in the same per-thread layout as the
 // mma.sync m16 tile, so the Hopper kernel shares the mma.sync kernel's epilogue (StoreRows16,
-// flash_kernel.cuh): the row sum reduced over the quad, O / l and LSE = (m + log2 l) ln 2 written
+// flash_common.cuh): the row sum reduced over the quad, O / l and LSE = (m + log2 l) ln 2 written
 // as bf16 or fp32, or merged into the running fp32 (O, LSE) (kOutMergeF32); empty rows give
 // O = 0, LSE = -inf.
 //
@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper_params.h"
 
 namespace cpfill::attention::cuda::internal {

@@ -1,10 +1,11 @@
 // cpfill/attention/cuda/hopper_kernel.cuh — the Hopper (sm_90a) partial-attention kernel: TMA
 // loads into an mbarrier pipeline, wgmma for both products, warp-specialized warpgroups.
 //
-// Same contract as flash_kernel.cuh (fused varseq slices, per-token global positions, GQA folded
-// into the M tile, three output modes, the key-tile summaries of the pre-pass); only how the
-// work is done differs. A persistent CTA (one per SM) takes work items (one (slice, kv head,
-// query tile of 128 folded rows) each) in turn, with 3 warpgroups. The parts, one file each:
+// Same contract as the mma.sync kernel (mma_kernel.cuh): fused varseq slices, per-token global
+// positions, GQA folded into the M tile, three output modes, the key-tile summaries of the
+// pre-pass; only how the work is done differs. A persistent CTA (one per SM) takes work items
+// (one (slice, kv head, query tile of 128 folded rows) each) in turn, with 3 warpgroups. The
+// parts, one file each:
 //
 //   hopper_params.h           parameters, CTA shape, shared-memory sizes
 //   hopper_shared_memory.cuh  the CTA's shared memory: barriers, item slots, Q/K/V buffers
@@ -13,6 +14,8 @@
 //   hopper_mainloop.cuh       warpgroups 1-2: Q K^T, online softmax, P V, ping-pong
 //   hopper_epilogue.cuh       normalise, write or merge O and LSE
 //   hopper_ptx.cuh            the sm_90a instructions (mbarrier, TMA, wgmma, setmaxnreg)
+//   flash_common.cuh          shared with the mma.sync kernel: launch layout, pre-pass,
+//                             key-tile visibility, query tiles, StoreRows16
 //
 // Item n's slot (n & 1) holds its index, query positions and position range. The Q loaders fill
 // it as soon as item n - 2's readers have released it (the K/V thread and the 8 consumer warps
@@ -32,6 +35,7 @@
 
 #include <cstdint>
 
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper_mainloop.cuh"
 #include "attention/cuda/hopper_params.h"
 #include "attention/cuda/hopper_producer.cuh"

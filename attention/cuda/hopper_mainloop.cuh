@@ -22,7 +22,7 @@
 
 #include <cstdint>
 
-#include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper_epilogue.cuh"
 #include "attention/cuda/hopper_params.h"
 #include "attention/cuda/hopper_ptx.cuh"

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper_key_tile.h"
 
 namespace cpfill::attention::cuda::internal {

@@ -20,7 +20,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper_params.h"
 #include "attention/cuda/hopper_ptx.cuh"
 #include "attention/cuda/hopper_shared_memory.cuh"

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "attention/cuda/attention_cuda.h"
-#include "attention/cuda/flash_kernel.cuh"
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper_params.h"
 
 namespace cpfill::attention::cuda::internal {

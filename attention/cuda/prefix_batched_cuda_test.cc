@@ -214,9 +214,10 @@ void CheckPagedStep(const AttentionShape& shape, const testing::SharedBlocksSpec
   }
 }
 
-// A paged decode step whose forks share leading blocks (the model's decode, issue 21): the roots
-// FindSharedBlocks makes (many query rows per paged slice, padding rows between them, members'
-// keys starting inside their tables) run on the decode kernel.
+// A paged decode step whose forks share leading blocks (the model's prefix-batched decode,
+// runtime/serving/prefix_cache.md): the roots FindSharedBlocks makes (many query rows per paged
+// slice, padding rows between them, members' keys starting inside their tables) run on the decode
+// kernel.
 TEST(PrefixBatchedCuda, PagedStepOverSharedBlocks) {
   for (const auto& [heads, kv_heads] : {std::pair{32, 8}, std::pair{8, 1}}) {
     for (int block_tokens : {16, 64}) {

@@ -11,7 +11,7 @@ command -v ccache >/dev/null &&
 cmake -S . -B build-gpu -G Ninja -DCPFILL_CUDA=ON -DCPFILL_CPU_ARCH=x86-64-v3 "${launcher[@]}" \
   >/dev/null
 bins=(attention/attention_cuda_test bench/attention_cuda_bench cpfill tests/llama_model_cuda_test
-      runtime/kv_cache_cuda_test runtime/gemv_cuda_test runtime/token_draw_cuda_test
+      runtime/kv/kv_cache_cuda_test runtime/model/gemv_cuda_test runtime/model/token_draw_cuda_test
       parallel/ucx_transport_test parallel/position_runs_cuda_test
       attention/prefix_batched_cuda_test bench/prefix_attention_cuda_bench
       bench/decode_linear_cuda_bench)

@@ -2,7 +2,7 @@
 # The device ring under environment variants, alternated: each round runs every variant once
 # (`cpfill attention`, pass-KV, 128K tokens, --repeat 8, a trace), ROUNDS rounds (default 2), so
 # a drift of the clocks falls on all of them alike. For knobs of the exchange beside the attention
-# kernel (issue 17: CP4's middle-step exchanges ending with their step's kernel).
+# kernel (the Hopper kernel work: CP4's middle-step exchanges ending with their step's kernel).
 #   CP=4 bash bench/gpu/cp_ring_env_ab.sh default priority:CPFILL_COMMUNICATION_PRIORITY=high \
 #     sms16:CPFILL_COMMUNICATION_SMS=16
 # A variant is NAME or NAME:VAR=VALUE[,VAR=VALUE...]. summary.txt: each run's times, and per

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the decode kernel (issue 19 part 3): the kernel tests (the small prefill
+# One device call for the decode kernel (decode part 3): the kernel tests (the small prefill
 # cases and the decode cases; the decode cases again with the decode kernel off, and under
 # compute-sanitizer), BM_Decode with the decode kernel and with it off (CPFILL_DECODE_KERNEL=0:
 # the prefill kernel), the peers (decode_peer.py: cuDNN, SDPA's default, FA3 from .wheels/ where

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode across two GPUs (issue 19):  bash bench/gpu/decode_cp2.sh [tests]
+# Decode across two GPUs:  bash bench/gpu/decode_cp2.sh [tests]
 #   time per output token of the Llama-3-8B geometry (LAYERS, default 32; synthetic bf16
 #   weights), greedy, NEW tokens (default 32), for each batch of CASES (default "32768 131040
 #   32768,32768,32768,32768": prompt lengths, one batch per word) on CP1 (one GPU), then CP2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The KV hand-off on two GPUs of one host (issue 20), with PyPI's UCX 1.22 (cuda_ipc; carried by
+# The KV hand-off on two GPUs of one host, with PyPI's UCX 1.22 (cuda_ipc; carried by
 # bench/gpu/fetch-ucx-cuda.sh) for both the peer and cpfill:
 #   1. the peer: ucx_perftest ucp_get of 256 MiB from GPU 0's memory into GPU 1's;
 #   2. a check: 2 layers of the 8B geometry, pulled into GPU 1 by decode TP1 and TP2, each

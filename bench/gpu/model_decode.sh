@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode on one GPU (issue 19):  bash bench/gpu/model_decode.sh check|tpot|all
+# Decode on one GPU:  bash bench/gpu/model_decode.sh check|tpot|all
 #   1. (check) the GPU tests of the kernels (decode included), the KV cache and the model, and the CLI's
 #      CUDA check;
 #   2. (check) `cpfill generate --backend cuda --check`: greedy generation on bf16 against one rank (fp32

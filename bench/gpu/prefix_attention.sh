@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for prefix-batched attention (issue 21): its GPU test, then
+# One device call for prefix-batched attention: its GPU test, then
 # prefix_attention_cuda_bench and the per-sequence peers (prefix_peer.py: FA3 from .wheels/ over
 # a paged cache sharing the prefix pages, cuDNN) on the same grid, and the table
 # (prefix_report.py). QUICK=1: the 4K prefix only; TESTS=0: no tests first.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prefix cache end to end (issue 21) with the Llama-3-8B geometry (synthetic weights) on one
+# The prefix cache end to end with the Llama-3-8B geometry (synthetic weights) on one
 # GPU and on two (CP2): `cpfill serve` with the cache and with --no-prefix-cache, each driven by
 # prefix_cache_client.py: a DOC-token document asked QUESTIONS questions (QUESTIONS_OFF without
 # the cache: every question prefills the whole document again), then N samples of a PROMPT-token

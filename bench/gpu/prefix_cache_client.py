@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Client of bench/gpu/prefix_cache.sh (issue 21): the prefix cache end to end against a running
+"""Client of bench/gpu/prefix_cache.sh: the prefix cache end to end against a running
 `cpfill serve` (standard library only).
 
   document: a DOC-token document and QUESTIONS questions of 32 tokens about it. The first

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prefix-batched decode end to end (issue 21) with the Llama-3-8B geometry (synthetic weights) on
+# Prefix-batched decode end to end with the Llama-3-8B geometry (synthetic weights) on
 # NPS GPUs (1: one GPU; 2: CP2): `cpfill serve` with prefix-batched decode and with
 # --no-prefix-batching (the prefix cache on in both: the n choices fork the cached prompt either
 # way, and only how decode reads the shared blocks differs), each driven by

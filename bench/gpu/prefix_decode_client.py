@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Client of bench/gpu/prefix_decode.sh (issue 21): n samples of one prompt against a running
+"""Client of bench/gpu/prefix_decode.sh: n samples of one prompt against a running
 `cpfill serve` (standard library only). Per prompt length: the prompt once (it fills the prefix
 cache), then for each n one request of n completions of 128 tokens (ignore_eos, temperature 1,
 seed 1), whose choices fork the cached prompt and decode together; wall time and completion

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-sequence peers of bench/prefix_attention_cuda_bench.cc (issue 21), on its grid, on the same
+"""Per-sequence peers of bench/prefix_attention_cuda_bench.cc, on its grid, on the same
 GPU, timed the same way (CUDA events behind torch.cuda._sleep, median of 15 after 3 warm-ups; the
 prefix's K/V rotates over copies that together exceed 256 MiB):
   - fa3: FlashAttention-3's flash_attn_with_kvcache (wheel fa3-fwd) over a paged cache in which

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The figures a refactor must not make worse (issue 14, "Measure"), each set in ONE device call,
+# The figures a refactor must not make worse ("Measure"), each set in ONE device call,
 # with the peers in the same call (only ratios taken together are compared across calls):
 #   bash bench/gpu/regression.sh h100     # nvidia-h100-x1: the kernel grid beside PyTorch SDPA
 #                                         # (run.sh bench), then the Llama-3-8B geometry cut to 2

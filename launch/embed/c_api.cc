@@ -1,5 +1,5 @@
-// The C API of libcpfill.so (cpfill.h) over the engine (runtime/engine.h), built the way
-// `cpfill serve` builds it (launch/engine_host.h). Each entry point turns statuses into codes
+// The C API of libcpfill.so (cpfill.h) over the engine (runtime/serving/engine.h), built the way
+// `cpfill serve` builds it (launch/job/engine_host.h). Each entry point turns statuses into codes
 // and catches every exception: nothing C++ crosses into the embedding program.
 #include <algorithm>
 #include <atomic>
@@ -19,14 +19,14 @@
 #include "absl/strings/str_cat.h"
 #include "launch/embed/c_api_status.h"
 #include "launch/embed/cpfill.h"
-#include "launch/engine_host.h"
-#include "launch/flags.h"
-#include "launch/session.h"
+#include "launch/job/engine_host.h"
+#include "launch/job/flags.h"
+#include "launch/job/job.h"
 #include "parallel/selector.h"
 
 // Members end in reverse order: the engine and the model before the grid and MPI they use.
 struct cpfill_engine {
-  std::unique_ptr<cpfill::launch::Session> session;
+  std::unique_ptr<cpfill::launch::Job> job;
   std::optional<cpfill::parallel::ProcessGrid> grid;
   std::unique_ptr<cpfill::launch::EngineHost> host;
   std::thread loop;  // rank 0's; joined by Shutdown before the engine is deleted
@@ -68,14 +68,14 @@ namespace {
 
 using cpfill::launch::EngineFlags;
 using cpfill::launch::FlagSet;
-using cpfill::launch::SessionFlags;
+using cpfill::launch::JobFlags;
 
 using cpfill::embed::Guarded;
 using cpfill::embed::Report;
 
 absl::Status NeedRoot(const cpfill_engine* e, const char* what) {
   if (e == nullptr) return absl::InvalidArgumentError(std::string(what) + ": engine is NULL");
-  if (e->session->is_root()) return absl::OkStatus();
+  if (e->job->is_root()) return absl::OkStatus();
   return absl::FailedPreconditionError(std::string(what) +
                                        " is for rank 0; the other ranks call cpfill_engine_run");
 }
@@ -87,24 +87,24 @@ absl::Status Create(int argc, const char* const* argv, const void* comm, cpfill_
     return absl::InvalidArgumentError("argv is NULL but argc is not 0");
   }
   EngineFlags ef;
-  SessionFlags sf;
+  JobFlags sf;
   FlagSet flags("cpfill_engine_create", "the engine's flags");
   AddEngineFlags(flags, &ef);
-  AddSessionFlags(flags, &sf);
+  AddJobFlags(flags, &sf);
   std::vector<char*> args;  // Parse takes char**; it does not write through them
   for (int i = 0; i < argc; ++i) args.push_back(const_cast<char*>(argv[i]));
   if (absl::Status parsed = flags.Parse(argc, args.data(), 0); !parsed.ok()) return parsed;
   auto e = std::make_unique<cpfill_engine>();
-  auto session = cpfill::launch::Session::Embed(sf, comm);
-  if (!session.ok()) return session.status();
-  e->session = std::move(*session);
-  auto grid = e->session->CreateGrid();
+  auto job = cpfill::launch::Job::Embed(sf, comm);
+  if (!job.ok()) return job.status();
+  e->job = std::move(*job);
+  auto grid = e->job->CreateGrid();
   if (!grid.ok()) return grid.status();
   e->grid = std::move(*grid);
-  auto host = BuildEngineHost(ef, flags, *e->session, *e->grid, {});
+  auto host = BuildEngineHost(ef, flags, *e->job, *e->grid, {});
   if (!host.ok()) return host.status();
   e->host = std::move(*host);
-  if (e->session->is_root()) {
+  if (e->job->is_root()) {
     cpfill_engine* raw = e.get();
     e->loop = std::thread([raw] { raw->loop_status = raw->host->engine->Run(); });
   }
@@ -292,7 +292,7 @@ int cpfill_engine_create(int argc, const char* const* argv, const void* mpi_comm
   return Guarded([&] { return Create(argc, argv, mpi_comm, engine); });
 }
 
-int cpfill_engine_rank(const cpfill_engine* e) { return e ? e->session->world_rank() : -1; }
+int cpfill_engine_rank(const cpfill_engine* e) { return e ? e->job->world_rank() : -1; }
 int cpfill_engine_size(const cpfill_engine* e) { return e ? e->grid->world_size : -1; }
 int64_t cpfill_engine_vocab_size(const cpfill_engine* e) {
   return e ? e->host->config.vocab_size : -1;
@@ -301,7 +301,7 @@ int64_t cpfill_engine_vocab_size(const cpfill_engine* e) {
 int cpfill_engine_run(cpfill_engine* e) {
   return Guarded([&] {
     if (e == nullptr) return absl::InvalidArgumentError("cpfill_engine_run: engine is NULL");
-    if (e->session->is_root()) {
+    if (e->job->is_root()) {
       return absl::FailedPreconditionError(
           "cpfill_engine_run is for ranks other than 0; rank 0 runs its loop inside the engine");
     }
@@ -398,7 +398,7 @@ int cpfill_engine_shutdown(cpfill_engine* e) {
 void cpfill_engine_destroy(cpfill_engine* e) {
   if (e == nullptr) return;
   try {
-    if (e->session->is_root() && !e->shut_down) (void)Shutdown(e);
+    if (e->job->is_root() && !e->shut_down) (void)Shutdown(e);
     delete e;
   } catch (...) {
     // Nothing may cross the boundary; the process is ending its use of cpfill either way.

@@ -1,6 +1,6 @@
 // The KV hand-off's decode side in the C API (cpfill.h, CPFILL_0.3): handles parsed as untrusted
-// JSON (runtime/kv_handle.h) and pulls through runtime::KvPuller. Each entry point turns statuses
-// into codes and catches every exception.
+// JSON (runtime/handoff/kv_handle.h) and pulls through runtime::KvPuller. Each entry point turns
+// statuses into codes and catches every exception.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,9 +13,9 @@
 #include "base/json_io.h"
 #include "launch/embed/c_api_status.h"
 #include "launch/embed/cpfill.h"
-#include "runtime/kv_handle.h"
-#include "runtime/kv_pull_plan.h"
-#include "runtime/kv_puller.h"
+#include "runtime/handoff/kv_handle.h"
+#include "runtime/handoff/kv_pull_plan.h"
+#include "runtime/handoff/kv_puller.h"
 
 struct cpfill_kv_handle {
   cpfill::runtime::KvHandle handle;

@@ -76,7 +76,7 @@ cpfill_slurm_gpus_per_node() {
 }
 
 # The model's KV heads, for the TP choice: attention's --kv-heads (default: what `cpfill
-# attention --help` says); a checkpoint's config.json; the presets' (runtime/model_config.cc).
+# attention --help` says); a checkpoint's config.json; the presets' (runtime/model/model_config.cc).
 # Prints nothing when it cannot tell (cpfill then refuses the model itself).
 cpfill_slurm_kv_heads() {
   local command=$1 model

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Table-driven fuzz suite of the `cpfill` command line (issue 15, item 5).
+"""Table-driven fuzz suite of the `cpfill` command line.
 
     python3 tests/fuzz/cli_fuzz.py build/cpfill [--jobs 2] [--filter REGEX] [--json FILE]
 

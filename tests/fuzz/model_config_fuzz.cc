@@ -8,7 +8,7 @@
 #include <string>
 
 #include "base/json_io.h"
-#include "runtime/model_config.h"
+#include "runtime/model/model_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto json = cpfill::json::Parse(std::string(reinterpret_cast<const char*>(data), size));

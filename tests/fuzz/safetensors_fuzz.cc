@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string>
 
-#include "runtime/safetensors.h"
+#include "runtime/model/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Open() maps a path: the bytes go into an anonymous in-memory file.

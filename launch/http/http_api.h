@@ -1,0 +1,188 @@
+// cpfill/launch/http/http_api.h — the OpenAI-compatible HTTP API of `cpfill serve`, as pure
+// functions of JSON and text: request bodies in (parsed with nlohmann-json, every field checked),
+// response bodies, error bodies and Prometheus metrics out. The server (http_server.h) wires them
+// to the engine; tests call them directly.
+//
+//   CPFILL_ASSIGN_OR_RETURN(CompletionRequest r, ParseCompletionRequest(body, "tiny", nullptr));
+//   ... engine.Submit per prompt ...
+//   std::string json = CompletionResponse(r, results, id, created, "tiny", nullptr).dump();
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+#include "runtime/serving/engine.h"
+#include "runtime/text/tokenizer.h"
+
+namespace cpfill::launch {
+
+// POST /v1/completions.
+struct CompletionRequest {
+  // "prompt": [ids], [[ids], ...], "text" or ["text", ...] (text encoded with BOS, as vLLM's
+  // completions do by default)
+  std::vector<std::vector<int32_t>> prompts;
+  int n = 1;  // choices per prompt: choice i is prompt i / n (the prefix cache prefills it once)
+  size_t choices() const { return prompts.size() * static_cast<size_t>(n); }
+  std::string session;  // extension: keep and reuse this conversation's KV
+  int logprobs = 0;     // top-k of every generated token (0: none)
+  // Echoed, unless {"do_remote_decode": true}: then the prompt's KV is kept under a lease and the
+  // response's kv_transfer_params is its hand-off handle (runtime/handoff/kv_handle.h; needs
+  // --kv-handoff).
+  std::optional<nlohmann::json> kv_transfer_params;
+  bool publish_kv = false;
+  int max_tokens = 16;                         // OpenAI's default; 1: prefill and the first token
+  bool stream = false, include_usage = false;  // server-sent events; a last chunk with usage
+  runtime::SamplingParams sampling{.temperature = 1.0};  // OpenAI's defaults
+  std::optional<uint64_t> seed;                          // none: the server draws one per request
+  std::vector<int32_t> stop_token_ids;  // vLLM's extension; EOS stops unless ignore_eos
+  bool ignore_eos = false;
+  // "stop": up to 4 strings; generation ends when the text holds one, and the text returned ends
+  // just before it (after it with vLLM's include_stop_str_in_output), its logprobs with the
+  // tokens that text covers. The token ids, usage and a session keep every generated token, the
+  // one that completed the match too (as vLLM's do). Needs the tokenizer.
+  std::vector<std::string> stop;
+  bool include_stop_str_in_output = false;
+};
+
+// The engine requests of a completion, one per choice (`seed` when the request names none);
+// stop strings become each request's stop_when, which decodes its newest tokens with `tokenizer`.
+std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& request,
+                                                     uint64_t seed,
+                                                     const runtime::Tokenizer* tokenizer);
+
+inline constexpr int kMaxStopStrings = 4;  // OpenAI's limit
+inline constexpr size_t kMaxStopBytes = 256;
+
+// Where the text given to the client ends under the request's stop strings: before the earliest
+// one in `text` (after it with include_stop_str_in_output); std::string::npos when none is in it.
+size_t StopCut(const CompletionRequest& request, std::string_view text);
+// Bytes at the end of `text` that may be the start of a stop string: a stream holds them back
+// until the next tokens say whether the stop string follows.
+size_t StopPrefixHeld(const CompletionRequest& request, std::string_view text);
+
+// The largest body the server reads, and the most prompts and top-k one request may ask for.
+inline constexpr size_t kMaxBodyBytes = 64u << 20;
+inline constexpr int kMaxPromptsPerRequest = 1024;
+inline constexpr int kMaxLogprobs = 20;
+inline constexpr int kMaxTokensPerRequest = 1 << 20;
+
+// InvalidArgument naming the field for malformed JSON, wrong types, unknown or unsupported
+// fields (penalties, echo; text prompts and stop strings when `tokenizer` is null: the model has
+// none), a model name other than `served_model`, more than kMaxPromptsPerRequest choices, or a
+// session with more than one choice.
+absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
+                                                         const std::string& served_model,
+                                                         const runtime::Tokenizer* tokenizer);
+
+// The response: choices (n per prompt: every generated token's id and, with a tokenizer, their
+// text cut at a stop string; logprobs when asked, of the tokens that text covers; the finish
+// reason), usage (prompt and cached tokens once per prompt, completion tokens of every choice), the
+// echoed kv_transfer_params, and a "cpfill" object with each prompt's queue time, TTFT and its
+// phases, decode time and time per output token, and the selector's choice.
+// The model's share of a generation's decode steps, by phase, summed over its steps (ms): what
+// `cpfill generate --json` and the server's "cpfill" timing report; the decode time beyond
+// "model" is the engine's (sampling, scheduling).
+nlohmann::ordered_json DecodePhasesMs(const runtime::StepTimings& d);
+
+nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
+                                          const std::vector<runtime::EngineResult>& results,
+                                          const std::string& id, int64_t created,
+                                          const std::string& served_model,
+                                          const runtime::Tokenizer* tokenizer);
+
+// One choice's part of a streamed chunk: its new text and the token it covers (its logprobs when
+// asked, named through the tokenizer, at `text_offset` characters into the choice's text), or,
+// closing a choice that a stop string ended, no token: the ids of the tokens whose text lay past
+// the stop string (sent as token_ids only, so a stream's ids add up to every generated token,
+// as the whole answer's do). `finish_reason` on the choice's last chunk.
+struct StreamDelta {
+  int index = 0;
+  std::string text;
+  std::optional<runtime::SampledToken> token;
+  size_t text_offset = 0;
+  std::vector<int32_t> unsent_ids;
+  std::string finish_reason;
+};
+// One server-sent event of a streamed completion (OpenAI's text_completion chunk).
+nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::string& id,
+                                   int64_t created, const std::string& served_model,
+                                   const StreamDelta& delta, const runtime::Tokenizer* tokenizer);
+// The last chunk when stream_options.include_usage is set: no choices, the usage.
+nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
+                                  const std::string& served_model,
+                                  const std::vector<runtime::EngineResult>& results, int n = 1);
+
+// The text of `ids` (special tokens as their text): a character split over tokens decodes to
+// U+FFFD until its last byte comes (EndsSplit).
+std::string DecodeText(const runtime::Tokenizer* tokenizer, const std::vector<int32_t>& ids);
+// Characters (Unicode code points) of UTF-8 text: logprobs' text_offset counts what clients'
+// strings count, not bytes.
+size_t CodePoints(std::string_view utf8);
+// True when decoded text ends in U+FFFD, what a decoder makes of a character whose last bytes
+// (the next tokens) have not come yet.
+bool EndsSplit(std::string_view text);
+// Where the next token's text starts in its choice's text, in bytes, given `text_before` (the
+// text of the tokens before it) and where the token before it started: at the end of that text,
+// unless it ends in a character not finished yet (EndsSplit), which the next token finishes:
+// then the same place as the token before. logprobs' text_offset and a stream's chunks place
+// tokens alike by it.
+size_t NextTokenStart(std::string_view text_before, size_t previous_start);
+// NextTokenStart of every token of `ids` (0 for each without a tokenizer: there is no text).
+std::vector<size_t> TokenTextStarts(const runtime::Tokenizer* tokenizer,
+                                    const std::vector<int32_t>& ids);
+// How many of a choice's tokens its text covers, given where each starts: all of them, unless a
+// stop string cut the text at `cut` (StopCut); then those that start before it. logprobs cover
+// these, streamed or not.
+size_t TokensBeforeCut(const std::vector<size_t>& starts, size_t cut);
+
+// A JSON body as text. Strings that are not valid UTF-8 (a URL's bytes, a parser's message
+// quoting the bad input) are written with U+FFFD in place of the bad bytes instead of throwing.
+std::string JsonText(const nlohmann::ordered_json& value);
+
+// An error as OpenAI clients expect it: {"error": {"message", "type", "code"}} with the HTTP
+// status for the status code (InvalidArgument 400, NotFound 404, ResourceExhausted 413 (too
+// large for the KV cache), Unavailable and FailedPrecondition 503, anything else 500).
+struct HttpError {
+  int status = 500;
+  std::string body;
+};
+HttpError ErrorResponse(const absl::Status& status);
+
+// Latency and size histograms for /metrics (thread-safe).
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds)
+      : bounds_(std::move(bounds)), counts_(bounds_.size() + 1) {}
+  void Observe(double x);
+  std::string Text(const std::string& name, const std::string& help) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<double> bounds_;
+  std::vector<int64_t> counts_;  // per bucket, not cumulative; the last is +Inf
+  double sum_ = 0;
+  int64_t count_ = 0;
+};
+
+// What /metrics reports besides the engine's counters.
+struct ServerCounters {
+  int64_t http_ok = 0, http_client_errors = 0, http_server_errors = 0, running = 0;
+};
+// Seconds, from a millisecond to two minutes.
+std::vector<double> LatencyBounds();
+struct ServingHistograms {
+  Histogram ttft{LatencyBounds()}, queue{LatencyBounds()}, tpot{LatencyBounds()},
+      e2e{LatencyBounds()};
+  Histogram batch_tokens{{16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576}};
+  void Observe(const runtime::EngineResult& r);  // one answered prompt
+};
+std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters& server,
+                        const ServingHistograms& h);
+
+}  // namespace cpfill::launch

@@ -1,0 +1,316 @@
+#include "launch/http/http_server.h"
+
+#include <chrono>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "httplib.h"
+#include "launch/http/http_stream.h"
+#include "parallel/mpi_communicator.h"
+
+namespace cpfill::launch {
+namespace {
+
+constexpr char kJson[] = "application/json";
+
+int64_t UnixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+void SetError(const absl::Status& status, httplib::Response& res) {
+  HttpError e = ErrorResponse(status);
+  res.status = e.status;
+  if (e.status == 503) res.set_header("Retry-After", "1");
+  res.set_content(e.body, kJson);
+}
+
+// The ?nonce= of a lease route: the handle's lease_nonce.
+absl::StatusOr<std::string> LeaseNonceParam(const httplib::Request& req) {
+  if (!req.has_param("nonce")) {
+    return absl::InvalidArgumentError(
+        "the lease's nonce is required: ?nonce=<the handle's lease_nonce>");
+  }
+  return req.get_param_value("nonce");
+}
+
+// Which replies have come. Read before the stream's events: a prompt that succeeded pushed its
+// last token before its reply came, so a reply that came while its prompt has not finished
+// after those events failed.
+std::vector<bool> ReadyNow(std::vector<runtime::Engine::Reply>& replies) {
+  std::vector<bool> ready;
+  for (auto& r : replies) {
+    ready.push_back(r.wait_for(std::chrono::seconds(0)) == std::future_status::ready);
+  }
+  return ready;
+}
+
+// The body of an answer the server made without a route's (an unknown route, a body too large,
+// a status without a body): the error JSON of every other refusal.
+void AnswerWithoutBody(const httplib::Request& req, httplib::Response& res) {
+  if (!res.body.empty()) return;  // a route's own error body stays
+  const absl::Status why =
+      res.status >= 500   ? absl::InternalError(absl::StrCat("HTTP ", res.status))
+      : res.status == 413 ? absl::ResourceExhaustedError(
+                                absl::StrCat("the body is larger than ", kMaxBodyBytes, " bytes"))
+      : res.status == 404
+          ? absl::NotFoundError(absl::StrCat("no route ", req.method, " ", req.path))
+          : absl::InvalidArgumentError(absl::StrCat("HTTP ", res.status));
+  HttpError e = ErrorResponse(why);
+  res.set_content(e.body, kJson);
+}
+
+// A handler that throws (a bug) answers 500 with what it threw; the server goes on.
+void AnswerException(const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+  std::string what = "unknown exception";
+  try {
+    std::rethrow_exception(ep);
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  HttpError e = ErrorResponse(absl::InternalError(absl::StrCat("internal error: ", what)));
+  res.status = e.status;
+  res.set_content(e.body, kJson);
+}
+
+}  // namespace
+
+HttpFront::HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::string served_model,
+                     const runtime::Tokenizer* tokenizer, int threads)
+    : engine_(engine),
+      model_(model),
+      served_model_(std::move(served_model)),
+      tokenizer_(tokenizer),
+      server_(std::make_unique<httplib::Server>()),
+      seeds_(std::random_device{}()) {
+  server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  Routes();
+}
+
+HttpFront::~HttpFront() = default;
+
+absl::StatusOr<int> HttpFront::Bind(const std::string& host, int port) {
+  const int bound =
+      port == 0 ? server_->bind_to_any_port(host) : (server_->bind_to_port(host, port) ? port : -1);
+  if (bound <= 0) {
+    return absl::FailedPreconditionError(absl::StrCat("--host ", host, " --port ", port,
+                                                      ": cannot listen there (in use, or not "
+                                                      "an address of this host)"));
+  }
+  return bound;
+}
+
+// Every rank's progress thread must answer (also while the ranks prefill); probed at most every
+// kHealthProbeEvery, however often /health is polled, and never while another probe runs.
+absl::Status HttpFront::Health() {
+  if (!healthy_) return absl::UnavailableError("the engine is stopping: it drains its queue");
+  std::lock_guard lock(health_mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (now - health_probed_ >= kHealthProbeEvery) {
+    health_ = parallel::WorldAnswers();
+    health_probed_ = std::chrono::steady_clock::now();
+  }
+  return health_;
+}
+
+void HttpFront::Serve() { server_->listen_after_bind(); }
+void HttpFront::Stop() { server_->stop(); }
+
+// One completion: its prompts queued together (so they can share a fused batch; a refusal
+// refuses them all), answered whole or streamed as they generate.
+void HttpFront::Completions(const httplib::Request& req, httplib::Response& res) {
+  auto request = std::make_shared<CompletionRequest>();
+  absl::StatusOr<CompletionRequest> parsed =
+      ParseCompletionRequest(req.body, served_model_, tokenizer_);
+  if (!parsed.ok()) return SetError(parsed.status(), res);
+  *request = std::move(*parsed);
+  std::vector<runtime::EngineRequest> prompts = EngineRequestsOf(*request, NextSeed(), tokenizer_);
+  const std::string id = absl::StrCat("cmpl-", next_id_++);
+  std::shared_ptr<CompletionStream> stream;
+  if (request->stream) {
+    stream =
+        std::make_shared<CompletionStream>(*request, id, UnixSeconds(), served_model_, tokenizer_);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      prompts[i].on_token = stream->Sink(static_cast<int>(i));
+      prompts[i].cancelled = stream->cancelled();
+    }
+  }
+  absl::StatusOr<std::vector<runtime::Engine::Reply>> replies =
+      engine_.SubmitAll(std::move(prompts));
+  if (!replies.ok()) return SetError(replies.status(), res);
+  auto shared = std::make_shared<std::vector<runtime::Engine::Reply>>(std::move(*replies));
+  if (stream) return Stream(request, stream, shared, res);
+  std::vector<runtime::EngineResult> results;
+  for (runtime::Engine::Reply& reply : *shared) {
+    absl::StatusOr<runtime::EngineResult> r = reply.get();
+    if (!r.ok()) return SetError(r.status(), res);
+    histograms_.Observe(*r);
+    results.push_back(std::move(*r));
+  }
+  res.set_content(
+      JsonText(CompletionResponse(*request, results, id, UnixSeconds(), served_model_, tokenizer_)),
+      kJson);
+}
+
+// A streamed completion: an error before any prompt's first token is answered as JSON with its
+// status, as without streaming; after that, the events, an error event if a prompt fails, the
+// usage when asked, and "data: [DONE]".
+void HttpFront::Stream(std::shared_ptr<CompletionRequest> request,
+                       std::shared_ptr<CompletionStream> stream,
+                       std::shared_ptr<std::vector<runtime::Engine::Reply>> replies,
+                       httplib::Response& res) {
+  for (size_t i = 0; i < replies->size(); ++i) {
+    auto& reply = (*replies)[i];
+    while (!stream->Started(static_cast<int>(i)) &&
+           reply.wait_for(std::chrono::milliseconds(2)) != std::future_status::ready) {
+    }
+    if (!stream->Started(static_cast<int>(i))) {  // answered without a token: its error
+      absl::StatusOr<runtime::EngineResult> r = reply.get();
+      return SetError(r.ok() ? absl::InternalError("no token was streamed") : r.status(), res);
+    }
+  }
+  ++running_;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, request, stream, replies](size_t, httplib::DataSink& sink) {
+        const std::vector<bool> ready = ReadyNow(*replies);
+        std::string events;
+        bool more = stream->Next(&events, std::chrono::milliseconds(100));
+        if (!events.empty() && !sink.write(events.data(), events.size())) return false;
+        for (size_t i = 0; i < ready.size(); ++i) {
+          if (ready[i] && !stream->Finished(static_cast<int>(i))) more = false;  // it failed
+        }
+        if (more) return true;
+        events = Finale(*request, *stream, *replies);
+        sink.write(events.data(), events.size());
+        sink.done();
+        return true;
+      },
+      [this, stream](bool success) {
+        if (!success) stream->cancelled()->store(true);  // the client left: stop generating
+        --running_;
+      });
+}
+
+// The end of a stream once every prompt finished (or one failed): the usage chunk when asked,
+// an error event for a failed prompt, then [DONE].
+std::string HttpFront::Finale(const CompletionRequest& request, CompletionStream& stream,
+                              std::vector<runtime::Engine::Reply>& replies) {
+  std::string out;
+  std::vector<runtime::EngineResult> results;
+  for (auto& reply : replies) {
+    absl::StatusOr<runtime::EngineResult> r = reply.get();
+    if (!r.ok()) {
+      out += ServerSentEvent(ErrorResponse(r.status()).body);
+      continue;
+    }
+    histograms_.Observe(*r);
+    results.push_back(std::move(*r));
+  }
+  if (request.include_usage && results.size() == replies.size()) {
+    out += ServerSentEvent(
+        JsonText(UsageChunk(stream.id(), UnixSeconds(), served_model_, results, request.n)));
+  }
+  return out + "data: [DONE]\n\n";
+}
+
+uint64_t HttpFront::NextSeed() {
+  std::lock_guard lock(seed_mu_);
+  return seeds_();
+}
+
+void HttpFront::Routes() {
+  httplib::Server& s = *server_;
+  s.set_payload_max_length(kMaxBodyBytes);
+  // Every answer is counted by its class for /metrics.
+  s.set_post_routing_handler([this](const httplib::Request&, httplib::Response& res) {
+    (res.status >= 500 ? server_errors_ : res.status >= 400 ? client_errors_ : ok_)++;
+  });
+  s.set_error_handler(AnswerWithoutBody);
+  s.set_exception_handler(AnswerException);
+  ServiceRoutes();
+  SessionRoutes();
+  KvLeaseRoutes();
+}
+
+// Completions, /health, /v1/models and /metrics.
+void HttpFront::ServiceRoutes() {
+  httplib::Server& s = *server_;
+  s.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    ++running_;
+    Completions(req, res);
+    --running_;
+  });
+  s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    const absl::Status health = Health();
+    if (health.ok()) {
+      res.set_content(R"({"status":"ok"})", kJson);
+      return;
+    }
+    SetError(health, res);
+  });
+  s.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    nlohmann::ordered_json models = {{"object", "list"},
+                                     {"data",
+                                      {{{"id", served_model_},
+                                        {"object", "model"},
+                                        {"owned_by", "cpfill"},
+                                        {"max_model_len", model_.config().max_position_embeddings},
+                                        {"vocab_size", model_.config().vocab_size},
+                                        {"text_prompts", tokenizer_ != nullptr}}}}};
+    res.set_content(JsonText(models), kJson);
+  });
+  s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    const ServerCounters counters{.http_ok = ok_,
+                                  .http_client_errors = client_errors_,
+                                  .http_server_errors = server_errors_,
+                                  .running = running_};
+    res.set_content(MetricsText(engine_.stats(), counters, histograms_),
+                    "text/plain; version=0.0.4");
+  });
+}
+
+// The engine's sessions: listed, and ended by name.
+void HttpFront::SessionRoutes() {
+  httplib::Server& s = *server_;
+  s.Get("/v1/sessions", [this](const httplib::Request&, httplib::Response& res) {
+    nlohmann::ordered_json out = {{"sessions", engine_.sessions()}};
+    res.set_content(JsonText(out), kJson);
+  });
+  s.Delete(R"(/v1/sessions/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string name = req.matches[1];
+    const absl::Status ended = engine_.EndSession(name).get();
+    if (!ended.ok()) {
+      SetError(ended, res);
+      return;
+    }
+    res.set_content(JsonText({{"deleted", name}}), kJson);
+  });
+}
+
+// KV hand-off leases (runtime/serving/engine.h): a decode worker that cannot send UCX's release
+// message ends one here, and one that needs longer renews it; both name the handle's lease_nonce
+// (?nonce=0x...), so that only a holder of the handle can.
+void HttpFront::KvLeaseRoutes() {
+  httplib::Server& s = *server_;
+  s.Delete(R"(/v1/kv/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1];
+    absl::StatusOr<std::string> nonce = LeaseNonceParam(req);
+    const absl::Status released = nonce.ok() ? engine_.ReleaseKv(id, *nonce) : nonce.status();
+    if (!released.ok()) return SetError(released, res);
+    res.set_content(JsonText({{"released", id}}), kJson);
+  });
+  s.Post(R"(/v1/kv/([^/]+)/renew)", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1];
+    absl::StatusOr<std::string> nonce = LeaseNonceParam(req);
+    const absl::StatusOr<double> lease_s =
+        nonce.ok() ? engine_.RenewKv(id, *nonce) : absl::StatusOr<double>(nonce.status());
+    if (!lease_s.ok()) return SetError(lease_s.status(), res);
+    res.set_content(JsonText({{"renewed", id}, {"lease_s", *lease_s}}), kJson);
+  });
+}
+
+}  // namespace cpfill::launch
