@@ -125,7 +125,19 @@ const KnobSpec& Find(std::string_view name) {
   std::abort();
 }
 
-// The checked value of `spec` from `text`; an error names the knob and what it allows.
+// A decimal integer written plainly: an optional '-' and digits, nothing around them (no blanks,
+// '+', leading "0x" or trailing text, which SimpleAtoi would skip or take), within int64.
+bool ParsePlainInt(std::string_view text, int64_t* value) {
+  const std::string_view digits = text.starts_with('-') ? text.substr(1) : text;
+  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string_view::npos) {
+    return false;
+  }
+  return absl::SimpleAtoi(Sv(text), value);
+}
+
+// The checked value of `spec` from `text`; an error names the knob and what it allows. Every
+// type takes its value exactly as written: " 3" or "1\n" is not 3 or 1, so a stray blank in a
+// job script is refused rather than read as something else.
 absl::Status Check(const KnobSpec& spec, std::string_view text) {
   const auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat("environment variable ", Sv(spec.name), "='",
@@ -138,7 +150,7 @@ absl::Status Check(const KnobSpec& spec, std::string_view text) {
     case KnobType::kInt: {
       std::vector<absl::string_view> range = absl::StrSplit(Sv(spec.allowed), "..");
       int64_t v = 0, lo = 0, hi = 0;
-      if (!absl::SimpleAtoi(Sv(text), &v) || !absl::SimpleAtoi(range[0], &lo) ||
+      if (!ParsePlainInt(text, &v) || !absl::SimpleAtoi(range[0], &lo) ||
           !absl::SimpleAtoi(range[1], &hi) || v < lo || v > hi) {
         return bad();
       }

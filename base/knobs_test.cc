@@ -3,7 +3,10 @@
 #include <cstdlib>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace cpfill::knobs {
@@ -97,6 +100,37 @@ TEST_F(KnobsTest, MalformedValuesAreRefusedByName) {
   EXPECT_NE(Validate().message().find("dynamic|static"), std::string::npos);
   setenv("CPFILL_HOPPER_PINGPONG", "yes", 1);
   EXPECT_FALSE(Validate().ok());
+}
+
+// A value is taken exactly as written, whatever the knob's type: blanks around it, a '+', a base
+// prefix or trailing text are refused, not read as the value they surround.
+TEST_F(KnobsTest, ValuesAreParsedWholeAndStrictly) {
+  const std::vector<std::pair<const char*, std::vector<std::string>>> cases = {
+      {"CPFILL_ATTENTION_VARIANT", {" 3", "3 ", "\t3", "3\n", "+3", "03x", "0x3", "3.0", "-", ""}},
+      {"CPFILL_TEST_EXIT_RANK", {" -1", "-1 ", "--1", "- 1", "-+1"}},
+      {"CPFILL_HOPPER_PINGPONG", {" 1", "1 ", "01", "true", "+1"}},
+      {"CPFILL_HOPPER_SCHEDULE", {" static", "static ", "Static", "static\n"}},
+  };
+  for (const auto& [name, values] : cases) {
+    for (const std::string& bad : values) {
+      setenv(name, bad.c_str(), 1);
+      const absl::Status s = Validate();
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << name << "='" << bad << "'";
+      EXPECT_NE(s.message().find(absl::StrCat(name, "='", bad, "'")), std::string::npos) << s;
+    }
+    unsetenv(name);
+  }
+  // The same values written plainly are taken.
+  for (const auto& [name, good] :
+       std::vector<std::pair<const char*, const char*>>{{"CPFILL_ATTENTION_VARIANT", "3"},
+                                                        {"CPFILL_ATTENTION_VARIANT", "03"},
+                                                        {"CPFILL_TEST_EXIT_RANK", "-1"},
+                                                        {"CPFILL_HOPPER_PINGPONG", "1"},
+                                                        {"CPFILL_HOPPER_SCHEDULE", "static"}}) {
+    setenv(name, good, 1);
+    EXPECT_TRUE(Validate().ok()) << name << "='" << good << "': " << Validate();
+    unsetenv(name);
+  }
 }
 
 TEST_F(KnobsTest, InEffectListsUserKnobsAtTheirValues) {

@@ -5,7 +5,20 @@ namespace cpfill {
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
   if (num_threads <= 0) num_threads = 1;
-  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  // A thread that cannot start (std::system_error: the process's thread or memory limit) ends the
+  // ones already started before the error leaves: destroying a joinable std::thread would
+  // terminate the process, and the caller (launch/job/job.h's RunJob) reports the error instead.
+  try {
+    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    throw;
+  }
 }
 
 ThreadPool::~ThreadPool() {

@@ -19,6 +19,7 @@ namespace cpfill {
 class ThreadPool {
  public:
   // `num_threads` counts the caller: 1 means no extra threads. 0 picks the hardware count.
+  // Throws std::system_error, with no thread left running, when a thread cannot start.
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;

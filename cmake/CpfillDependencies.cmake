@@ -37,6 +37,9 @@ find_package(ucx CONFIG QUIET)
 cpfill_require(ucx_FOUND "UCX" "libucx-dev")
 
 find_package(Threads REQUIRED)
+# OpenSSL's libcrypto (libssl-dev, which cpp-httplib's package needs too): SHA-256 for the KV
+# hand-off's lease records (base/secure.h).
+find_package(OpenSSL REQUIRED COMPONENTS Crypto)
 
 if(CPFILL_BUILD_TESTS)
   find_package(GTest CONFIG QUIET)

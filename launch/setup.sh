@@ -15,7 +15,7 @@ build=${BUILD_DIR:-build}
 packages=(cmake ninja-build g++ make pkg-config python3 python3-venv curl
           libopenmpi-dev openmpi-bin libabsl-dev libucx-dev nlohmann-json3-dev
           libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
-          libcpp-httplib-dev libpcre2-dev clang libclang-rt-14-dev
+          libcpp-httplib-dev libpcre2-dev libssl-dev clang libclang-rt-14-dev
           slurm-wlm munge libpmix-dev)
 missing=()
 for p in "${packages[@]}"; do

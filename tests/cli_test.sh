@@ -152,6 +152,19 @@ bad_input_flags)
     attention --seq-lens 100 --save /nonexistent-dir/x.safetensors
   expect_exit 2 "--json: cannot write '/nonexistent-dir/x.json'" -- "$cpfill" env \
     --json /nonexistent-dir/x.json
+  # More kernel threads than the host's cores can use are refused before any start (a thread
+  # the system refuses would end the process inside the pool's constructor).
+  expect_exit 2 '--threads 4096: more than 8 per core of this host' -- mpi 2 "$cpfill" attention \
+    --seq-lens 100 --threads 4096
+  # The KV hand-off's settings without --kv-handoff would be ignored: refused, naming the flag.
+  for setting in "--kv-lease-s 5" "--kv-max-leases 4" "--kv-staging-tokens 0" \
+    "--kv-handoff-staging" "--kv-handoff=false --kv-lease-s 5"; do
+    flag=$(echo "$setting" | grep -o -- '--kv-[a-z-]*' | tail -1)
+    # shellcheck disable=SC2086  # the setting is a flag and its value
+    expect_exit 2 "$flag is a setting of --kv-handoff, which is off" -- \
+      mpi 2 "$cpfill" serve --model tiny --backend cpu --port 0 $setting
+    [ "$(grep -c 'cpfill: error' "$tmp/out")" -eq 1 ] || fail "the message should print once"
+  done
   # One message, not one per rank.
   mpi 4 "$cpfill" attention --seq-lens 100,-1 >"$tmp/o" 2>&1
   [ "$(grep -c 'negative' "$tmp/o")" -eq 1 ] || fail "the message should print once"
@@ -475,6 +488,24 @@ generate_bad_input)
     --prompt-lens 5 --max-tokens 0
   expect_exit 2 'batch-invariant: the CUDA backend' -- mpi 2 "$cpfill" generate --model tiny \
     --backend cuda --prompt-lens 5 --batch-invariant
+  # The batch is queued at once: more prompts than --max-queue are refused up front, on every
+  # rank alike (not an abort once the engine refuses them on rank 0).
+  expect_exit 2 '--max-queue 1: the queue holds fewer than the 3 prompts' -- mpi 2 "$cpfill" \
+    generate --model tiny --backend cpu --prompt-lens 5,6,7 --max-queue 1
+  printf '[[1, 2], [3], [4, 5]]' > "$tmp/three.json"
+  expect_exit 2 '--max-queue 2: the queue holds fewer than the 3 prompts' -- mpi 2 "$cpfill" \
+    generate --model tiny --backend cpu --tokens "$tmp/three.json" --max-queue 2
+  # All the free memory for the KV cache would leave none for the threads started after it.
+  expect_exit 2 '--kv-memory-fraction: 1 is out of range; allowed \(0, 0\.9\]' -- mpi 2 \
+    "$cpfill" generate --model tiny --backend cpu --prompt-lens 5 --kv-memory-fraction 1
+  expect_exit 2 '--kv-memory-fraction: 1 is out of range' -- "$cpfill" serve --model tiny \
+    --backend cpu --port 0 --kv-memory-fraction 1
+  # Threads the system will not start (here: 4096 HTTP threads' stacks past ulimit -v) are
+  # tried once the KV cache holds its memory and refused, naming the flag, not an abort.
+  expect_exit 2 'world rank 0: the engine.s 8 sampling threads and the command.s 4[0-9]{3} \(--http-threads' \
+    -- bash -c "ulimit -v 6000000; exec timeout 120 \"$cpfill\" serve --model tiny --layers 1 \
+    --backend cpu --threads 1 --port 0 --http-threads 4096"
+  expect_also 'lower --kv-memory-fraction or --kv-capacity-tokens, or --http-threads'
   ;;
 prefill_matches_hf_reference)
   # A Hugging Face checkpoint directory (written by `cpfill export`), prefilled with TP2 x CP2
@@ -519,6 +550,20 @@ prefill_bad_input)
   printf '{"model_type": "llama", "hidden_size": 64, "hidden_size": 128}' > "$tmp/ckpt/config.json"
   expect_exit 2 'config.json: json: object key "hidden_size" appears twice' -- mpi 2 "$cpfill" \
     prefill --model "$tmp/ckpt" --prompt-lens 5
+  # Another model, a null activation, a token id outside the vocabulary, a dtype that is no
+  # dtype: each refused naming the key, from an otherwise good checkpoint.
+  expect_exit 0 'saved tiny' -- "$cpfill" export --model tiny --layers 1 --out "$tmp/good"
+  for edit in 'c["architectures"] = ["MistralForCausalLM"]' 'c["hidden_act"] = None' \
+    'c["bos_token_id"] = -7' 'c["torch_dtype"] = 5'; do
+    rm -rf "$tmp/edited" && cp -r "$tmp/good" "$tmp/edited"
+    "$py" -c "import json; p='$tmp/edited/config.json'; c=json.load(open(p)); $edit; json.dump(c, open(p, 'w'))"
+    key=$(echo "$edit" | sed 's/^c\["\([a-z_]*\)"\].*/\1/')
+    expect_exit 2 "$key" -- mpi 2 "$cpfill" prefill --model "$tmp/edited" --prompt-lens 5
+  done
+  # A device as config.json is refused unread (it would be read without end).
+  rm -f "$tmp/edited/config.json" && ln -s /dev/urandom "$tmp/edited/config.json"
+  expect_exit 2 'config.json: not a regular file' -- mpi 2 "$cpfill" prefill --model \
+    "$tmp/edited" --prompt-lens 5
   ;;
 env_lists_knobs)
   # cuBLASLt is opened by the first GEMM, not linked: its start-up (0.14 s, 210 MiB) is not paid
@@ -547,6 +592,11 @@ PY
   [ "$(grep -c 'CPFILL_HOPPER_SCHEDULE' "$tmp/out")" -eq 1 ] || fail "the message should print once"
   expect_exit 2 "CPFILL_RANKS_PER_NODE='-3'" -- env CPFILL_RANKS_PER_NODE=-3 mpirun -np 2 \
     -x CPFILL_RANKS_PER_NODE "$cpfill" prefill --model tiny --prompt-lens 5
+  # Values are taken exactly as written: a blank around a number is refused, not skipped.
+  expect_exit 2 "CPFILL_ATTENTION_VARIANT=' 3' is not valid: allowed 0\.\.3" -- \
+    env "CPFILL_ATTENTION_VARIANT= 3" "$cpfill" select --heads 16 --kv-heads 1 --cp 4 \
+    --new-tokens 10
+  expect_exit 2 "CPFILL_HOPPER_PINGPONG='1 '" -- env "CPFILL_HOPPER_PINGPONG=1 " "$cpfill" env
   ;;
 *)
   fail "unknown test $name"

@@ -16,7 +16,9 @@ to the server's ranks and to every puller alike, starts `cpfill serve --kv-hando
   4. a handle pulled twice (--no-release --handle-out, then --handle-in, which releases), then
      a third time: exit 3, "lease no longer holds" (a stale handle);
   5. forged and truncated handles: bad JSON, a changed compat_hash, a block outside the pool are
-     bad input (exit 2); a changed lease_nonce on a live lease fails its lease check (exit 3) and
+     bad input (exit 2); another request's blocks, another rank's transport or another engine's
+     id fail the lease record's digest (exit 3, nothing read); a changed lease_nonce on a live
+     lease fails its lease check (exit 3) and
      leaves the genuine lease pullable; a changed engine_id pulls but its release is ignored (the
      server logs it) until DELETE /v1/kv/{id} ends the lease; DELETE again and a renew of an
      unknown lease are 404; a renew of a live one is 200 with lease_s;
@@ -379,7 +381,8 @@ def scenario_forged(server, puller, tmp, usage):
 
     before = server.metrics()
     server.renew(request_id, nonce)
-    bad_nonce = forged("nonce", lambda v: v.update(lease_nonce="0x7777"))
+    other_nonce = nonce[:-1] + ("0" if nonce[-1] != "0" else "1")  # well formed, another value
+    bad_nonce = forged("nonce", lambda v: v.update(lease_nonce=other_nonce))
     puller.expect(["--handle-in", bad_nonce, "--timeout-s", str(PULL_TIMEOUT_S)], 3,
                   "a changed lease_nonce on a live lease", stderr_has="lease no longer holds")
     if server.leases() != 1:
@@ -389,12 +392,35 @@ def scenario_forged(server, puller, tmp, usage):
     if p.rc != 0:
         fail(f"the genuine handle after a forged nonce's attempt:\n{p.describe()}")
 
-    # Another engine's id: the pull reads the same live lease, its release names another engine.
+    # Edited handles of the live lease: each prefill rank's lease record holds the digest of its
+    # own part, so another request's blocks (valid ids inside the pool), another rank's transport
+    # copied in, or another engine's id are refused before anything is read (exit 3).
+    def other_blocks(v):
+        blocks, n = v["ranks"][1]["blocks"], v["ranks"][1]["pool"]["num_blocks"]
+        blocks[0] = next(b for b in range(n) if b not in blocks)
+
+    def copied_transport(v):
+        v["ranks"][1]["ucx"] = dict(v["ranks"][0]["ucx"])
+
+    for name, change, what in [
+            ("blocks", other_blocks, "another request's blocks"),
+            ("transport", copied_transport, "rank 0's transport copied into rank 1"),
+            ("engine", lambda v: v.update(engine_id="cpfill-0000000000000bad"),
+             "another engine's id")]:
+        server.renew(request_id, nonce)
+        puller.expect(["--handle-in", forged(name, change), "--no-release",
+                       "--timeout-s", str(PULL_TIMEOUT_S)], 3, what,
+                      stderr_has="published another digest")
+        if server.leases() != 1:
+            fail(f"a pull of an edited handle ({what}) changed the number of leases")
+
+    # Another engine's release is ignored (logged): the lease holds until DELETE with the nonce.
     server.renew(request_id, nonce)
     bad_engine = forged("engine", lambda v: v.update(engine_id="cpfill-0000000000000bad"))
-    p = puller.run(["--handle-in", bad_engine, "--timeout-s", str(PULL_TIMEOUT_S)])
-    if p.rc != 0 or "pull 1/1 of " not in p.out:
-        fail(f"a handle with another engine_id (otherwise genuine, live):\n{p.describe()}")
+    p = puller.run(["--handle-in", bad_engine, "--release-only", "--timeout-s",
+                    str(PULL_TIMEOUT_S)])
+    if p.rc != 0:
+        fail(f"--release-only of a handle with another engine_id:\n{p.describe()}")
     deadline = time.time() + 5
     while "KV release ignored" not in server.log_text():
         if time.time() > deadline:
@@ -408,7 +434,7 @@ def scenario_forged(server, puller, tmp, usage):
              f"released {released(before):g} -> {released(m):g}, expired {expired(before):g} -> "
              f"{expired(m):g} (both expected unchanged)")
 
-    for query, want in [("", 400), ("?nonce=0x7777", 404)]:  # only a holder of the handle may
+    for query, want in [("", 400), (f"?nonce={other_nonce}", 404)]:  # only a holder may
         status, body = http(server.port, "DELETE", f"/v1/kv/{request_id}{query}")
         if status != want:
             fail(f"DELETE /v1/kv/{request_id}{query}: {status} {body}; expected {want}")
@@ -430,7 +456,9 @@ def scenario_forged(server, puller, tmp, usage):
         if status != 404 or not message:
             fail(f"{method} {path}: {status} {body}; expected 404 with a JSON error")
     print("  5. forged handles: truncated, compat_hash, block refused (exit 2); a forged nonce "
-          "fails its lease check (exit 3), the genuine lease still pulls; another engine_id's "
+          "fails its lease check (exit 3), the genuine lease still pulls; another request's "
+          "blocks, a copied transport, another engine_id refused by the lease record's digest "
+          "(exit 3, nothing read); another engine_id's "
           "release ignored (logged) until DELETE with the nonce (without: 400, another: 404; then 200, "
           "then 404); renew 200 / unknown 404")
 
@@ -789,7 +817,7 @@ def capi_child(lib_path, handle_path, ref_path, port):
 
     # Garbage is refused with a message.
     bad = vp()
-    garbage = b"{\"version\": \"cpfill.kv.v1\", \x00\xff not json"
+    garbage = b"{\"version\": \"cpfill.kv.v2\", \x00\xff not json"
     check(c.cpfill_kv_handle_parse(garbage, len(garbage), ctypes.byref(bad)),
           "cpfill_kv_handle_parse of garbage", want=CPFILL_INVALID_ARGUMENT)
     message = c.cpfill_last_error()

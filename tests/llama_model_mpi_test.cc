@@ -720,10 +720,12 @@ std::string PullAndCompare(runtime::KvHandle h, const GatheredPools& pools,
   if (h.layout.dtype != runtime::KvDtype::kFloat32) return "the CPU backend's KV is not fp32";
   // Stand-ins for the UCX fields the server fills with --kv-handoff: the plan does not read them.
   for (runtime::KvRankShard& shard : h.ranks) {
-    shard.transport = {
-        .worker_address = "in-process", .rkey = "memcpy", .lease_rkey = "none", .lease_address = 8};
+    shard.transport = {.worker_address = "in-process",
+                       .rkey = "memcpy",
+                       .lease_rkey = "none",
+                       .lease_address = 64};
   }
-  h.lease_nonce = 1;
+  h.lease_nonce = {.lo = 1};
   for (int dst_tp : {1, 2}) {
     for (int dst_rank = 0; dst_rank < dst_tp; ++dst_rank) {
       const int64_t kind_bytes = int64_t{h.layout.num_layers} * h.layout.tokens *

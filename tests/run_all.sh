@@ -12,6 +12,9 @@
 #      server, bad input): any finding fails;
 #   3. build-fuzz: the libFuzzer targets of the safetensors and config.json readers, each for
 #      FUZZ_SECONDS (default 45) from a valid seed: any crash or sanitizer report fails.
+# A skipped CTest fails its stage too (tests/ctest_skips.py) unless it is labelled gpu or
+# multigpu: CTest reports skips as no failure, and anything else skipping here (UCX, Slurm) is a
+# check that did not run.
 # Each stage says where it failed; later stages do not run after a failure. Each test runs once,
 # in the build where it finds the most (CI's time: the two builds and both test sets doubled it),
 # and its binary is built only there (build/ skips the unit tests' binaries);
@@ -38,6 +41,19 @@ build_stage() {
     { echo "run_all: building $dir failed" >&2; exit 1; }
 }
 
+# ctest over DIR with the given arguments, then fails on a skip outside the gpu and multigpu
+# labels (tests/ctest_skips.py reads the JUnit file ctest writes).
+run_ctest() {
+  local dir=$1; shift
+  local junit
+  junit="$(cd "$dir" && pwd)/ctest-junit.xml"
+  rm -f "$junit"
+  ctest --test-dir "$dir" --output-junit "$junit" "$@"
+  python3 tests/ctest_skips.py "$dir" "$junit" ||
+    { echo "run_all: $dir: a test skipped that must run here (tests/ctest_skips.py above)" >&2
+      exit 1; }
+}
+
 stage "1/3 build and ctest (build/)"
 # The README's first command without its build (configure only), then the program, the
 # embedding library and its example, the benchmarks (so they keep compiling), and the binaries
@@ -45,7 +61,7 @@ stage "1/3 build and ctest (build/)"
 stage1_labels='e2e|fuzz|gpu|multigpu|cuda|np2'
 BUILD_TARGETS=none bash launch/setup.sh
 build_stage build "$stage1_labels" cpfill cpfill_shared embed_example_c bench/all
-ctest --test-dir build -L "$stage1_labels" --output-on-failure -j 2
+run_ctest build -L "$stage1_labels" --output-on-failure -j 2
 
 stage "2/3 ASan + UBSan (build-asan/): unit and mpi GoogleTests (np2: stage 1), the server and bad input"
 asan=${ASAN_BUILD_DIR:-build-asan}
@@ -62,8 +78,8 @@ if [ ! -f "$asan/build.ninja" ]; then
       exit 1; }
 fi
 build_stage "$asan" 'unit|mpi,e2e|np2 sanitize'
-ctest --test-dir "$asan" -L 'unit|mpi' -LE 'e2e|np2' --output-on-failure -j 2
-ctest --test-dir "$asan" -L sanitize --output-on-failure -j 2
+run_ctest "$asan" -L 'unit|mpi' -LE 'e2e|np2' --output-on-failure -j 2
+run_ctest "$asan" -L sanitize --output-on-failure -j 2
 
 stage "3/3 libFuzzer (build-fuzz/): safetensors and config.json readers"
 bash tests/fuzz/run_libfuzzer.sh "${FUZZ_BUILD_DIR:-build-fuzz}" "${FUZZ_SECONDS:-45}"

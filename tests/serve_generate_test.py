@@ -26,11 +26,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serve_test import MPI_ENV, fail, http, rank_pid, read_logits, wait_port  # noqa: E402
+from serve_test import (MPI_ENV, fail, http, in_threads, rank_pid, read_logits,  # noqa: E402
+                        wait_port)
 
 VOCAB = 1024  # the tiny preset's
 NEW = 10
@@ -133,11 +133,7 @@ def greedy(port, rng_seed, count):
             if choice["finish_reason"] != "length" or r["usage"]["completion_tokens"] != NEW:
                 fail(f"greedy {i}: {choice['finish_reason']} {r['usage']}")
             out[i] = (prompts[i], choice["token_ids"])
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(client, range(3))
     return out
 
 

@@ -13,6 +13,7 @@ lengths, one 3-turn session each, and bad requests. It asserts that
   * SIGTERM to rank 0 drains and every rank exits 0.
 """
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -41,6 +42,18 @@ MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CO
 def fail(msg):
     print("FAIL:", msg, flush=True)
     sys.exit(1)
+
+
+def in_threads(function, args):
+    """[function(a) for a in args], each call on a thread of its own; waits for all of them.
+
+    The first failure, in the order of `args`, is raised again here in the main thread: fail()'s
+    SystemExit or any exception. (On a threading.Thread either would end only that thread: the
+    SystemExit unseen, an exception as a printed traceback, and the test would go on.)
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(args)) as pool:
+        futures = [pool.submit(function, a) for a in args]
+    return [f.result() for f in futures]
 
 
 def wait_port(server, port_file, seconds=180, log=None):
@@ -178,11 +191,7 @@ def run(cpfill, server, port_file, log, tmp, env):
                     if status != bad[1] or bad[2] not in json.loads(body)["error"]["message"]:
                         errors.append(f"bad request {bad[0]!r:.60}: {status} {body}")
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(client, range(CLIENTS))
     if errors:
         fail("\n".join(errors[:5]))
 

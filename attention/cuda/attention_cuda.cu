@@ -22,16 +22,6 @@
 #include "base/status.h"
 
 namespace cpfill {
-namespace internal {
-absl::Status CudaCallError(int code, const char* call, const char* file, int line) {
-  int device = -1;
-  cudaGetDevice(&device);
-  return absl::InternalError(absl::StrCat("CUDA call ", call, " failed on device ", device, ": ",
-                                          cudaGetErrorString(static_cast<cudaError_t>(code)), " (",
-                                          file, ":", line, ")"));
-}
-}  // namespace internal
-
 namespace attention::cuda {
 namespace {
 

@@ -62,6 +62,15 @@ void DefineFlags(FlagSet& flags, GenerateFlags* f) {
   flags.String("json", &f->json_file, "write the report as JSON to this file").Output();
 }
 
+// The whole batch is queued at once (RunEngine): more prompts than --max-queue holds would be
+// refused by the engine after the model is built, on rank 0 alone.
+absl::Status CheckFitsQueue(size_t prompts, const GenerateFlags& f) {
+  CPFILL_CHECK_ARG(prompts <= static_cast<size_t>(f.engine.max_queue), "--max-queue ",
+                   f.engine.max_queue, ": the queue holds fewer than the ", prompts,
+                   " prompts, which are queued at once; raise it to ", prompts, " or more");
+  return absl::OkStatus();
+}
+
 // The prompts, the same on every rank: bad input alike everywhere.
 absl::StatusOr<std::vector<runtime::PrefillRequest>> Prompts(const GenerateFlags& f,
                                                              const EngineHost& host) {
@@ -69,7 +78,12 @@ absl::StatusOr<std::vector<runtime::PrefillRequest>> Prompts(const GenerateFlags
   CPFILL_CHECK_ARG(given == 1, "give exactly one of --prompt-lens, --tokens and --text");
   CPFILL_CHECK_ARG(!f.check || f.sampling.temperature == 0,
                    "--check compares greedy generations: --temperature 0");
-  if (!f.tokens_file.empty()) return ReadTokensFile(f.tokens_file);
+  if (!f.tokens_file.empty()) {
+    CPFILL_ASSIGN_OR_RETURN(std::vector<runtime::PrefillRequest> prompts,
+                            ReadTokensFile(f.tokens_file));
+    CPFILL_RETURN_IF_ERROR(CheckFitsQueue(prompts.size(), f));
+    return prompts;
+  }
   if (!f.prompt_lens.empty()) {
     return SyntheticPrompts(f.prompt_lens, host.config.vocab_size,
                             static_cast<uint64_t>(f.engine.model.seed));
@@ -223,6 +237,10 @@ void SizeKvCache(GenerateFlags& f, int cp_size) {
 
 // The command once its job has started: plan (the engine, the prompts) -> run -> report.
 int Generate(GenerateFlags& f, const FlagSet& flags, Job& job, const parallel::ProcessGrid& grid) {
+  // --prompt-lens is counted before the model is built; --tokens once it is read (Prompts).
+  if (absl::Status s = CheckFitsQueue(f.prompt_lens.size(), f); !s.ok()) {
+    return job.ConfigError(s);
+  }
   SizeKvCache(f, grid.cp_size);
   auto host = BuildEngineHost(f.engine, flags, job, grid, {});
   if (!host.ok()) return job.Refuse(host.status());

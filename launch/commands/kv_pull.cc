@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "base/json_io.h"
 #include "base/status.h"
 #include "launch/commands/commands.h"
+#include "launch/http/http_api.h"
 #include "launch/job/flags.h"
 #include "launch/job/job.h"
 #include "launch/job/model_setup.h"
@@ -42,7 +44,8 @@ struct KvPullArgs {
   int pulls = 1, reference_threads = 0;
   bool bit_exact = false;
   double timeout_s = 60, tolerance = 0;
-  bool no_release = false, exit_mid_pull = false;
+  bool no_release = false, exit_mid_pull = false, release_only = false;
+  std::string api_key, api_key_file;  // resolved into api_key by Check
 };
 
 void DefineFlags(FlagSet& flags, KvPullArgs* a) {
@@ -54,6 +57,10 @@ void DefineFlags(FlagSet& flags, KvPullArgs* a) {
   flags.String("handle-in", &a->handle_in,
                "pull this handle (a JSON file: kv_transfer_params) instead of asking for one");
   flags.String("handle-out", &a->handle_out, "also write the handle received here");
+  flags.String("api-key", &a->api_key,
+               "the server's API key (sent as Authorization: Bearer); visible to other users of "
+               "the host: prefer --api-key-file or the environment's CPFILL_API_KEY");
+  flags.String("api-key-file", &a->api_key_file, "instead of --api-key: a file holding the key");
   flags.Int("decode-tp", &a->decode_tp, "the decode worker's TP size").Within({1, 4096});
   flags.Int("decode-tp-rank", &a->decode_tp_rank, "this puller's decode TP rank").Within({0, 4095});
   flags.String("layout", &a->layout, "contiguous | paged: the destination's layout");
@@ -92,6 +99,9 @@ void DefineFlags(FlagSet& flags, KvPullArgs* a) {
            "worker's steady state (each is reported; the check reads the last)")
       .Within({1, 1000});
   flags.Bool("no-release", &a->no_release, "leave the lease to expire (fault tests)");
+  flags.Bool("release-only", &a->release_only,
+             "with --handle-in: end the lease without pulling (a decode worker that no longer "
+             "needs the KV)");
   flags.Bool("exit-mid-pull", &a->exit_mid_pull,
              "exit with code 3 after the first prefill rank's part, without a release (fault "
              "tests: a decode worker that dies mid-transfer)");
@@ -107,6 +117,8 @@ absl::Status CheckArgs(const KvPullArgs& a) {
   CPFILL_CHECK_ARG(!a.url.empty() || !a.handle_in.empty(), "--url is required to ask for a handle");
   CPFILL_CHECK_ARG(a.layout == "contiguous" || a.layout == "paged", "--layout is \"", a.layout,
                    "\"; expected contiguous or paged");
+  CPFILL_CHECK_ARG(!a.release_only || (!a.handle_in.empty() && !a.no_release),
+                   "--release-only needs --handle-in (and not --no-release)");
   CPFILL_CHECK_ARG(a.handle_in.empty() || a.model.empty(),
                    "--model verifies a prompt this command sent; --handle-in has none");
   if (!a.model.empty()) {  // before the server is asked anything
@@ -126,7 +138,7 @@ absl::StatusOr<std::vector<int32_t>> PromptOf(const KvPullArgs& a) {
     CPFILL_ASSIGN_OR_RETURN(auto batch, ReadTokensFile(a.tokens));
     return batch[0].tokens;
   }
-  CPFILL_ASSIGN_OR_RETURN(int64_t vocab, ServedVocabulary(a.url, a.timeout_s));
+  CPFILL_ASSIGN_OR_RETURN(int64_t vocab, ServedVocabulary(a.url, a.timeout_s, a.api_key));
   std::mt19937_64 rng(static_cast<uint64_t>(a.prompt_seed));
   std::vector<int32_t> ids(static_cast<size_t>(a.prompt_tokens));
   for (int32_t& id : ids) id = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
@@ -134,7 +146,7 @@ absl::StatusOr<std::vector<int32_t>> PromptOf(const KvPullArgs& a) {
 }
 
 absl::StatusOr<runtime::KvHandle> HandleOf(const KvPullArgs& a, const std::vector<int32_t>& ids) {
-  if (a.handle_in.empty()) return RequestHandoff(a.url, ids, a.timeout_s);
+  if (a.handle_in.empty()) return RequestHandoff(a.url, ids, a.timeout_s, a.api_key);
   CPFILL_ASSIGN_OR_RETURN(nlohmann::json v, json::ReadFile(a.handle_in));
   return runtime::ParseKvHandle(v);
 }
@@ -220,6 +232,13 @@ int Run(const KvPullArgs& a) {
   auto puller = runtime::KvPuller::Create(
       {.name = absl::StrCat("kv-pull decode tp ", a.decode_tp_rank, "/", a.decode_tp)});
   if (!puller.ok()) return Fail(puller.status());
+  if (a.release_only) {
+    const absl::Status released =
+        (*puller)->Release(*handle, parallel::UcxDeadlineIn(std::chrono::seconds(5)));
+    if (!released.ok()) return Fail(released);
+    std::printf("released %s (unacknowledged)\n", handle->request_id.c_str());
+    return kExitOk;
+  }
   const int code = PullAndCheck(a, ids, *handle, **puller, dst);
   if (!a.no_release && (code == kExitOk || code == kExitCheckFailed || a.handle_in.empty())) {
     const absl::Status released =
@@ -354,6 +373,11 @@ int RunKvPullCommand(int argc, char** argv) {
   DefineFlags(flags, &a);
   if (auto done = AnswerFlagsFirst(flags, flags.Parse(argc, argv, 2))) return *done;
   if (absl::Status s = CheckArgs(a); !s.ok()) return RefuseInput(s);
+  // The key is a secret, not a knob: read here, never recorded in a report.
+  absl::StatusOr<std::string> key =
+      ApiKeyFrom(a.api_key, a.api_key_file, std::getenv("CPFILL_API_KEY"));
+  if (!key.ok()) return RefuseInput(key.status());
+  a.api_key = *std::move(key);
   return Run(a);
 }
 

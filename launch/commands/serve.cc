@@ -1,11 +1,15 @@
 // `cpfill serve`: the long-running prefill service. Every rank loads its share of the model and
 // runs the engine loop; world rank 0 also serves HTTP (OpenAI-compatible /v1/completions with
-// token ids, sessions, /health, /metrics). SIGTERM or SIGINT drains the queue and exits 0.
+// token ids, sessions, /health, /metrics). SIGTERM or SIGINT drains the queue and exits 0; what
+// is still running after --drain-timeout-s is cancelled and answered 503.
+#include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <string>
@@ -31,6 +35,12 @@ struct ServeFlags {
   std::string host = "127.0.0.1", port_file, pid_file;
   int port = 8000;
   int http_threads = 64;
+  std::string api_key, api_key_file;
+  int max_connections = 512;
+  int64_t max_body_bytes = kMaxBodyBytes;
+  int64_t max_pending_bytes = 0;  // 0: kPendingBodies x max_body_bytes
+  double header_timeout_s = 10, read_timeout_s = 30, keep_alive_s = 5, drain_timeout_s = 30;
+  int keep_alive_requests = 100;
   bool log_json = false;
   bool kv_handoff = false;
   double kv_lease_s = 30;
@@ -39,6 +49,77 @@ struct ServeFlags {
   bool kv_handoff_staging = false;
   EngineFlags engine;
 };
+
+// --max-pending-bytes left at 0: room for this many bodies of --max-body-bytes.
+constexpr int64_t kPendingBodies = 4;
+
+// The HTTP front's flags (README: Security).
+void DefineHttpFlags(FlagSet& flags, ServeFlags* f) {
+  flags.String("api-key", &f->api_key,
+               "every route but /health and /metrics needs \"Authorization: Bearer KEY\" "
+               "(401 otherwise); a key on the command line is visible to other users of the "
+               "host: prefer --api-key-file or the environment's CPFILL_API_KEY");
+  flags.String("api-key-file", &f->api_key_file,
+               "read the API key from this file (its trailing line break dropped)");
+  flags
+      .Int("max-connections", &f->max_connections,
+           "client connections held at once (waiting for a request, answered or kept alive); "
+           "one more is answered 503 at once")
+      .Within({1, 65536});
+  flags
+      .Int("max-body-bytes", &f->max_body_bytes,
+           "the largest request body, fixed or chunked (413 past it, before it is read)")
+      .Within({1, 1ll << 40});
+  flags
+      .Int("max-pending-bytes", &f->max_pending_bytes,
+           "request body bytes held at once by requests being read or answered; 503 with "
+           "Retry-After past it (0: 4 x --max-body-bytes)")
+      .Within({0, 1ll << 42});
+  flags
+      .Double("header-timeout-s", &f->header_timeout_s,
+              "seconds a request's line and headers have to arrive whole (408 after)")
+      .Within(Range::LeftOpen(0, 3600));
+  flags
+      .Double("read-timeout-s", &f->read_timeout_s,
+              "the longest pause, in seconds, within a request's body or in taking an answer")
+      .Within(Range::LeftOpen(0, 3600));
+  flags
+      .Double("keep-alive-s", &f->keep_alive_s,
+              "seconds an idle connection is kept for its next request")
+      .Within(Range::LeftOpen(0, 3600));
+  flags
+      .Int("keep-alive-requests", &f->keep_alive_requests,
+           "requests answered on one connection before it is closed")
+      .Within({1, 1 << 20});
+  flags
+      .Double("drain-timeout-s", &f->drain_timeout_s,
+              "after SIGTERM, seconds the queue has to drain; requests still running then are "
+              "cancelled and answered 503")
+      .Within(Range::LeftOpen(0, 86400));
+}
+
+// The front's options from the flags; the key from --api-key, --api-key-file or CPFILL_API_KEY.
+// World rank 0 alone reads them (the others agree through ListenAgreed).
+absl::StatusOr<HttpOptions> HttpOptionsFrom(const ServeFlags& f) {
+  HttpOptions o;
+  // Not a knob (base/knobs.h): knobs are recorded in reports, and a secret must not be.
+  CPFILL_ASSIGN_OR_RETURN(o.api_key,
+                          ApiKeyFrom(f.api_key, f.api_key_file, std::getenv("CPFILL_API_KEY")));
+  const auto ms = [](double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1e3)); };
+  o.threads = f.http_threads;
+  o.max_connections = f.max_connections;
+  o.max_body_bytes = static_cast<size_t>(f.max_body_bytes);
+  o.max_pending_bytes = static_cast<size_t>(
+      f.max_pending_bytes > 0 ? f.max_pending_bytes : kPendingBodies * f.max_body_bytes);
+  CPFILL_CHECK_ARG(o.max_pending_bytes >= o.max_body_bytes, "--max-pending-bytes ",
+                   f.max_pending_bytes, " is below --max-body-bytes ", f.max_body_bytes,
+                   ": no body of the largest size could be taken");
+  o.head_timeout = ms(f.header_timeout_s);
+  o.read_timeout = ms(f.read_timeout_s);
+  o.keep_alive_timeout = ms(f.keep_alive_s);
+  o.keep_alive_requests = f.keep_alive_requests;
+  return o;
+}
 
 void DefineFlags(FlagSet& flags, ServeFlags* f) {
   AddEngineFlags(flags, &f->engine);
@@ -56,6 +137,7 @@ void DefineFlags(FlagSet& flags, ServeFlags* f) {
       .Int("http-threads", &f->http_threads,
            "HTTP requests answered at once (each holds a thread until its prefill ends)")
       .Within({1, 4096});
+  DefineHttpFlags(flags, f);
   flags.Bool("log-json", &f->log_json,
              "log one JSON object per line (start, each batch, stop) instead of text");
   flags.Bool("kv-handoff", &f->kv_handoff,
@@ -66,16 +148,22 @@ void DefineFlags(FlagSet& flags, ServeFlags* f) {
       .Double("kv-lease-s", &f->kv_lease_s,
               "seconds a hand-off's KV is held unless released first (renewable: POST "
               "/v1/kv/{id}/renew)")
-      .Within(Range::LeftOpen(0, 86400));
-  flags.Int("kv-max-leases", &f->kv_max_leases, "hand-offs held at once").Within({1, 1 << 20});
+      .Within(Range::LeftOpen(0, 86400))
+      .Requires("kv-handoff");
+  flags.Int("kv-max-leases", &f->kv_max_leases, "hand-offs held at once")
+      .Within({1, 1 << 20})
+      .Requires("kv-handoff");
   flags
       .Int("kv-staging-tokens", &f->kv_staging_tokens,
            "where UCX cannot read GPU memory, hand-offs are copied to pinned host memory: its "
            "size per rank in tokens (0: the KV cache's)")
-      .Within({0, kMaxTokens});
-  flags.Bool("kv-handoff-staging", &f->kv_handoff_staging,
-             "stage hand-offs through host memory even where UCX could read the KV cache itself "
-             "(tests; a GPU cache without a CUDA-capable UCX is staged anyway)");
+      .Within({0, kMaxTokens})
+      .Requires("kv-handoff");
+  flags
+      .Bool("kv-handoff-staging", &f->kv_handoff_staging,
+            "stage hand-offs through host memory even where UCX could read the KV cache itself "
+            "(tests; a GPU cache without a CUDA-capable UCX is staged anyway)")
+      .Requires("kv-handoff");
 }
 
 // Rank 0's log: a line of text per event, or with --log-json one JSON object per line (with
@@ -143,12 +231,24 @@ absl::Status InstallStopHandler() {
   return absl::OkStatus();
 }
 
-// The signal number once one arrives (blocks).
-int WaitForStopSignal() {
-  char byte = 0;
-  while (read(stop_pipe[0], &byte, 1) != 1) {
+// The signal number once one arrives, or -1 once `within` has passed (never, by default).
+int WaitForStopSignal(std::chrono::milliseconds within = std::chrono::milliseconds::max()) {
+  const auto deadline = within == std::chrono::milliseconds::max()
+                            ? std::chrono::steady_clock::time_point::max()
+                            : std::chrono::steady_clock::now() + within;
+  for (;;) {
+    int timeout_ms = -1;
+    if (deadline != std::chrono::steady_clock::time_point::max()) {
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return -1;
+      timeout_ms = static_cast<int>(std::min<int64_t>(left.count(), 1 << 30));
+    }
+    pollfd p{stop_pipe[0], POLLIN, 0};
+    if (poll(&p, 1, timeout_ms) <= 0) continue;  // EINTR, or the deadline (checked above)
+    char byte = 0;
+    if (read(stop_pipe[0], &byte, 1) == 1) return byte;
   }
-  return byte;
 }
 
 // Every rank, with --kv-handoff: the pool registered with UCX, every rank's reach gathered, the
@@ -189,19 +289,22 @@ absl::StatusOr<std::unique_ptr<runtime::KvHandoff>> StartKvHandoff(
   return handoff;
 }
 
-// Rank 0: listens, and tells every rank whether it could (collective).
-absl::StatusOr<int> ListenAgreed(HttpFront* front, const ServeFlags& f,
+// Rank 0: listens (unless its front could not be made: `made`), and tells every rank whether it
+// could (collective).
+absl::StatusOr<int> ListenAgreed(HttpFront* front, const absl::Status& made, const ServeFlags& f,
                                  parallel::Communicator& world) {
-  absl::StatusOr<int> port =
-      front != nullptr ? front->Bind(f.host, f.port) : absl::StatusOr<int>(0);
+  absl::StatusOr<int> port = !made.ok()         ? absl::StatusOr<int>(made)
+                             : front != nullptr ? front->Bind(f.host, f.port)
+                                                : absl::StatusOr<int>(0);
   CPFILL_ASSIGN_OR_RETURN(bool all, parallel::AllRanksOk(world, port.ok()));
   if (!port.ok()) return port.status();
   if (!all) return absl::FailedPreconditionError("world rank 0 could not listen");
   return port;
 }
 
-// Rank 0: the HTTP front on its own thread, listening; a --port-file written.
-std::thread StartFront(HttpFront& front, const ServeFlags& f, int port, Job& job,
+// Rank 0: the HTTP front on its own thread, listening; a --port-file written. The log says
+// whether an API key is needed (never the key).
+std::thread StartFront(HttpFront& front, bool keyed, const ServeFlags& f, int port, Job& job,
                        const parallel::ProcessGrid& grid, ServeLog& log) {
   front.SetHealthy(true);
   std::thread http([&front] { front.Serve(); });
@@ -209,32 +312,50 @@ std::thread StartFront(HttpFront& front, const ServeFlags& f, int port, Job& job
             {{"model", f.engine.model.name},
              {"host", f.host},
              {"port", port},
-             {"layout", grid.Describe()}},
+             {"layout", grid.Describe()},
+             {"api_key", keyed}},
             absl::StrFormat("%s on http://%s:%d (%s); POST /v1/completions, GET /health, "
-                            "/metrics, /v1/models, /v1/sessions",
-                            f.engine.model.name, f.host, port, grid.Describe()));
+                            "/metrics, /v1/models, /v1/sessions; %s",
+                            f.engine.model.name, f.host, port, grid.Describe(),
+                            keyed ? "an API key is needed but for /health and /metrics"
+                                  : "no API key is needed"));
+  if (!keyed && f.host != "127.0.0.1" && f.host != "localhost" && f.host != "::1") {
+    log.Event("unprotected", {{"host", f.host}},
+              absl::StrFormat("warning: --host %s without an API key: anyone who reaches it "
+                              "can use it (--api-key-file, or CPFILL_API_KEY)",
+                              f.host));
+  }
   if (!f.pid_file.empty()) std::ofstream(f.pid_file) << getpid() << "\n";
   if (!f.port_file.empty()) std::ofstream(f.port_file) << port << "\n";
   return http;
 }
 
-// The first SIGTERM or SIGINT on rank 0 starts the drain (see InstallStopHandler). The watcher
-// is joined when the engine has stopped: a signal arriving after that must not reach the front,
-// the engine or the log, which are gone by then.
+// The first SIGTERM or SIGINT on rank 0 starts the drain (see InstallStopHandler); once
+// `drain_timeout` has passed, or at a second signal, what still runs is cancelled and answered
+// 503 (HttpFront::ExpireDrain). The watcher is joined when the engine has stopped: a signal
+// arriving after that must not reach the front, the engine or the log, which are gone by then.
 class StopWatcher {
  public:
-  StopWatcher(Job& job, HttpFront* front, runtime::Engine& engine, ServeLog& log) {
+  StopWatcher(Job& job, HttpFront* front, runtime::Engine& engine, ServeLog& log,
+              std::chrono::milliseconds drain_timeout) {
     if (absl::Status s = InstallStopHandler(); !s.ok()) job.Fail(s);
-    thread_ = std::thread([front, &engine, &log] {
+    thread_ = std::thread([front, &engine, &log, drain_timeout] {
       const int sig = WaitForStopSignal();
       if (sig == kWakeUp || front == nullptr) return;  // rank 0's broadcast ends other ranks
-      log.Event("draining", {{"signal", sig}},
-                absl::StrFormat("signal %d: draining the queue, then exiting", sig));
+      log.Event("draining", {{"signal", sig}, {"drain_timeout_s", drain_timeout.count() / 1e3}},
+                absl::StrFormat("signal %d: draining the queue (at most %g s), then exiting", sig,
+                                drain_timeout.count() / 1e3));
       front->SetHealthy(false);
       engine.Shutdown();
+      const int next = WaitForStopSignal(drain_timeout);
+      if (next == kWakeUp) return;  // drained in time
+      log.Event("drain_expired", {{"signal", next}},
+                next < 0 ? "the drain's deadline passed: cancelling what still runs (503)"
+                         : "a second signal: cancelling what still runs (503)");
+      front->ExpireDrain();
     });
   }
-  // Wakes the watcher if no signal came (a second signal is not waited for) and joins it.
+  // Wakes the watcher (from either wait) and joins it.
   ~StopWatcher() {
     const char byte = kWakeUp;
     [[maybe_unused]] ssize_t n = write(stop_pipe[1], &byte, 1);
@@ -268,18 +389,28 @@ int Serve(const ServeFlags& f, const FlagSet& flags, Job& job, const parallel::P
 
   // Rank 0 listens; every rank learns whether it could.
   std::unique_ptr<HttpFront> front;
+  absl::Status made;
+  bool keyed = false;
   if (job.is_root()) {
-    const runtime::Tokenizer* tokenizer = (*host)->tokenizer ? &*(*host)->tokenizer : nullptr;
-    front = std::make_unique<HttpFront>(engine, *(*host)->loaded.model, f.engine.model.name,
-                                        tokenizer, f.http_threads);
+    absl::StatusOr<HttpOptions> options = HttpOptionsFrom(f);
+    if (options.ok()) {
+      keyed = !options->api_key.empty();
+      const runtime::Tokenizer* tokenizer = (*host)->tokenizer ? &*(*host)->tokenizer : nullptr;
+      front = std::make_unique<HttpFront>(engine, *(*host)->loaded.model, f.engine.model.name,
+                                          tokenizer, *std::move(options));
+    } else {
+      made = options.status();
+    }
   }
-  auto port = ListenAgreed(front.get(), f, *grid.world);
+  auto port = ListenAgreed(front.get(), made, f, *grid.world);
   if (!port.ok()) return job.Refuse(port.status());
   std::thread http;
-  if (front) http = StartFront(*front, f, *port, job, grid, log);
+  if (front) http = StartFront(*front, keyed, f, *port, job, grid, log);
   absl::Status ran;
   {
-    StopWatcher stop_watcher(job, front.get(), engine, log);
+    StopWatcher stop_watcher(
+        job, front.get(), engine, log,
+        std::chrono::milliseconds(static_cast<int64_t>(f.drain_timeout_s * 1e3)));
     // Run until rank 0 shuts down (or a rank fails: the job ends with its error).
     ran = engine.Run();
   }
@@ -301,8 +432,13 @@ int RunServeCommand(int argc, char** argv) {
                 "completions with token ids, or text with a checkpoint's tokenizer; sessions, "
                 "/health, /metrics), every rank prefills (under mpirun)");
   DefineFlags(flags, &f);
-  return RunJob(argc, argv, flags,
-                [&](Job& job, parallel::ProcessGrid& grid) { return Serve(f, flags, job, grid); });
+  return RunJob(argc, argv, flags, [&](Job& job, parallel::ProcessGrid& grid) {
+    // The front's threads (HttpFront::ThreadsFor), its Serve thread and the signal watcher:
+    // tried with the engine's threads.
+    f.engine.front_threads = HttpFront::ThreadsFor(f.http_threads) + 2;
+    f.engine.front_threads_flag = "--http-threads";
+    return Serve(f, flags, job, grid);
+  });
 }
 
 }  // namespace cpfill::launch

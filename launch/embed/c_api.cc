@@ -94,6 +94,8 @@ absl::Status Create(int argc, const char* const* argv, const void* comm, cpfill_
   std::vector<char*> args;  // Parse takes char**; it does not write through them
   for (int i = 0; i < argc; ++i) args.push_back(const_cast<char*>(argv[i]));
   if (absl::Status parsed = flags.Parse(argc, args.data(), 0); !parsed.ok()) return parsed;
+  if (absl::Status bad = cpfill::launch::CheckJobFlags(sf); !bad.ok()) return bad;
+  ef.front_threads = 1;  // the embedding program's thread that runs the engine's loop
   auto e = std::make_unique<cpfill_engine>();
   auto job = cpfill::launch::Job::Embed(sf, comm);
   if (!job.ok()) return job.status();

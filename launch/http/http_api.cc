@@ -2,14 +2,20 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <set>
 #include <span>
+#include <sstream>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/json_io.h"
+#include "base/secure.h"
 #include "base/status.h"
+#include "base/string_view.h"
 #include "parallel/selector.h"
 
 namespace cpfill::launch {
@@ -584,6 +590,9 @@ HttpError ErrorResponse(const absl::Status& status) {
     case absl::StatusCode::kInvalidArgument:
       e.status = 400, type = "invalid_request_error";
       break;
+    case absl::StatusCode::kUnauthenticated:
+      e.status = 401, type = "authentication_error";
+      break;
     case absl::StatusCode::kNotFound:
       e.status = 404, type = "not_found_error";
       break;
@@ -601,6 +610,135 @@ HttpError ErrorResponse(const absl::Status& status) {
       {"error", {{"message", std::string(status.message())}, {"type", type}, {"code", e.status}}}};
   e.body = JsonText(body);
   return e;
+}
+
+const char* RefusalName(Refusal why) {
+  switch (why) {
+    case Refusal::kUnauthorized:
+      return "unauthorized";
+    case Refusal::kBadRequest:
+      return "bad_request";
+    case Refusal::kNotFound:
+      return "not_found";
+    case Refusal::kTimeout:
+      return "timeout";
+    case Refusal::kHeaderTooLarge:
+      return "header_too_large";
+    case Refusal::kBodyTooLarge:
+      return "body_too_large";
+    case Refusal::kTooLargeForKv:
+      return "too_large_for_kv";
+    case Refusal::kTooManyConnections:
+      return "too_many_connections";
+    case Refusal::kOverloaded:
+      return "overloaded";
+    case Refusal::kQueueFull:
+      return "queue_full";
+    case Refusal::kDraining:
+      return "draining";
+  }
+  return "unknown";
+}
+
+HttpError RefusalResponse(Refusal why, const std::string& message) {
+  HttpError e;
+  std::string type = "service_unavailable";
+  switch (why) {
+    case Refusal::kUnauthorized:
+      e.status = 401, type = "authentication_error";
+      break;
+    case Refusal::kBadRequest:
+      e.status = 400, type = "invalid_request_error";
+      break;
+    case Refusal::kNotFound:
+      e.status = 404, type = "not_found_error";
+      break;
+    case Refusal::kTimeout:
+      e.status = 408, type = "timeout";
+      break;
+    case Refusal::kHeaderTooLarge:
+      e.status = 431, type = "request_too_large";
+      break;
+    case Refusal::kBodyTooLarge:
+    case Refusal::kTooLargeForKv:
+      e.status = 413, type = "request_too_large";
+      break;
+    case Refusal::kTooManyConnections:
+    case Refusal::kOverloaded:
+    case Refusal::kQueueFull:
+    case Refusal::kDraining:
+      e.status = 503;
+      break;
+  }
+  nlohmann::ordered_json body = {
+      {"error", {{"message", message}, {"type", type}, {"code", e.status}}}};
+  e.body = JsonText(body);
+  return e;
+}
+
+std::optional<Refusal> RefusalOf(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+      return Refusal::kBadRequest;
+    case absl::StatusCode::kUnauthenticated:
+      return Refusal::kUnauthorized;
+    case absl::StatusCode::kNotFound:
+      return Refusal::kNotFound;
+    case absl::StatusCode::kResourceExhausted:
+      return Refusal::kTooLargeForKv;
+    case absl::StatusCode::kUnavailable:
+      return Refusal::kQueueFull;
+    case absl::StatusCode::kFailedPrecondition:
+      return Refusal::kDraining;
+    default:
+      return std::nullopt;
+  }
+}
+
+absl::StatusOr<std::string> ApiKeyFrom(const std::string& flag_key, const std::string& key_file,
+                                       const char* env_key) {
+  CPFILL_CHECK_ARG(flag_key.empty() || key_file.empty(),
+                   "--api-key and --api-key-file: give the key one way");
+  std::string key, from;
+  if (!flag_key.empty()) {
+    key = flag_key, from = "--api-key";
+  } else if (!key_file.empty()) {
+    std::ifstream in(key_file, std::ios::binary);
+    CPFILL_CHECK_ARG(in.good(), "--api-key-file ", key_file, ": cannot be read");
+    std::stringstream text;
+    text << in.rdbuf();
+    key = text.str(), from = absl::StrCat("--api-key-file ", key_file);
+    while (!key.empty() && absl::ascii_isspace(static_cast<unsigned char>(key.back()))) {
+      key.pop_back();
+    }
+  } else if (env_key != nullptr) {
+    key = env_key, from = "CPFILL_API_KEY";
+  } else {
+    return std::string();
+  }
+  CPFILL_CHECK_ARG(!key.empty(), from, ": the key is empty");
+  // The message names where the key came from, never the key.
+  for (const char c : key) {
+    CPFILL_CHECK_ARG(c > ' ' && c < 0x7f, from,
+                     ": the key holds a character other than visible ASCII (an Authorization "
+                     "header cannot carry it)");
+  }
+  return key;
+}
+
+bool BearerKeyMatches(std::string_view authorization, std::string_view key) {
+  constexpr std::string_view kScheme = "bearer ";
+  if (authorization.size() < kScheme.size() ||
+      !absl::EqualsIgnoreCase(Sv(authorization.substr(0, kScheme.size())), Sv(kScheme))) {
+    return false;
+  }
+  std::string_view given = authorization.substr(kScheme.size());
+  while (!given.empty() && given.front() == ' ') given.remove_prefix(1);
+  while (!given.empty() && given.back() == ' ') given.remove_suffix(1);
+  // Digests of equal length: the comparison's time depends on neither key's length or content.
+  const Sha256Digest a = Sha256(given), b = Sha256(key);
+  return ConstantTimeEqual(std::string_view(reinterpret_cast<const char*>(a.data()), a.size()),
+                           std::string_view(reinterpret_cast<const char*>(b.data()), b.size()));
 }
 
 void Histogram::Observe(double x) {
@@ -675,6 +813,22 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
          {{"", double(engine.running)}});
   metric("cpfill:num_http_requests_open", "gauge", "HTTP requests being answered.",
          {{"", double(server.running)}});
+  std::vector<std::pair<std::string, double>> refused;
+  for (int i = 0; i < kRefusalKinds; ++i) {
+    refused.push_back({absl::StrCat("{reason=\"", RefusalName(static_cast<Refusal>(i)), "\"}"),
+                       double(server.refused[static_cast<size_t>(i)])});
+  }
+  metric("cpfill:http_refused_total", "counter",
+         "HTTP requests and connections refused, by reason.", refused);
+  metric("cpfill:http_connections_open", "gauge",
+         "Client connections held: waiting for a request, answered, or closing.",
+         {{"", double(server.connections_open)}});
+  metric("cpfill:http_pending_body_bytes", "gauge",
+         "Request body bytes held by requests being read or answered.",
+         {{"", double(server.pending_bytes)}});
+  metric("cpfill:http_memory_trims_total", "counter",
+         "Times freed memory was given back to the system (malloc_trim) once the server went idle.",
+         {{"", double(server.memory_trims)}});
   metric("cpfill:num_sessions", "gauge", "Sessions held.", {{"", double(engine.sessions)}});
   metric("cpfill:kv_cache_usage_ratio", "gauge", "Used share of rank 0's KV cache blocks.",
          {{"", engine.kv_usage_ratio}});

@@ -8,6 +8,7 @@
 //   std::string json = CompletionResponse(r, results, id, created, "tiny", nullptr).dump();
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -66,7 +67,8 @@ size_t StopCut(const CompletionRequest& request, std::string_view text);
 // until the next tokens say whether the stop string follows.
 size_t StopPrefixHeld(const CompletionRequest& request, std::string_view text);
 
-// The largest body the server reads, and the most prompts and top-k one request may ask for.
+// The largest body the server reads by default (--max-body-bytes), and the most prompts and top-k
+// one request may ask for.
 inline constexpr size_t kMaxBodyBytes = 64u << 20;
 inline constexpr int kMaxPromptsPerRequest = 1024;
 inline constexpr int kMaxLogprobs = 20;
@@ -146,13 +148,50 @@ size_t TokensBeforeCut(const std::vector<size_t>& starts, size_t cut);
 std::string JsonText(const nlohmann::ordered_json& value);
 
 // An error as OpenAI clients expect it: {"error": {"message", "type", "code"}} with the HTTP
-// status for the status code (InvalidArgument 400, NotFound 404, ResourceExhausted 413 (too
-// large for the KV cache), Unavailable and FailedPrecondition 503, anything else 500).
+// status for the status code (InvalidArgument 400, Unauthenticated 401, NotFound 404,
+// ResourceExhausted 413 (too large for the KV cache), Unavailable and FailedPrecondition 503,
+// anything else 500).
 struct HttpError {
   int status = 500;
   std::string body;
 };
 HttpError ErrorResponse(const absl::Status& status);
+
+// Why the server refused a request, for /metrics (cpfill:http_refused_total{reason="..."}): the
+// connection layer's refusals (http_connections.h) and the routes' 4xx and 503 answers.
+enum class Refusal {
+  kUnauthorized,        // 401: no key, or not the server's (--api-key)
+  kBadRequest,          // 400: malformed HTTP, framing or API fields
+  kNotFound,            // 404: no such route, session or lease
+  kTimeout,             // 408: the head or the body did not come in time
+  kHeaderTooLarge,      // 431: the request line and headers past their bound
+  kBodyTooLarge,        // 413: a body past --max-body-bytes, fixed or chunked
+  kTooLargeForKv,       // 413: a prompt the KV cache cannot hold
+  kTooManyConnections,  // 503 at accept: --max-connections are open
+  kOverloaded,          // 503: the bodies being read and answered hold --max-pending-bytes
+  kQueueFull,           // 503: the engine's queue holds --max-queue prompts
+  kDraining,            // 503: the server stops (SIGTERM), or its drain deadline passed
+};
+inline constexpr int kRefusalKinds = 11;
+// The metric's label: "unauthorized", "bad_request", ... (snake case of the names above).
+const char* RefusalName(Refusal why);
+// The answer to a refusal: its status (above) and an error body of `message`, typed as OpenAI's
+// are ("authentication_error" for 401).
+HttpError RefusalResponse(Refusal why, const std::string& message);
+// The refusal a route's error status stands for (InvalidArgument: bad_request, ...); none for a
+// server error.
+std::optional<Refusal> RefusalOf(const absl::Status& status);
+
+// The API key (--api-key, --api-key-file, else the environment's CPFILL_API_KEY; "" when none):
+// a file's trailing line break and blanks are dropped. InvalidArgument naming the source (never
+// the key) when both flags are given, the file cannot be read, or the key is empty or holds a
+// character an Authorization header cannot carry (only visible ASCII).
+absl::StatusOr<std::string> ApiKeyFrom(const std::string& flag_key, const std::string& key_file,
+                                       const char* env_key);
+// Whether `authorization` (a request's Authorization header) is "Bearer <key>" (the scheme in any
+// case). The key is compared through SHA-256 digests in constant time, so that neither the time
+// nor the length of a guess tells how much of it was right.
+bool BearerKeyMatches(std::string_view authorization, std::string_view key);
 
 // Latency and size histograms for /metrics (thread-safe).
 class Histogram {
@@ -173,6 +212,10 @@ class Histogram {
 // What /metrics reports besides the engine's counters.
 struct ServerCounters {
   int64_t http_ok = 0, http_client_errors = 0, http_server_errors = 0, running = 0;
+  std::array<int64_t, kRefusalKinds> refused{};  // by Refusal
+  int64_t connections_open = 0;                  // sockets held: waiting, answered or closing
+  int64_t pending_bytes = 0;                     // request bodies held (--max-pending-bytes)
+  int64_t memory_trims = 0;                      // malloc_trim calls once the server went idle
 };
 // Seconds, from a millisecond to two minutes.
 std::vector<double> LatencyBounds();

@@ -3,6 +3,7 @@
 #include "launch/http/http_api.h"
 
 #include <cmath>
+#include <fstream>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -379,6 +380,76 @@ TEST(HttpApi, MetricsAreValidPrometheusText) {
             std::string::npos);
   EXPECT_NE(text.find("cpfill:time_to_first_token_seconds_count 3\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE cpfill:kv_cache_usage_ratio gauge\n"), std::string::npos);
+}
+
+TEST(HttpApi, MetricsCountRefusalsByReason) {
+  ServerCounters counters;
+  counters.refused[static_cast<size_t>(Refusal::kUnauthorized)] = 3;
+  counters.refused[static_cast<size_t>(Refusal::kTooManyConnections)] = 7;
+  const std::string text = MetricsText({}, counters, ServingHistograms{});
+  EXPECT_NE(text.find("# TYPE cpfill:http_refused_total counter\n"), std::string::npos);
+  EXPECT_NE(text.find("cpfill:http_refused_total{reason=\"unauthorized\"} 3\n"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("cpfill:http_refused_total{reason=\"too_many_connections\"} 7\n"),
+            std::string::npos);
+  // Every reason is listed, at 0 too, so that a rate over it is defined from the start.
+  for (int i = 0; i < kRefusalKinds; ++i) {
+    const std::string name = RefusalName(static_cast<Refusal>(i));
+    EXPECT_NE(text.find("{reason=\"" + name + "\"}"), std::string::npos) << name;
+  }
+}
+
+TEST(HttpApi, RefusalsAnswerWithTheirStatusAndOpenAiType) {
+  const HttpError unauthorized = RefusalResponse(Refusal::kUnauthorized, "no key");
+  EXPECT_EQ(unauthorized.status, 401);
+  const nlohmann::json body = nlohmann::json::parse(unauthorized.body);
+  EXPECT_EQ(body["error"]["type"], "authentication_error");
+  EXPECT_EQ(body["error"]["message"], "no key");
+  EXPECT_EQ(body["error"]["code"], 401);
+  EXPECT_EQ(RefusalResponse(Refusal::kBodyTooLarge, "").status, 413);
+  EXPECT_EQ(RefusalResponse(Refusal::kHeaderTooLarge, "").status, 431);
+  EXPECT_EQ(RefusalResponse(Refusal::kTimeout, "").status, 408);
+  EXPECT_EQ(RefusalResponse(Refusal::kTooManyConnections, "").status, 503);
+  EXPECT_EQ(RefusalResponse(Refusal::kOverloaded, "").status, 503);
+  EXPECT_EQ(ErrorResponse(absl::UnauthenticatedError("x")).status, 401);
+  EXPECT_EQ(RefusalOf(absl::UnavailableError("queue")), Refusal::kQueueFull);
+  EXPECT_EQ(RefusalOf(absl::FailedPreconditionError("stopping")), Refusal::kDraining);
+  EXPECT_EQ(RefusalOf(absl::ResourceExhaustedError("kv")), Refusal::kTooLargeForKv);
+  EXPECT_FALSE(RefusalOf(absl::InternalError("bug")).has_value());
+}
+
+TEST(HttpApi, BearerKeyMatchesOnlyTheKey) {
+  const std::string key = "sk-cpfill-0123456789";
+  EXPECT_TRUE(BearerKeyMatches("Bearer sk-cpfill-0123456789", key));
+  EXPECT_TRUE(BearerKeyMatches("bearer  sk-cpfill-0123456789 ", key));  // RFC 7235: any case
+  EXPECT_FALSE(BearerKeyMatches("Bearer sk-cpfill-012345678", key));    // a prefix
+  EXPECT_FALSE(BearerKeyMatches("Bearer sk-cpfill-01234567890", key));  // longer
+  EXPECT_FALSE(BearerKeyMatches("Bearer sk-cpfill-0123456788", key));   // last byte
+  EXPECT_FALSE(BearerKeyMatches("Basic sk-cpfill-0123456789", key));
+  EXPECT_FALSE(BearerKeyMatches("sk-cpfill-0123456789", key));
+  EXPECT_FALSE(BearerKeyMatches("Bearer ", key));
+  EXPECT_FALSE(BearerKeyMatches("", key));
+}
+
+TEST(HttpApi, ApiKeyComesFromTheFlagTheFileOrTheEnvironment) {
+  EXPECT_EQ(*ApiKeyFrom("", "", nullptr), "");  // none: no key asked for
+  EXPECT_EQ(*ApiKeyFrom("k1", "", "k3"), "k1");
+  EXPECT_EQ(*ApiKeyFrom("", "", "k3"), "k3");
+  const std::string path = ::testing::TempDir() + "/http_api_test_key";
+  { std::ofstream(path) << "from-file \n"; }
+  EXPECT_EQ(*ApiKeyFrom("", path, "k3"), "from-file");
+  // Refusals name the source, never the key.
+  absl::StatusOr<std::string> both = ApiKeyFrom("secret-1", path, nullptr);
+  ASSERT_FALSE(both.ok());
+  EXPECT_EQ(both.status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::string> spaced = ApiKeyFrom("secret 2", "", nullptr);
+  ASSERT_FALSE(spaced.ok());
+  EXPECT_EQ(std::string(spaced.status().message()).find("secret"), std::string::npos)
+      << spaced.status();
+  EXPECT_FALSE(ApiKeyFrom("", path + ".missing", nullptr).ok());
+  EXPECT_FALSE(ApiKeyFrom("", "", "").ok());  // an empty CPFILL_API_KEY is a mistake, not "none"
+  { std::ofstream(path) << "\n"; }
+  EXPECT_FALSE(ApiKeyFrom("", path, nullptr).ok());
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
 #include "launch/http/http_server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
+#include "launch/http/http_connections.h"
 #include "launch/http/http_stream.h"
 #include "parallel/mpi_communicator.h"
 
@@ -12,6 +14,12 @@ namespace cpfill::launch {
 namespace {
 
 constexpr char kJson[] = "application/json";
+// How often a request waiting on the engine looks whether its client is still there, and
+// whether the drain's deadline has passed.
+constexpr auto kPeerCheckEvery = std::chrono::milliseconds(50);
+// The status a request whose client left is logged with (nginx's "client closed request"): no
+// one reads it.
+constexpr int kClientClosedRequest = 499;
 
 int64_t UnixSeconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(
@@ -20,10 +28,46 @@ int64_t UnixSeconds() {
 }
 
 void SetError(const absl::Status& status, httplib::Response& res) {
+  if (absl::IsCancelled(status)) {  // the client left (HttpFront::AwaitReply)
+    res.status = kClientClosedRequest;
+    return;
+  }
   HttpError e = ErrorResponse(status);
   res.status = e.status;
   if (e.status == 503) res.set_header("Retry-After", "1");
   res.set_content(e.body, kJson);
+  if (RequestScope* scope = ThisRequest()) scope->route_refusal = RefusalOf(status);
+}
+
+// A request cancelled by HttpFront::ExpireDrain.
+absl::Status DrainExpired() {
+  return absl::FailedPreconditionError(
+      "the server stopped before this request finished: its drain deadline (--drain-timeout-s) "
+      "passed");
+}
+
+// What a 4xx or 503 that neither the connection layer nor a route named stands for: cpp-httplib's
+// own answers (a malformed request line, an unknown route).
+std::optional<Refusal> RefusalOfStatus(int status) {
+  switch (status) {
+    case 401:
+      return Refusal::kUnauthorized;
+    case 404:
+      return Refusal::kNotFound;
+    case 408:
+      return Refusal::kTimeout;
+    case 413:
+      return Refusal::kBodyTooLarge;
+    case 414:
+    case 431:
+      return Refusal::kHeaderTooLarge;
+    case 503:
+      return Refusal::kOverloaded;
+    default:
+      return status >= 400 && status < 500 && status != kClientClosedRequest
+                 ? std::optional<Refusal>(Refusal::kBadRequest)
+                 : std::nullopt;
+  }
 }
 
 // The ?nonce= of a lease route: the handle's lease_nonce.
@@ -49,11 +93,14 @@ std::vector<bool> ReadyNow(std::vector<runtime::Engine::Reply>& replies) {
 // The body of an answer the server made without a route's (an unknown route, a body too large,
 // a status without a body): the error JSON of every other refusal.
 void AnswerWithoutBody(const httplib::Request& req, httplib::Response& res) {
-  if (!res.body.empty()) return;  // a route's own error body stays
+  if (!res.body.empty() || res.status == kClientClosedRequest) return;  // a route's own stays
+  if (AnswerRefusal(res)) return;  // a head or body that did not come whole
   const absl::Status why =
       res.status >= 500   ? absl::InternalError(absl::StrCat("HTTP ", res.status))
       : res.status == 413 ? absl::ResourceExhaustedError(
-                                absl::StrCat("the body is larger than ", kMaxBodyBytes, " bytes"))
+                                "the body is too large (one sent as "
+                                "application/x-www-form-urlencoded takes 8192 bytes at most: send "
+                                "Content-Type: application/json)")
       : res.status == 404
           ? absl::NotFoundError(absl::StrCat("no route ", req.method, " ", req.path))
           : absl::InvalidArgumentError(absl::StrCat("HTTP ", res.status));
@@ -78,14 +125,13 @@ void AnswerException(const httplib::Request&, httplib::Response& res, std::excep
 }  // namespace
 
 HttpFront::HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::string served_model,
-                     const runtime::Tokenizer* tokenizer, int threads)
+                     const runtime::Tokenizer* tokenizer, HttpOptions options)
     : engine_(engine),
       model_(model),
       served_model_(std::move(served_model)),
       tokenizer_(tokenizer),
-      server_(std::make_unique<httplib::Server>()),
+      server_(std::make_unique<GuardedServer>(std::move(options))),
       seeds_(std::random_device{}()) {
-  server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   Routes();
 }
 
@@ -118,6 +164,47 @@ absl::Status HttpFront::Health() {
 void HttpFront::Serve() { server_->listen_after_bind(); }
 void HttpFront::Stop() { server_->stop(); }
 
+void HttpFront::ExpireDrain() {
+  drain_expired_ = true;
+  std::lock_guard lock(waiting_mu_);
+  for (const auto& cancelled : waiting_) cancelled->store(true);
+}
+
+std::shared_ptr<void> HttpFront::Track(std::shared_ptr<std::atomic<bool>> cancelled) {
+  {
+    std::lock_guard lock(waiting_mu_);
+    waiting_.insert(cancelled);
+  }
+  if (drain_expired_) cancelled->store(true);
+  return std::shared_ptr<void>(nullptr, [this, cancelled](void*) {
+    std::lock_guard lock(waiting_mu_);
+    waiting_.erase(cancelled);
+  });
+}
+
+absl::Status HttpFront::AwaitReply(runtime::Engine::Reply& reply,
+                                   const std::function<bool()>& enough,
+                                   std::atomic<bool>& cancelled) {
+  const ConnectionStream* connection = ThisConnection();
+  // A stream waits for its first token, which the future does not signal: it looks often.
+  const auto step = enough ? std::chrono::milliseconds(2) : kPeerCheckEvery;
+  auto next_check = std::chrono::steady_clock::now();
+  while (!(enough && enough()) && reply.wait_for(step) != std::future_status::ready) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_check) continue;
+    next_check = now + kPeerCheckEvery;
+    if (drain_expired_) {
+      cancelled = true;
+      return DrainExpired();
+    }
+    if (connection != nullptr && connection->PeerGone()) {
+      cancelled = true;
+      return absl::CancelledError("the client closed the connection");
+    }
+  }
+  return absl::OkStatus();
+}
+
 // One completion: its prompts queued together (so they can share a fused batch; a refusal
 // refuses them all), answered whole or streamed as they generate.
 void HttpFront::Completions(const httplib::Request& req, httplib::Response& res) {
@@ -129,23 +216,34 @@ void HttpFront::Completions(const httplib::Request& req, httplib::Response& res)
   std::vector<runtime::EngineRequest> prompts = EngineRequestsOf(*request, NextSeed(), tokenizer_);
   const std::string id = absl::StrCat("cmpl-", next_id_++);
   std::shared_ptr<CompletionStream> stream;
+  // Every prompt of the request ends together when its client leaves or the drain expires.
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
   if (request->stream) {
     stream =
         std::make_shared<CompletionStream>(*request, id, UnixSeconds(), served_model_, tokenizer_);
+    cancelled = stream->cancelled();
     for (size_t i = 0; i < prompts.size(); ++i) {
       prompts[i].on_token = stream->Sink(static_cast<int>(i));
-      prompts[i].cancelled = stream->cancelled();
     }
+  }
+  for (runtime::EngineRequest& prompt : prompts) prompt.cancelled = cancelled;
+  if (const ConnectionStream* c = ThisConnection(); c != nullptr && c->PeerGone()) {
+    return SetError(absl::CancelledError("the client left before its request was queued"), res);
   }
   absl::StatusOr<std::vector<runtime::Engine::Reply>> replies =
       engine_.SubmitAll(std::move(prompts));
   if (!replies.ok()) return SetError(replies.status(), res);
+  std::shared_ptr<void> tracked = Track(cancelled);
   auto shared = std::make_shared<std::vector<runtime::Engine::Reply>>(std::move(*replies));
-  if (stream) return Stream(request, stream, shared, res);
+  if (stream) return Stream(request, stream, shared, std::move(tracked), res);
   std::vector<runtime::EngineResult> results;
   for (runtime::Engine::Reply& reply : *shared) {
+    if (absl::Status waited = AwaitReply(reply, nullptr, *cancelled); !waited.ok()) {
+      return SetError(waited, res);
+    }
     absl::StatusOr<runtime::EngineResult> r = reply.get();
     if (!r.ok()) return SetError(r.status(), res);
+    if (r->finish_reason == "abort" && drain_expired_) return SetError(DrainExpired(), res);
     histograms_.Observe(*r);
     results.push_back(std::move(*r));
   }
@@ -160,13 +258,14 @@ void HttpFront::Completions(const httplib::Request& req, httplib::Response& res)
 void HttpFront::Stream(std::shared_ptr<CompletionRequest> request,
                        std::shared_ptr<CompletionStream> stream,
                        std::shared_ptr<std::vector<runtime::Engine::Reply>> replies,
-                       httplib::Response& res) {
+                       std::shared_ptr<void> tracked, httplib::Response& res) {
   for (size_t i = 0; i < replies->size(); ++i) {
     auto& reply = (*replies)[i];
-    while (!stream->Started(static_cast<int>(i)) &&
-           reply.wait_for(std::chrono::milliseconds(2)) != std::future_status::ready) {
-    }
-    if (!stream->Started(static_cast<int>(i))) {  // answered without a token: its error
+    const int index = static_cast<int>(i);
+    const absl::Status waited = AwaitReply(
+        reply, [&] { return stream->Started(index); }, *stream->cancelled());
+    if (!waited.ok()) return SetError(waited, res);
+    if (!stream->Started(index)) {  // answered without a token: its error
       absl::StatusOr<runtime::EngineResult> r = reply.get();
       return SetError(r.ok() ? absl::InternalError("no token was streamed") : r.status(), res);
     }
@@ -175,7 +274,12 @@ void HttpFront::Stream(std::shared_ptr<CompletionRequest> request,
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, request, stream, replies](size_t, httplib::DataSink& sink) {
+      [this, request, stream, replies, tracked](size_t, httplib::DataSink& sink) {
+        // A client that left ends the stream (the releaser cancels the generation) even while
+        // no token comes to be written.
+        if (const ConnectionStream* c = ThisConnection(); c != nullptr && c->PeerGone()) {
+          return false;
+        }
         const std::vector<bool> ready = ReadyNow(*replies);
         std::string events;
         bool more = stream->Next(&events, std::chrono::milliseconds(100));
@@ -214,6 +318,9 @@ std::string HttpFront::Finale(const CompletionRequest& request, CompletionStream
     out += ServerSentEvent(
         JsonText(UsageChunk(stream.id(), UnixSeconds(), served_model_, results, request.n)));
   }
+  const bool aborted = std::any_of(results.begin(), results.end(),
+                                   [](const auto& r) { return r.finish_reason == "abort"; });
+  if (aborted && drain_expired_) out += ServerSentEvent(ErrorResponse(DrainExpired()).body);
   return out + "data: [DONE]\n\n";
 }
 
@@ -224,10 +331,16 @@ uint64_t HttpFront::NextSeed() {
 
 void HttpFront::Routes() {
   httplib::Server& s = *server_;
-  s.set_payload_max_length(kMaxBodyBytes);
-  // Every answer is counted by its class for /metrics.
-  s.set_post_routing_handler([this](const httplib::Request&, httplib::Response& res) {
+  // Every answer is counted by its class for /metrics, and every refusal by its reason (a
+  // failing /health is an answer, not a refusal).
+  s.set_post_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     (res.status >= 500 ? server_errors_ : res.status >= 400 ? client_errors_ : ok_)++;
+    if (res.status < 400 || req.path == "/health") return;
+    const RequestScope* scope = ThisRequest();
+    std::optional<Refusal> why;
+    if (scope != nullptr) why = scope->refusal ? scope->refusal : scope->route_refusal;
+    if (!why) why = RefusalOfStatus(res.status);
+    if (why) server_->Count(*why);
   });
   s.set_error_handler(AnswerWithoutBody);
   s.set_exception_handler(AnswerException);
@@ -264,10 +377,11 @@ void HttpFront::ServiceRoutes() {
     res.set_content(JsonText(models), kJson);
   });
   s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    const ServerCounters counters{.http_ok = ok_,
-                                  .http_client_errors = client_errors_,
-                                  .http_server_errors = server_errors_,
-                                  .running = running_};
+    ServerCounters counters{.http_ok = ok_,
+                            .http_client_errors = client_errors_,
+                            .http_server_errors = server_errors_,
+                            .running = running_};
+    server_->Fill(&counters);
     res.set_content(MetricsText(engine_.stats(), counters, histograms_),
                     "text/plain; version=0.0.4");
   });

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "launch/job/backend.h"
 
@@ -37,6 +38,25 @@ namespace {
 
 // The share of a rank's free memory an unsized KV cache gets (EngineKvDefault's help says it).
 constexpr double kUnsizedKvMemoryFraction = 0.5;
+
+// runtime::Engine's sampling pool on world rank 0: at most 8 threads (engine.cc's constructor).
+constexpr int kEngineSamplerThreads = 8;
+
+// Every rank tries, with its KV cache allocated, the threads it will start next: on world rank 0
+// the engine's sampling pool and the command's (front_threads), elsewhere none. The pools that
+// start them cannot report a refused thread: the process would end there.
+absl::Status CheckEngineThreads(const EngineFlags& f, const parallel::ProcessGrid& grid) {
+  const bool root = grid.world_rank == 0;
+  const int threads = root ? kEngineSamplerThreads + f.front_threads : 0;
+  std::string what = absl::StrCat("the engine's ", kEngineSamplerThreads, " sampling threads");
+  if (f.front_threads > 0) {
+    absl::StrAppend(&what, " and the command's ", f.front_threads, " (", f.front_threads_flag,
+                    " and its own)");
+  }
+  std::string remedy = "lower --kv-memory-fraction or --kv-capacity-tokens";
+  if (!f.front_threads_flag.empty()) absl::StrAppend(&remedy, ", or ", f.front_threads_flag);
+  return CheckThreadsStartOnEveryRank(*grid.world, threads, what, remedy);
+}
 
 absl::Status CheckBatchInvariant(const EngineFlags& f, const std::string& backend) {
   CPFILL_CHECK_ARG(!(f.batch_invariant && backend == "cuda"),
@@ -91,6 +111,7 @@ absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f
       LoadWeightsAgreed(host->config, f.model.name, static_cast<uint64_t>(f.model.seed), grid));
   CPFILL_ASSIGN_OR_RETURN(host->loaded, BuildModel(host->config, std::move(weights), host->backend,
                                                    grid, job.mpi().options(), model_options));
+  CPFILL_RETURN_IF_ERROR(CheckEngineThreads(f, grid));
   options.max_batch_tokens = f.max_batch_tokens;
   options.max_queue = f.max_queue;
   options.max_running = f.max_running;

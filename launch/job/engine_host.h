@@ -34,6 +34,12 @@ struct EngineFlags {
   bool no_prefix_batching = false;
   bool batch_invariant = false;
   SelectorFlags selector;
+  // Not flags: threads the command itself starts on world rank 0 once the engine is built (serve:
+  // its HTTP pool and two more), and the flag that sets them. BuildEngineHost tries them with the
+  // engine's own once the KV cache holds its memory, so that a number the system cannot start
+  // is refused (exit 2) instead of ending the process where they are made.
+  int front_threads = 0;
+  std::string front_threads_flag;
 };
 
 // What the engine gives a KV cache the flags leave unsized (`serve`, the C API): half the rank's
@@ -60,7 +66,9 @@ struct EngineHost {
 // Collective. `options` brings what the caller adds (on_batch); the bounds come from the flags
 // and the heartbeat from the job's deadline. Bad input fails alike on every rank
 // (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted), also a checkpoint that only
-// some ranks cannot read (LoadWeightsAgreed) and a malformed tokenizer.json.
+// some ranks cannot read (LoadWeightsAgreed), a malformed tokenizer.json, and threads that some
+// rank cannot start once its KV cache is allocated (ResourceExhausted naming the rank and the
+// flags that make them fit: --kv-memory-fraction, EngineFlags::front_threads_flag).
 absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& engine_flags,
                                                             const FlagSet& flags, Job& job,
                                                             const parallel::ProcessGrid& grid,

@@ -137,6 +137,30 @@ FlagSet& FlagSet::Output() {
   return *this;
 }
 
+FlagSet& FlagSet::Requires(const std::string& other) {
+  flags_.back().requires_flag = other;
+  return *this;
+}
+
+absl::Status FlagSet::CheckRequirements() const {
+  for (const Flag& f : flags_) {
+    if (!f.set || f.requires_flag.empty()) continue;
+    const auto on = std::find_if(flags_.begin(), flags_.end(),
+                                 [&](const Flag& o) { return o.name == f.requires_flag; });
+    if (on == flags_.end() || on->on == nullptr) {
+      return absl::InternalError(absl::StrCat("--", f.name, " requires --", f.requires_flag,
+                                              ", which is not a flag of 'cpfill ", command_,
+                                              "' that can be on"));
+    }
+    if (!on->set || !*on->on) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", f.name, " is a setting of --", f.requires_flag, ", which is off: give --",
+          f.requires_flag, " too, or leave --", f.name, " out"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::vector<std::pair<std::string, std::string>> FlagSet::OutputPaths() const {
   std::vector<std::pair<std::string, std::string>> paths;
   for (const Flag& f : flags_) {
@@ -217,6 +241,7 @@ FlagSet& FlagSet::Bool(const std::string& name, bool* target, const std::string&
               .help = help,
               .default_text = *target ? "true" : "false",
               .is_bool = true,
+              .on = target,
               .parse = [name, target](const std::string& v, const Range&) {
                 if (v == "true" || v == "1") {
                   *target = true;
@@ -299,6 +324,9 @@ absl::Status FlagSet::Parse(int argc, char** argv, int first) {
       return absl::InvalidArgumentError(absl::StrCat("--", f.name, " is required", see));
     }
   }
+  if (absl::Status s = CheckRequirements(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(s.message(), see));
+  }
   return absl::OkStatus();
 }
 
@@ -308,6 +336,7 @@ std::string FlagSet::Usage() const {
   for (const Flag& f : flags_) width = std::max(width, f.name.size());
   for (const Flag& f : flags_) {
     absl::StrAppend(&out, "  --", f.name, std::string(width - f.name.size() + 2, ' '), f.help);
+    if (!f.requires_flag.empty()) absl::StrAppend(&out, " (with --", f.requires_flag, ")");
     if (f.required) {
       absl::StrAppend(&out, " (required)");
     } else if (!f.default_text.empty()) {

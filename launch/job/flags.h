@@ -14,6 +14,8 @@
 //       .Within({0, kMaxTokens});
 //   flags.Double("timeout-s", &t, "deadline, seconds").Within(Range::LeftOpen(0, 1e6));
 //   flags.String("json", &json_file, "write the report as JSON to this file").Output();
+//   flags.Bool("kv-handoff", &handoff, "serve KV hand-offs");
+//   flags.Double("kv-lease-s", &lease_s, "lease length").Requires("kv-handoff");
 //   CPFILL_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2));
 //   if (flags.help()) { std::cout << flags.Usage(); return 0; }
 #pragma once
@@ -87,8 +89,13 @@ class FlagSet {
   // Marks the flag declared last (a String) as a file the command writes: OutputPaths() lists it,
   // so that a job can try every output path before any work (Job::CheckOutputs).
   FlagSet& Output();
+  // Marks the flag declared last as a setting of the Bool flag `other` (declared before or after
+  // it): Parse refuses it, naming both, unless --`other` is given and true, since it would
+  // otherwise be ignored without a word. The help line says "(with --other)".
+  FlagSet& Requires(const std::string& other);
 
-  // Parses argv[first..argc). InvalidArgument naming the flag on any problem.
+  // Parses argv[first..argc). InvalidArgument naming the flag on any problem (also a flag given
+  // without the flag it Requires()).
   absl::Status Parse(int argc, char** argv, int first);
   bool help() const { return help_; }
   bool IsSet(const std::string& name) const;
@@ -107,11 +114,15 @@ class FlagSet {
     const char* kind = nullptr;         // numeric flags: "integer", "number", "integers", "numbers"
     const std::string* text = nullptr;  // String flags: the target
     bool output = false;                // a path the command writes (Output())
+    const bool* on = nullptr;           // Bool flags: the target
+    std::string requires_flag;          // Requires(): the Bool flag that must be on
     Range range;
     std::function<absl::Status(const std::string&, const Range&)> parse;
   };
   FlagSet& Add(Flag flag);
   Flag* Find(const std::string& name);
+  // InvalidArgument naming the first flag given without the flag it Requires() on.
+  absl::Status CheckRequirements() const;
 
   std::string command_;
   std::string summary_;

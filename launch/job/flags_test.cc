@@ -1,6 +1,7 @@
 #include "launch/job/flags.h"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -112,6 +113,45 @@ TEST(FlagSet, OutputPathsListsTheOutputFlagsInOrderAsParsed) {
   ASSERT_TRUE(ParseArgs(flags, {"--trace", "t.json", "--algo", "pass-q"}).ok());
   using Paths = std::vector<std::pair<std::string, std::string>>;
   EXPECT_EQ(flags.OutputPaths(), (Paths{{"json", ""}, {"out", "fit.json"}, {"trace", "t.json"}}));
+}
+
+// A setting of an optional feature given without the feature would be ignored: refused,
+// naming both flags, whether the feature is left out or given as false.
+TEST(FlagSet, RefusesASettingWithoutTheFlagItRequires) {
+  struct Flags {
+    bool handoff = false, staging = false;
+    double lease_s = 30;
+    FlagSet flags{"test", "a test"};
+    Flags() {
+      flags.Double("lease-s", &lease_s, "lease").Within(Range::Above(0)).Requires("handoff");
+      flags.Bool("handoff", &handoff, "hand-offs");
+      flags.Bool("staging", &staging, "staging").Requires("handoff");
+    }
+  };
+  for (const auto& [args, named] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--lease-s", "5"}, "--lease-s"},
+           {{"--lease-s=5", "--handoff=false"}, "--lease-s"},
+           {{"--staging"}, "--staging"},
+           {{"--handoff=0", "--staging=false"}, "--staging"}}) {
+    Flags f;
+    const absl::Status s = ParseArgs(f.flags, args);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << named;
+    EXPECT_NE(s.message().find(named + " is a setting of --handoff, which is off"),
+              std::string::npos)
+        << s;
+  }
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {}, {"--handoff"}, {"--lease-s", "5", "--handoff"}, {"--handoff", "--staging"}}) {
+    Flags f;
+    const absl::Status s = ParseArgs(f.flags, args);
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  Flags f;
+  EXPECT_NE(f.flags.Usage().find("lease (with --handoff) [30] {number, > 0}"), std::string::npos)
+      << f.flags.Usage();
+  // --help is answered whatever else is given.
+  Flags h;
+  EXPECT_TRUE(ParseArgs(h.flags, {"--staging", "--help"}).ok());
 }
 
 }  // namespace

@@ -2,12 +2,19 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <new>
 #include <optional>
+#include <string>
+#include <system_error>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/json_io.h"
 #include "base/knobs.h"
+#include "base/status.h"
 
 namespace cpfill::launch {
 
@@ -24,8 +31,72 @@ void AddJobFlags(FlagSet& flags, JobFlags* f) {
               "deadline of every distributed wait, seconds; a peer silent for longer ends the "
               "job with an error")
       .Within(Range::LeftOpen(0, 1e6));
-  flags.Int("threads", &f->threads, "kernel threads per rank; 0 = host cores / host ranks")
+  flags
+      .Int("threads", &f->threads,
+           absl::StrCat("kernel threads per rank, at most ", kMaxThreadsPerCore,
+                        " per core of the host; 0 = host cores / host ranks"))
       .Within({0, 4096});
+}
+
+namespace {
+
+int HostCores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+}  // namespace
+
+absl::Status CheckJobFlags(const JobFlags& f) {
+  const int64_t most = int64_t{kMaxThreadsPerCore} * HostCores();
+  CPFILL_CHECK_ARG(f.threads <= most, "--threads ", f.threads, ": more than ", kMaxThreadsPerCore,
+                   " per core of this host's ", HostCores(), " cores (at most ", most,
+                   "; 0 shares the host's cores among its ranks)");
+  return absl::OkStatus();
+}
+
+absl::Status CheckThreadsStart(int threads, const std::string& what, const std::string& remedy) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  std::vector<std::thread> started;
+  std::string refused;
+  try {
+    started.reserve(static_cast<size_t>(std::max(0, threads)));
+    for (int i = 0; i < threads; ++i) {
+      started.emplace_back([&] {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return release; });
+      });
+    }
+  } catch (const std::system_error& e) {
+    refused = e.what();
+  } catch (const std::bad_alloc& e) {
+    refused = e.what();
+  }
+  {
+    std::lock_guard lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  for (std::thread& t : started) t.join();
+  if (refused.empty()) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, ": the system let this process start only ", started.size(), " of ", threads,
+      " threads at once (", refused,
+      "; the limits are ulimit -u and -v, a container's pids limit, and free memory); ", remedy));
+}
+
+absl::Status CheckThreadsStartOnEveryRank(parallel::Communicator& world, int threads,
+                                          const std::string& what, const std::string& remedy) {
+  const absl::Status mine =
+      threads > 0 ? CheckThreadsStart(threads, what, remedy) : absl::OkStatus();
+  CPFILL_ASSIGN_OR_RETURN(
+      std::vector<std::string> refusals,
+      parallel::AllGatherText(world, mine.ok() ? std::string() : std::string(mine.message())));
+  for (size_t r = 0; r < refusals.size(); ++r) {
+    if (!refusals[r].empty()) {
+      return absl::ResourceExhaustedError(absl::StrCat("world rank ", r, ": ", refusals[r]));
+    }
+  }
+  return absl::OkStatus();
 }
 
 namespace {
@@ -103,12 +174,35 @@ int RefuseInput(const absl::Status& status) {
 int RunJob(int argc, char** argv, FlagSet& flags, const JobBody& body) {
   JobFlags job_flags;
   AddJobFlags(flags, &job_flags);
-  if (auto done = AnswerFlagsFirst(flags, flags.Parse(argc, argv, 2))) return *done;
+  absl::Status parsed = flags.Parse(argc, argv, 2);
+  if (parsed.ok() && !flags.help()) parsed = CheckJobFlags(job_flags);
+  if (auto done = AnswerFlagsFirst(flags, parsed)) return *done;
   std::unique_ptr<Job> job = Job::Start(&argc, &argv, job_flags);
   absl::StatusOr<parallel::ProcessGrid> grid = job->CreateGrid();
   if (!grid.ok()) return job->Refuse(grid.status());
+  // The kernel pool starts later, inside a constructor that cannot report a refused thread.
+  const int threads = job->ThreadsPerRank(*grid);
+  if (absl::Status s = CheckThreadsStartOnEveryRank(
+          *grid->world, threads,
+          job_flags.threads > 0
+              ? absl::StrCat("--threads ", threads)
+              : absl::StrCat("the kernel pool's ", threads, " threads (--threads 0: the cores)"),
+          "lower --threads");
+      !s.ok()) {
+    return job->Refuse(s);
+  }
   if (auto bad = job->CheckOutputs(flags.OutputPaths())) return *bad;
-  return body(*job, *grid);
+  // What the checks above could not foresee (a thread or memory refused later, on this rank's
+  // main thread) still ends the job with a message naming the rank (Fail), not an abort on an
+  // uncaught exception.
+  try {
+    return body(*job, *grid);
+  } catch (const std::system_error& e) {
+    job->Fail(absl::ResourceExhaustedError(
+        absl::StrCat("the system refused a resource (a thread, a file): ", e.what())));
+  } catch (const std::bad_alloc& e) {
+    job->Fail(absl::ResourceExhaustedError(absl::StrCat("out of memory (", e.what(), ")")));
+  }
 }
 
 absl::StatusOr<parallel::ProcessGrid> Job::CreateGrid() {
@@ -118,7 +212,7 @@ absl::StatusOr<parallel::ProcessGrid> Job::CreateGrid() {
 
 int Job::ThreadsPerRank(const parallel::ProcessGrid& grid) const {
   if (flags_.threads > 0) return flags_.threads;
-  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  const int cores = HostCores();
   // The cores are shared by every rank on the host, which may hold several (emulated) nodes:
   // The launcher says how many ranks it started here; the node size is the fallback.
   int host_ranks = grid.ranks_per_node;

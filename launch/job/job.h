@@ -48,6 +48,27 @@ struct JobFlags {
 
 void AddJobFlags(FlagSet& flags, JobFlags* job_flags);
 
+// Kernel threads per rank beyond this many per core of the host are refused: they only take
+// turns on the cores, and a number the system cannot start would end the process where the
+// pool is made (a thread the system refuses throws inside ThreadPool's constructor).
+inline constexpr int kMaxThreadsPerCore = 8;
+
+// The job's flags against this host, before MPI starts (the same on every rank of one host):
+// InvalidArgument naming --threads above kMaxThreadsPerCore per core.
+absl::Status CheckJobFlags(const JobFlags& job_flags);
+
+// Whether this process can run `threads` more threads at once, now: it starts them (each waits
+// for the last), then ends them. A thread the system refuses (ulimit -u or -v, a container's
+// pids limit, memory a KV cache took) throws std::system_error where it is made, which inside a
+// pool's constructor ends the process; what a command will start is tried here first.
+// ResourceExhausted saying how many started, what limits them, and `remedy`, otherwise.
+absl::Status CheckThreadsStart(int threads, const std::string& what, const std::string& remedy);
+// CheckThreadsStart on every rank (each its own `threads`, 0: nothing to try), agreed over
+// `world` (collective): every rank returns the same verdict, the lowest failing world rank's
+// message naming it, so that Job::Refuse ends every rank with exit 2 and rank 0 prints it.
+absl::Status CheckThreadsStartOnEveryRank(parallel::Communicator& world, int threads,
+                                          const std::string& what, const std::string& remedy);
+
 class Job;
 
 // Bad flags, --help and malformed knobs, answered before any work: they are the same on every
@@ -66,11 +87,15 @@ using JobBody = std::function<int(Job& job, parallel::ProcessGrid& grid)>;
 
 // The start every distributed command shares, written once:
 //  1. the job's flags (--tp, --ranks-per-node, --timeout-s, --threads) join `flags`, last;
-//  2. argv[2..] is parsed; --help, bad flags and malformed knobs are answered before MPI
-//     starts (AnswerFlagsFirst);
+//  2. argv[2..] is parsed; --help, bad flags (CheckJobFlags too) and malformed knobs are
+//     answered before MPI starts (AnswerFlagsFirst);
 //  3. MPI starts and the grid is built (one that does not fit the ranks: exit 2 on every rank);
-//  4. every output path the flags declare (FlagSet::Output) is tried (Job::CheckOutputs);
-//  5. `body` runs, and its exit code is returned.
+//  4. every rank tries to start its kernel threads (CheckThreadsStart; one that cannot: exit 2
+//     on every rank, naming --threads);
+//  5. every output path the flags declare (FlagSet::Output) is tried (Job::CheckOutputs);
+//  6. `body` runs, and its exit code is returned. A thread it cannot start or memory it cannot
+//     get (std::system_error, std::bad_alloc thrown to here) ends the job as a runtime failure
+//     naming the rank, not as an uncaught exception.
 int RunJob(int argc, char** argv, FlagSet& flags, const JobBody& body);
 
 class Job {

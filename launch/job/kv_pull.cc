@@ -22,8 +22,10 @@
 namespace cpfill::launch {
 namespace {
 
-std::unique_ptr<httplib::Client> ClientFor(const std::string& url, double timeout_s) {
+std::unique_ptr<httplib::Client> ClientFor(const std::string& url, double timeout_s,
+                                           const std::string& api_key) {
   auto client = std::make_unique<httplib::Client>(url);
+  if (!api_key.empty()) client->set_bearer_token_auth(api_key);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3));
   client->set_connection_timeout(std::chrono::duration_cast<std::chrono::seconds>(timeout) +
                                  std::chrono::seconds(1));
@@ -58,10 +60,10 @@ absl::StatusOr<nlohmann::json> JsonAnswer(const httplib::Result& result, const s
 
 absl::StatusOr<runtime::KvHandle> RequestHandoff(const std::string& url,
                                                  const std::vector<int32_t>& prompt,
-                                                 double timeout_s) {
+                                                 double timeout_s, const std::string& api_key) {
   const nlohmann::json request = {
       {"prompt", prompt}, {"max_tokens", 1}, {"kv_transfer_params", {{"do_remote_decode", true}}}};
-  auto client = ClientFor(url, timeout_s);
+  auto client = ClientFor(url, timeout_s, api_key);
   CPFILL_ASSIGN_OR_RETURN(
       nlohmann::json body,
       JsonAnswer(client->Post("/v1/completions", request.dump(), "application/json"), url,
@@ -72,8 +74,9 @@ absl::StatusOr<runtime::KvHandle> RequestHandoff(const std::string& url,
   return runtime::ParseKvHandle(body["kv_transfer_params"]);
 }
 
-absl::StatusOr<int64_t> ServedVocabulary(const std::string& url, double timeout_s) {
-  auto client = ClientFor(url, timeout_s);
+absl::StatusOr<int64_t> ServedVocabulary(const std::string& url, double timeout_s,
+                                         const std::string& api_key) {
+  auto client = ClientFor(url, timeout_s, api_key);
   CPFILL_ASSIGN_OR_RETURN(nlohmann::json body,
                           JsonAnswer(client->Get("/v1/models"), url, "GET /v1/models"));
   const nlohmann::json* vocab = nullptr;

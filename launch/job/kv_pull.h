@@ -26,12 +26,14 @@ namespace cpfill::launch {
 
 // POST /v1/completions with the prompt and kv_transfer_params {"do_remote_decode": true}; the
 // handle of the response (parsed as untrusted input). Unavailable when the server cannot be
-// reached; the server's error (its HTTP status and message) otherwise.
+// reached; the server's error (its HTTP status and message) otherwise. `api_key` ("" none) goes
+// as "Authorization: Bearer" to a server started with --api-key.
 absl::StatusOr<runtime::KvHandle> RequestHandoff(const std::string& url,
                                                  const std::vector<int32_t>& prompt,
-                                                 double timeout_s);
+                                                 double timeout_s, const std::string& api_key);
 // GET /v1/models: the vocabulary size of the served model (for random prompts).
-absl::StatusOr<int64_t> ServedVocabulary(const std::string& url, double timeout_s);
+absl::StatusOr<int64_t> ServedVocabulary(const std::string& url, double timeout_s,
+                                         const std::string& api_key);
 
 struct DestinationSpec {
   int tp_size = 1, tp_rank = 0;

@@ -1,5 +1,6 @@
 #include "launch/job/model_flags.h"
 
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 
 namespace cpfill::launch {
@@ -41,9 +42,11 @@ void AddKvFlags(FlagSet& flags, KvFlags* f, const KvDefault& kv_default) {
       .Within({0, kMaxTokens});
   flags
       .Double("kv-memory-fraction", &f->memory_fraction,
-              "instead of --kv-capacity-tokens: this fraction of the rank's free memory (after "
-              "the weights) for the KV cache")
-      .Within(kv_default.fraction_may_be_zero ? Range(0, 1) : Range::LeftOpen(0, 1));
+              absl::StrCat("instead of --kv-capacity-tokens: this fraction of the rank's free "
+                           "memory (after the weights) for the KV cache; at most ",
+                           kMaxKvMemoryFraction, ", the rest is for activations and threads"))
+      .Within(kv_default.fraction_may_be_zero ? Range(0, kMaxKvMemoryFraction)
+                                              : Range::LeftOpen(0, kMaxKvMemoryFraction));
   flags.Int("kv-block-tokens", &f->block_tokens, "tokens per KV cache block").Within({16, 256});
 }
 

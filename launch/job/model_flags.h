@@ -52,11 +52,16 @@ struct KvFlags {
   void SetOptions(runtime::StepOptions* options) const;
 };
 
+// The most of a rank's free memory --kv-memory-fraction may give the KV cache: all of it would
+// leave nothing for the activations and for threads the process starts afterwards (the engine's,
+// the HTTP server's), whose stacks a refused allocation would end with an uncaught exception.
+inline constexpr double kMaxKvMemoryFraction = 0.9;
+
 // A command's own KV cache when the flags leave it unsized, for the help of the size flags.
 struct KvDefault {
   std::string unsized;  // e.g. "what this run's prompts need"
   // Whether --kv-memory-fraction 0 is taken (as "not given": `prefill`) or refused (the engine's
-  // commands, which take (0, 1]).
+  // commands, which take (0, kMaxKvMemoryFraction]).
   bool fraction_may_be_zero = false;
 };
 

@@ -150,9 +150,11 @@ absl::Status ValidateTransport(const KvRankTransport& t, int64_t pool_bytes,
     return FieldError(Path(ucx_path, "pool_address"),
                       absl::StrCat("plus the pool's ", pool_bytes, " bytes wraps around"));
   }
-  if (t.lease_address == 0 || t.lease_address % 8 != 0 || t.lease_address > UINT64_MAX - 8) {
+  constexpr uint64_t kRecord = sizeof(KvLeaseRecord);
+  if (t.lease_address == 0 || t.lease_address % kRecord != 0 ||
+      t.lease_address > UINT64_MAX - kRecord) {
     return FieldError(Path(ucx_path, "lease_address"),
-                      "must be a non-zero address of an aligned 8-byte word");
+                      "must be a non-zero address of a 64-byte aligned lease record");
   }
   return absl::OkStatus();
 }
@@ -480,6 +482,64 @@ absl::Status ValidatePoolLayout(const KvPoolLayout& pool, int num_layers, int64_
   return absl::OkStatus();
 }
 
+KvNonce KvNonce::Random() {
+  KvNonce n;
+  while (n.zero()) {
+    const std::string hex = RandomHex(16);
+    n = *Parse(absl::StrCat("0x", hex));
+  }
+  return n;
+}
+
+std::optional<KvNonce> KvNonce::Parse(std::string_view text) {
+  if (text.size() != 34 || text[0] != '0' || (text[1] != 'x' && text[1] != 'X')) {
+    return std::nullopt;
+  }
+  KvNonce n;
+  for (size_t i = 2; i < text.size(); ++i) {
+    const char c = text[i];
+    int v = 0;
+    if (c >= '0' && c <= '9') {
+      v = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      v = c - 'a' + 10;
+    } else if (c >= 'A' && c <= 'F') {
+      v = c - 'A' + 10;
+    } else {
+      return std::nullopt;
+    }
+    uint64_t& word = i < 18 ? n.hi : n.lo;
+    word = (word << 4) | static_cast<uint64_t>(v);
+  }
+  return n;
+}
+
+std::string KvNonce::ToString() const {
+  return absl::StrCat("0x", absl::Hex(hi, absl::kZeroPad16), absl::Hex(lo, absl::kZeroPad16));
+}
+
+Sha256Digest KvRankDigest(const KvHandle& handle, int rank_index) {
+  const KvRankShard& r = handle.ranks[static_cast<size_t>(rank_index)];
+  const KvHandleLayout& l = handle.layout;
+  // Lengths before the ids keep the fields apart: no two handles share a canonical form.
+  std::string c = absl::StrCat(Sv(kKvHandleVersion), ";engine=", handle.engine_id.size(), ":",
+                               handle.engine_id, ";request=", handle.request_id.size(), ":",
+                               handle.request_id, ";nonce=", handle.lease_nonce.ToString());
+  absl::StrAppend(&c, ";layout=", l.num_layers, ",", l.kv_heads, ",", l.kv_heads_per_tp_rank, ",",
+                  l.head_dim, ",", Sv(KvDtypeName(l.dtype)), ",", l.block_tokens, ",", l.tokens,
+                  ",", l.tp_size, ",", l.cp_size);
+  absl::StrAppend(&c, ";rank=", r.tp_rank, ",", r.cp_rank, ";positions=");
+  for (const sharding::PositionRun& run : r.positions) {
+    absl::StrAppend(&c, run.begin, "+", run.length, ",");
+  }
+  absl::StrAppend(&c, ";blocks=");
+  for (int32_t b : r.blocks) absl::StrAppend(&c, b, ",");
+  absl::StrAppend(&c, ";pool=", r.pool.bytes, ",", r.pool.num_blocks, ",",
+                  r.pool.block_stride_bytes, ",", r.pool.layer_stride_bytes, ",",
+                  r.pool.k_offset_bytes, ",", r.pool.v_offset_bytes);
+  return Sha256(c);
+}
+
 std::string KvCompatHash(const KvHandleLayout& l) {
   const std::string canonical =
       absl::StrCat(Sv(kKvHandleVersion), ";num_layers=", l.num_layers, ";kv_heads=", l.kv_heads,
@@ -516,7 +576,7 @@ absl::Status ValidateKvHandle(const KvHandle& handle, KvTransportCheck transport
     CPFILL_RETURN_IF_ERROR(ValidateBlocks(shard, l.block_tokens, path));
     if (transport == KvTransportCheck::kRequired || !shard.transport.empty()) {
       CPFILL_RETURN_IF_ERROR(ValidateTransport(shard.transport, shard.pool.bytes, path));
-      if (handle.lease_nonce == 0) {
+      if (handle.lease_nonce.zero()) {
         return FieldError("lease_nonce", "is 0; a published handle's lease nonce is not");
       }
     }
@@ -531,17 +591,15 @@ nlohmann::ordered_json ToJson(const KvHandle& handle) {
                      {"engine_id", handle.engine_id},
                      {"request_id", handle.request_id},
                      {"compat_hash", handle.compat_hash()}};
-  if (handle.lease_nonce != 0) {
-    out["lease_nonce"] = absl::StrCat("0x", absl::Hex(handle.lease_nonce));
-  }
+  if (!handle.lease_nonce.zero()) out["lease_nonce"] = handle.lease_nonce.ToString();
   out["layout"] = LayoutJson(handle.layout);
   out["ranks"] = std::move(ranks);
   return out;
 }
 
 std::string KvReleasePayload(const KvHandle& handle) {
-  return absl::StrCat(handle.engine_id, "\n", handle.request_id, "\n0x",
-                      absl::Hex(handle.lease_nonce));
+  return absl::StrCat(handle.engine_id, "\n", handle.request_id, "\n",
+                      handle.lease_nonce.ToString());
 }
 
 absl::StatusOr<KvHandle> ParseKvHandle(const nlohmann::json& params) {
@@ -559,7 +617,13 @@ absl::StatusOr<KvHandle> ParseKvHandle(const nlohmann::json& params) {
   CPFILL_ASSIGN_OR_RETURN(handle.engine_id, StringMember(params, "", "engine_id"));
   CPFILL_ASSIGN_OR_RETURN(handle.request_id, StringMember(params, "", "request_id"));
   CPFILL_ASSIGN_OR_RETURN(std::string compat_hash, StringMember(params, "", "compat_hash"));
-  CPFILL_ASSIGN_OR_RETURN(handle.lease_nonce, AddressMember(params, "", "lease_nonce"));
+  CPFILL_ASSIGN_OR_RETURN(std::string nonce, StringMember(params, "", "lease_nonce"));
+  std::optional<KvNonce> parsed_nonce = KvNonce::Parse(nonce);
+  if (!parsed_nonce) {
+    return FieldError("lease_nonce", absl::StrCat("is ", json::Show(nlohmann::json(nonce)),
+                                                  "; expected \"0x\" and 32 hex digits"));
+  }
+  handle.lease_nonce = *parsed_nonce;
   CPFILL_ASSIGN_OR_RETURN(const nlohmann::json* layout,
                           TypedMember(params, "", "layout", nlohmann::json::value_t::object));
   CPFILL_ASSIGN_OR_RETURN(handle.layout, ReadLayout(*layout));

@@ -11,11 +11,11 @@
 // handle): ParseKvHandle checks every field and returns InvalidArgument naming the field; it never
 // throws. ValidateKvHandle runs the same value checks on a handle built in-process.
 //
-// JSON shape, format "cpfill.kv.v1" (keys not listed here are ignored, so a router may add its
+// JSON shape, format "cpfill.kv.v2" (keys not listed here are ignored, so a router may add its
 // own; every listed key is required):
-//   {"version": "cpfill.kv.v1", "engine_id": "cpfill-a1", "request_id": "cmpl-7",
+//   {"version": "cpfill.kv.v2", "engine_id": "cpfill-a1", "request_id": "kv-9f0c...",
 //    "compat_hash": "8e99ad01a2868416",          // KvCompatHash(layout), 16 hex digits
-//    "lease_nonce": "0x2a",                       // the lease's word while it holds (below)
+//    "lease_nonce": "0x5be1...",                  // 128 random bits: 32 hex digits (below)
 //    "layout": {"num_layers": 32, "kv_heads": 8, "kv_heads_per_tp_rank": 4, "head_dim": 128,
 //               "dtype": "bfloat16", "block_tokens": 16, "tokens": 41, "tp_size": 2,
 //               "cp_size": 2},
@@ -29,12 +29,17 @@
 //               "lease_rkey": "<base64>", "lease_address": "0x55d0..."}},
 //      ...]}
 //
-// The lease word. Each rank keeps one registered 8-byte word per lease (at lease_address, under
-// lease_rkey) that holds lease_nonce while the lease holds and is cleared before the rank frees
-// the blocks (a release, the lease's expiry, DELETE /v1/kv/{request_id}). A puller reads the word
-// after its gets from that rank complete: the nonce there means the blocks it read were the
-// request's throughout; anything else means a stale handle or a lease that ended mid-pull, and the
-// data is void. Nonces are never reused within an engine (engine_id differs across restarts).
+// The lease record. Each rank keeps one registered 64-byte KvLeaseRecord per lease (at
+// lease_address, under lease_rkey): while the lease holds, the nonce and the SHA-256 of that
+// rank's part of the handle (KvRankDigest: the ids, the nonce, the layout, the rank's coordinates,
+// positions, blocks and pool); the nonce is cleared before the rank frees the blocks (a release,
+// the lease's expiry, DELETE /v1/kv/{request_id}). A puller reads the record before any KV and
+// refuses a rank whose record does not hold the handle's nonce (a stale handle) or whose digest
+// differs from the digest of the handle's part for that rank (an edited or forged handle: other
+// blocks, another rank's transport, another engine's or request's ids): nothing is read. It reads
+// the nonce again after its gets: still there means the blocks it read were the request's
+// throughout; anything else means the lease ended mid-pull, and the data is void. Nonces come
+// from the operating system's CSPRNG and are never reused within an engine.
 //
 // The release: when every decode rank has pulled, the decode side sends one UCX active message of
 // id kKvReleaseMessageId to ranks[0]'s worker, payload KvReleasePayload(handle); the lease ends
@@ -53,19 +58,45 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/secure.h"
 #include "nlohmann/json.hpp"
 #include "runtime/kv/kv_cache.h"
 #include "sharding/plan.h"
 
 namespace cpfill::runtime {
 
-inline constexpr std::string_view kKvHandleVersion = "cpfill.kv.v1";
+inline constexpr std::string_view kKvHandleVersion = "cpfill.kv.v2";
+
+// A lease's nonce: 128 bits from the operating system's CSPRNG, never zero once published; "0x"
+// and 32 lowercase hex digits in JSON, in release messages and in the HTTP lease routes.
+struct KvNonce {
+  uint64_t hi = 0, lo = 0;
+
+  static KvNonce Random();
+  // Exactly "0x" and 32 hex digits (either case); nullopt otherwise.
+  static std::optional<KvNonce> Parse(std::string_view text);
+  std::string ToString() const;
+  bool zero() const { return hi == 0 && lo == 0; }
+  bool operator==(const KvNonce&) const = default;
+};
+
+// What a prefill rank publishes for one lease in its registered lease region (the layout a
+// puller reads, 64 bytes a lease slot): the nonce while the lease holds (zero otherwise) and the
+// SHA-256 of the rank's part of the handle.
+struct KvLeaseRecord {
+  uint64_t nonce_hi = 0;
+  uint64_t nonce_lo = 0;
+  uint8_t digest[32] = {};
+  uint8_t reserved[16] = {};
+};
+static_assert(sizeof(KvLeaseRecord) == 64, "lease records are 64 bytes a slot on the wire");
 
 // Bounds a handle must stay within: generous for any real model, small enough that no size
 // derived from them overflows int64 and no forged handle makes the reader allocate much.
@@ -140,8 +171,8 @@ struct KvRankTransport {
   std::string worker_address;
   std::string rkey;
   uint64_t pool_address = 0;
-  std::string lease_rkey;      // the rank's lease words' region
-  uint64_t lease_address = 0;  // this lease's word (8 bytes, aligned)
+  std::string lease_rkey;      // the rank's lease records' region
+  uint64_t lease_address = 0;  // this lease's record (a KvLeaseRecord, 64 bytes, aligned)
   bool empty() const {
     return worker_address.empty() && rkey.empty() && pool_address == 0 && lease_rkey.empty() &&
            lease_address == 0;
@@ -167,7 +198,7 @@ struct KvHandle {
   std::string request_id;
   KvHandleLayout layout;
   std::vector<KvRankShard> ranks;  // [tp_rank * cp_size + cp_rank]
-  uint64_t lease_nonce = 0;        // non-zero once published (transport present)
+  KvNonce lease_nonce;             // non-zero once published (transport present)
 
   const KvRankShard& rank(int tp_rank, int cp_rank) const {
     return ranks[tp_rank * layout.cp_size + cp_rank];
@@ -190,7 +221,13 @@ enum class KvTransportCheck { kRequired, kAbsentAllowed };
 absl::Status ValidateKvHandle(const KvHandle& handle,
                               KvTransportCheck transport = KvTransportCheck::kRequired);
 
-// The release message's payload: engine_id, request_id and the lease nonce ("0x" and hex digits),
+// The SHA-256 of what rank `rank_index` ([tp_rank * cp_size + cp_rank]) of `handle` is asked for:
+// engine_id, request_id, the nonce, the layout, the rank's coordinates, positions, blocks and
+// pool; not its transport (world rank 0 fills it; a copied transport is caught by the record it
+// leads to). The prefill rank publishes it in its lease record; a puller compares.
+Sha256Digest KvRankDigest(const KvHandle& handle, int rank_index);
+
+// The release message's payload: engine_id, request_id and the lease nonce (KvNonce::ToString),
 // separated by newlines.
 std::string KvReleasePayload(const KvHandle& handle);
 

@@ -94,11 +94,11 @@ KvHandle MakeHandle(const Geometry& g) {
                          .rkey = std::string("\x00\xff\x10rkey", 7) + std::to_string(cp_rank),
                          .pool_address = 0x7f0000000000ULL + (uint64_t{1} << 32) * tp_rank,
                          .lease_rkey = absl::StrCat("lease-", tp_rank, "-", cp_rank),
-                         .lease_address = 0x550000001000ULL + 0x100000ULL * cp_rank + 8 * 3};
+                         .lease_address = 0x550000001000ULL + 0x100000ULL * cp_rank + 64 * 3};
       h.ranks.push_back(std::move(shard));
     }
   }
-  h.lease_nonce = 0x2a;
+  h.lease_nonce = {.hi = 0x5be1, .lo = 0x2a};
   return h;
 }
 
@@ -339,7 +339,7 @@ TEST(KvHandle, RoundTripsThroughJsonText) {
 TEST(KvHandle, JsonHasTheDocumentedShape) {
   const KvHandle h = MakeHandle({.tokens = 41});
   const nlohmann::ordered_json j = ToJson(h);
-  EXPECT_EQ(j["version"], "cpfill.kv.v1");
+  EXPECT_EQ(j["version"], "cpfill.kv.v2");
   EXPECT_EQ(j["compat_hash"], KvCompatHash(h.layout));
   EXPECT_EQ(j["layout"]["dtype"], "float32");
   EXPECT_EQ(j["layout"]["kv_heads_per_tp_rank"], 2);
@@ -352,9 +352,9 @@ TEST(KvHandle, JsonHasTheDocumentedShape) {
   EXPECT_EQ(j["ranks"][1]["ucx"]["pool_address"], "0x7f0000000000");
   EXPECT_EQ(j["ranks"][2]["ucx"]["pool_address"], "0x7f0100000000");
   EXPECT_EQ(j["ranks"][0]["ucx"]["worker_address"], "dWNwLXdvcmtlci0wLTA=");
-  EXPECT_EQ(j["lease_nonce"], "0x2a");
-  EXPECT_EQ(j["ranks"][1]["ucx"]["lease_address"], "0x550000101018");
-  EXPECT_EQ(KvReleasePayload(h), "cpfill-test\ncmpl-42\n0x2a");
+  EXPECT_EQ(j["lease_nonce"], "0x0000000000005be1000000000000002a");
+  EXPECT_EQ(j["ranks"][1]["ucx"]["lease_address"], "0x5500001010c0");
+  EXPECT_EQ(KvReleasePayload(h), "cpfill-test\ncmpl-42\n0x0000000000005be1000000000000002a");
 }
 
 // A handle built before its pools are registered with UCX: valid in-process only when asked, and
@@ -362,7 +362,7 @@ TEST(KvHandle, JsonHasTheDocumentedShape) {
 TEST(KvHandle, WithoutTransportIsValidOnlyInProcess) {
   KvHandle h = MakeHandle({});
   for (KvRankShard& shard : h.ranks) shard.transport = {};
-  h.lease_nonce = 0;
+  h.lease_nonce = {};
   EXPECT_TRUE(Mentions(ValidateKvHandle(h), "ranks[0].ucx.worker_address"));
   EXPECT_TRUE(ValidateKvHandle(h, KvTransportCheck::kAbsentAllowed).ok());
   const nlohmann::ordered_json j = ToJson(h);
@@ -398,7 +398,7 @@ TEST(KvHandle, CompatHashIsStableAndCoversTheGeometry) {
                                  .tp_size = 2,
                                  .cp_size = 2};
   // Frozen: a change here breaks every published handle; bump the version with it.
-  EXPECT_EQ(KvCompatHash(llama3_8b), "8e962d01a28374bf");
+  EXPECT_EQ(KvCompatHash(llama3_8b), "1498b9a92d3e62b4");  // cpfill.kv.v2
   // The request's sharding is not part of the model's compatibility.
   KvHandleLayout other_sharding = llama3_8b;
   other_sharding.tokens = 7;
@@ -477,10 +477,17 @@ std::vector<Forgery> Forgeries() {
       {"tp_rank a string", [](Json& j) { j["ranks"][0]["tp_rank"] = "0"; }, "\"ranks[0].tp_rank\""},
       {"no ucx", [](Json& j) { j["ranks"][3].erase("ucx"); }, "\"ranks[3].ucx\" is missing"},
       {"no lease nonce", [](Json& j) { j.erase("lease_nonce"); }, "\"lease_nonce\" is missing"},
-      {"lease nonce 0", [](Json& j) { j["lease_nonce"] = "0x0"; }, "\"lease_nonce\" is 0"},
+      {"lease nonce 0", [](Json& j) { j["lease_nonce"] = "0x00000000000000000000000000000000"; },
+       "\"lease_nonce\" is 0"},
+      {"lease nonce short", [](Json& j) { j["lease_nonce"] = "0x2a"; },
+       "\"lease_nonce\" is \"0x2a\"; expected \"0x\" and 32 hex digits"},
+      {"lease nonce not hex",
+       [](Json& j) { j["lease_nonce"] = "0x0000000000005be1000000000000002g"; }, "\"lease_nonce\""},
+      {"lease nonce a number", [](Json& j) { j["lease_nonce"] = 42; }, "\"lease_nonce\""},
       {"no lease key", [](Json& j) { j["ranks"][1]["ucx"].erase("lease_rkey"); },
        "\"ranks[1].ucx.lease_rkey\" is missing"},
-      {"lease word unaligned", [](Json& j) { j["ranks"][2]["ucx"]["lease_address"] = "0x1001"; },
+      {"lease record unaligned",
+       [](Json& j) { j["ranks"][2]["ucx"]["lease_address"] = "0x550000001008"; },
        "\"ranks[2].ucx.lease_address\""},
       {"run not a pair", [](Json& j) { j["ranks"][0]["positions"][0] = Json::array({1}); },
        "\"ranks[0].positions[0]\""},
@@ -750,6 +757,45 @@ TEST(KvPullPlan, RefusesAnInvalidHandle) {
       PlanKvPull(h, {.tp_size = 1, .layout = KvContiguousDestination{}});
   ASSERT_FALSE(plan.ok());
   EXPECT_TRUE(Mentions(plan.status(), "\"ranks[1].blocks\""));
+}
+
+// What a lease record holds for a rank changes with everything a puller would be asked to read
+// there, and with nothing else.
+TEST(KvHandle, RankDigestCoversWhatARankIsAskedFor) {
+  const KvHandle h = MakeHandle({.tokens = 41});
+  const Sha256Digest d = KvRankDigest(h, 1);
+  EXPECT_EQ(KvRankDigest(h, 1), d);
+  EXPECT_NE(KvRankDigest(h, 0), d);  // another rank's part
+  auto changed = [&](const std::function<void(KvHandle&)>& edit) {
+    KvHandle e = h;
+    edit(e);
+    return KvRankDigest(e, 1) != d;
+  };
+  EXPECT_TRUE(changed([](KvHandle& e) { e.ranks[1].blocks[0] += 1; }));
+  EXPECT_TRUE(changed([](KvHandle& e) { e.ranks[1].positions[0].length -= 1; }));
+  EXPECT_TRUE(changed([](KvHandle& e) { e.ranks[1].pool.k_offset_bytes += 64; }));
+  EXPECT_TRUE(changed([](KvHandle& e) { e.ranks[1].cp_rank = 0; }));
+  EXPECT_TRUE(changed([](KvHandle& e) { e.request_id = "cmpl-43"; }));
+  EXPECT_TRUE(changed([](KvHandle& e) { e.engine_id = "cpfill-other"; }));
+  EXPECT_TRUE(changed([](KvHandle& e) { e.lease_nonce.lo ^= 1; }));
+  EXPECT_TRUE(changed([](KvHandle& e) { e.layout.num_layers += 1; }));
+  // Rank 1's transport is not part of it (world rank 0 fills it), nor another rank's blocks.
+  EXPECT_FALSE(changed([](KvHandle& e) { e.ranks[1].transport = e.ranks[0].transport; }));
+  EXPECT_FALSE(changed([](KvHandle& e) { e.ranks[2].blocks[0] += 1; }));
+}
+
+TEST(KvHandle, NoncesAreRandom128BitValues) {
+  const KvNonce a = KvNonce::Random(), b = KvNonce::Random();
+  EXPECT_FALSE(a.zero());
+  EXPECT_NE(a, b);
+  EXPECT_EQ(a.ToString().size(), 34u);
+  EXPECT_EQ(KvNonce::Parse(a.ToString()), a);
+  EXPECT_EQ(KvNonce::Parse("0X0000000000005BE1000000000000002A"),
+            (KvNonce{.hi = 0x5be1, .lo = 0x2a}));
+  EXPECT_FALSE(KvNonce::Parse("0x2a").has_value());
+  EXPECT_FALSE(KvNonce::Parse("0x0000000000005be1000000000000002a0").has_value());
+  EXPECT_FALSE(KvNonce::Parse("000000000000005be1000000000000002a").has_value());
+  EXPECT_FALSE(KvNonce::Parse("0x0000000000005be100000000000000-a").has_value());
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -97,11 +98,11 @@ absl::Status KvHandoff::Register(const KvCache& kv, const KvHandoffPlace& place)
   CPFILL_ASSIGN_OR_RETURN(
       pool_region_,
       ucx_->RegisterMemory(exposed.BlockAddress(0, 0, 0), static_cast<uint64_t>(pool.bytes), kind));
-  lease_words_ = std::make_unique<std::atomic<uint64_t>[]>(options_.max_leases);
-  for (int i = 0; i < options_.max_leases; ++i) lease_words_[i].store(0);
+  lease_slots_ = std::make_unique<LeaseSlot[]>(options_.max_leases);
   CPFILL_ASSIGN_OR_RETURN(
-      lease_region_, ucx_->RegisterMemory(lease_words_.get(), uint64_t{8} * options_.max_leases,
-                                          parallel::UcxMemoryKind::kHost));
+      lease_region_,
+      ucx_->RegisterMemory(lease_slots_.get(), sizeof(LeaseSlot) * options_.max_leases,
+                           parallel::UcxMemoryKind::kHost));
   description_ = absl::StrCat(
       "UCX ", parallel::UcxTransport::LibraryVersion(), ", ",
       !stage ? absl::StrCat(kind == parallel::UcxMemoryKind::kCuda ? "CUDA" : "host",
@@ -109,7 +110,7 @@ absl::Status KvHandoff::Register(const KvCache& kv, const KvHandoffPlace& place)
              : absl::StrCat("staged through ", kv.on_device() ? "pinned " : "", "host memory (",
                             exposed.spec().capacity_tokens, " tokens per rank",
                             kv.on_device() ? "; this UCX has no CUDA transport" : "", ")"),
-      ", ", options_.max_leases, " lease words");
+      ", ", options_.max_leases, " lease records");
   return absl::OkStatus();
 }
 
@@ -119,7 +120,7 @@ absl::Status KvHandoff::GatherTransports(parallel::Communicator& world,
                              .rkey = pool_region_->packed_key(),
                              .pool_address = reinterpret_cast<uint64_t>(pool_region_->address()),
                              .lease_rkey = lease_region_->packed_key(),
-                             .lease_address = reinterpret_cast<uint64_t>(lease_words_.get())};
+                             .lease_address = reinterpret_cast<uint64_t>(lease_slots_.get())};
   CPFILL_ASSIGN_OR_RETURN(std::vector<std::string> texts,
                           parallel::AllGatherText(world, TransportText(place, mine)));
   // World rank 0 keeps them; every rank learns whether it could read them.
@@ -188,18 +189,31 @@ void KvHandoff::Forget(const std::string& session) {
   staged_.erase(it);
 }
 
-void KvHandoff::Publish(int slot, uint64_t nonce) {
-  lease_words_[slot].store(nonce, std::memory_order_seq_cst);
+// The digest first, then the nonce: a record whose nonce holds has its digest. The handle is only
+// answered after every rank has published, so no puller reads a record half written.
+void KvHandoff::Publish(int slot, const KvNonce& nonce, const KvHandle& handle) {
+  KvHandle published = handle;
+  published.lease_nonce = nonce;
+  const Sha256Digest digest =
+      KvRankDigest(published, place_.tp_rank * place_.cp_size + place_.cp_rank);
+  LeaseSlot& s = lease_slots_[slot];
+  std::memcpy(s.digest, digest.data(), digest.size());
+  s.nonce_hi.store(nonce.hi, std::memory_order_seq_cst);
+  s.nonce_lo.store(nonce.lo, std::memory_order_seq_cst);
 }
 
-// seq_cst: the word is clear before any later store of the caller (the blocks' reuse) is seen.
-void KvHandoff::Revoke(int slot) { lease_words_[slot].store(0, std::memory_order_seq_cst); }
+// seq_cst: the nonce is clear before any later store of the caller (the blocks' reuse) is seen.
+// A puller that reads half of it sees no nonce of any lease (nonces are random, never reused).
+void KvHandoff::Revoke(int slot) {
+  lease_slots_[slot].nonce_lo.store(0, std::memory_order_seq_cst);
+  lease_slots_[slot].nonce_hi.store(0, std::memory_order_seq_cst);
+}
 
-void KvHandoff::FillTransport(KvHandle* handle, int slot, uint64_t nonce) const {
+void KvHandoff::FillTransport(KvHandle* handle, int slot, const KvNonce& nonce) const {
   handle->lease_nonce = nonce;
   for (size_t i = 0; i < handle->ranks.size() && i < transports_.size(); ++i) {
     KvRankTransport t = transports_[i];
-    t.lease_address += uint64_t{8} * static_cast<uint64_t>(slot);
+    t.lease_address += sizeof(LeaseSlot) * static_cast<uint64_t>(slot);
     handle->ranks[i].transport = std::move(t);
   }
 }

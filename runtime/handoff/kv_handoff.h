@@ -1,6 +1,6 @@
 // cpfill/runtime/handoff/kv_handoff.h — the prefill side's UCX for the KV hand-off, on every
-// rank of a server started with --kv-handoff: the rank's KV pool registered once, its lease words
-// (kv_handle.h, "The lease word"), what every rank's handle entry needs to reach it (gathered to
+// rank of a server started with --kv-handoff: the rank's KV pool registered once, its lease records
+// (kv_handle.h, "The lease record"), what every rank's handle entry needs to reach it (gathered to
 // world rank 0 at start), and a thread that progresses the rank's UCX worker and hands release
 // messages to a callback.
 //
@@ -43,7 +43,7 @@
 namespace cpfill::runtime {
 
 struct KvHandoffOptions {
-  int max_leases = 1024;  // lease words per rank: requests whose KV may be held at once
+  int max_leases = 1024;  // lease records per rank: requests whose KV may be held at once
   // Host staging (see above): its capacity in tokens per rank (0: the KV cache's), and whether to
   // stage even a host KV cache (tests exercise the staging path on the CPU backend with it).
   int64_t staging_tokens = 0;
@@ -64,7 +64,7 @@ struct KvHandoffPlace {
 
 class KvHandoff {
  public:
-  // Collective over `world`: every rank registers its pool and lease words and the ranks'
+  // Collective over `world`: every rank registers its pool and lease records and the ranks'
   // transports are gathered; the same error on every rank when any rank fails (FailedPrecondition
   // for a GPU pool without CUDA support in UCX, naming the library version).
   static absl::StatusOr<std::unique_ptr<KvHandoff>> Create(const KvCache& kv,
@@ -88,11 +88,13 @@ class KvHandoff {
   double staging_usage_ratio() const {
     return staging_ ? staging_->cache().usage().usage_ratio() : 0.0;
   }
-  // Every rank: lease word `slot` holds `nonce` (non-zero) / 0. Revoke before the blocks go.
-  void Publish(int slot, uint64_t nonce);
+  // Every rank: lease record `slot` holds `nonce` (non-zero) and the digest of this rank's part of
+  // `handle` (KvRankDigest, with `nonce` as its lease_nonce; the exported handle, every rank's
+  // the same). Revoke clears the nonce; call it before the blocks go.
+  void Publish(int slot, const KvNonce& nonce, const KvHandle& handle);
   void Revoke(int slot);
   // World rank 0: every rank of `handle` gets its transport for lease `slot`, and the nonce.
-  void FillTransport(KvHandle* handle, int slot, uint64_t nonce) const;
+  void FillTransport(KvHandle* handle, int slot, const KvNonce& nonce) const;
   // "UCX 1.13.1, host memory" or "..., CUDA memory": for the start-up log.
   const std::string& description() const { return description_; }
 
@@ -110,7 +112,17 @@ class KvHandoff {
   std::map<std::string, KvCache::SeqId> staged_;  // by session
   std::unique_ptr<parallel::UcxTransport> ucx_;
   std::unique_ptr<parallel::UcxMemoryRegion> pool_region_, lease_region_;
-  std::unique_ptr<std::atomic<uint64_t>[]> lease_words_;
+  // The registered lease records (KvLeaseRecord's layout, one a slot). The nonce words are atomic:
+  // the engine's thread writes them while UCX may read them.
+  struct alignas(64) LeaseSlot {
+    std::atomic<uint64_t> nonce_hi{0}, nonce_lo{0};
+    uint8_t digest[32] = {};
+    uint8_t reserved[16] = {};
+  };
+  static_assert(sizeof(LeaseSlot) == sizeof(KvLeaseRecord) &&
+                    std::atomic<uint64_t>::is_always_lock_free,
+                "a lease slot is a KvLeaseRecord in memory");
+  std::unique_ptr<LeaseSlot[]> lease_slots_;
   std::string description_;
   // World rank 0: [tp_rank * cp_size + cp_rank], lease_address the rank's first word.
   std::vector<KvRankTransport> transports_;

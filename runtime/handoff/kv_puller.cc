@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -59,21 +60,31 @@ absl::StatusOr<KvPuller::Source*> KvPuller::Connect(const KvHandle& handle, int 
   return sources_.emplace(key, std::move(source)).first->second.get();
 }
 
+// `before`: the record must also hold the digest of the handle's part for this rank, so that an
+// edited handle (other blocks, another rank's transport, other ids) reads nothing.
 absl::Status KvPuller::CheckLease(const KvHandle& handle, int rank_index, Source& source,
-                                  parallel::UcxDeadline deadline, const char* when) {
-  uint64_t word = ~uint64_t{0};
+                                  parallel::UcxDeadline deadline, bool before) {
+  KvLeaseRecord record;
   const parallel::UcxGetRun run{.remote_address = handle.ranks[rank_index].transport.lease_address,
                                 .key = source.lease_key,
-                                .local = &word,
-                                .bytes = sizeof(word)};
+                                .local = &record,
+                                .bytes = sizeof(record)};
   if (absl::Status got = source.peer->Get({&run, 1}, deadline); !got.ok()) {
     return DropSource(&source, got);
   }
-  if (word != handle.lease_nonce) {
+  if (record.nonce_hi != handle.lease_nonce.hi || record.nonce_lo != handle.lease_nonce.lo) {
     return absl::FailedPreconditionError(absl::StrCat(
         "KV hand-off '", handle.request_id, "': the lease no longer holds on ",
-        RankName(handle, rank_index), " ", when, " (released, expired, or a stale handle)",
-        std::string_view(when) == "after the pull" ? "; the KV pulled is void" : ""));
+        RankName(handle, rank_index), before ? " before the pull" : " after the pull",
+        " (released, expired, or a stale handle)", before ? "" : "; the KV pulled is void"));
+  }
+  const Sha256Digest digest = KvRankDigest(handle, rank_index);
+  if (before && std::memcmp(record.digest, digest.data(), digest.size()) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "KV hand-off '", handle.request_id, "': ", RankName(handle, rank_index),
+        " published another digest for this lease: the handle's ranks[", rank_index,
+        "] is not what that rank holds (an edited or forged handle: its blocks, positions, pool, "
+        "ids or transport); nothing was read"));
   }
   return absl::OkStatus();
 }
@@ -95,7 +106,20 @@ absl::StatusOr<KvPullStats> KvPuller::Pull(const KvHandle& handle, const KvPullD
                                 plan.runs[i].src_tp_rank != plan.runs[i - 1].src_tp_rank ||
                                 plan.runs[i].src_cp_rank != plan.runs[i - 1].src_cp_rank;
   }
-  // Runs are grouped by source rank (PlanKvPull's order).
+  // Step 1: every source rank's lease record, before any KV is read: a stale or edited handle
+  // leaves the destination untouched, whichever rank it names wrongly.
+  for (size_t i = 0; i < plan.runs.size(); ++i) {
+    if (i > 0 && plan.runs[i].src_tp_rank == plan.runs[i - 1].src_tp_rank &&
+        plan.runs[i].src_cp_rank == plan.runs[i - 1].src_cp_rank) {
+      continue;
+    }
+    const int rank_index =
+        plan.runs[i].src_tp_rank * handle.layout.cp_size + plan.runs[i].src_cp_rank;
+    CPFILL_ASSIGN_OR_RETURN(Source * source, Connect(handle, rank_index));
+    CPFILL_RETURN_IF_ERROR(CheckLease(handle, rank_index, *source, deadline, /*before=*/true));
+  }
+  // Step 2: each rank's gets, then its nonce again. Runs are grouped by source rank (PlanKvPull's
+  // order).
   for (size_t first = 0; first < plan.runs.size();) {
     const int tp = plan.runs[first].src_tp_rank, cp = plan.runs[first].src_cp_rank;
     size_t last = first;
@@ -105,7 +129,6 @@ absl::StatusOr<KvPullStats> KvPuller::Pull(const KvHandle& handle, const KvPullD
     }
     const int rank_index = tp * handle.layout.cp_size + cp;
     CPFILL_ASSIGN_OR_RETURN(Source * source, Connect(handle, rank_index));
-    CPFILL_RETURN_IF_ERROR(CheckLease(handle, rank_index, *source, deadline, "before the pull"));
     const uint64_t pool = handle.ranks[rank_index].transport.pool_address;
     std::vector<parallel::UcxGetRun> gets;
     for (size_t i = first; i < last; ++i) {
@@ -125,7 +148,7 @@ absl::StatusOr<KvPullStats> KvPuller::Pull(const KvHandle& handle, const KvPullD
     stats.get_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - get_start).count();
     if (!got.ok()) return DropSource(source, got);
-    CPFILL_RETURN_IF_ERROR(CheckLease(handle, rank_index, *source, deadline, "after the pull"));
+    CPFILL_RETURN_IF_ERROR(CheckLease(handle, rank_index, *source, deadline, /*before=*/false));
     stats.gets += static_cast<int64_t>(gets.size());
     ++stats.source_ranks;
     first = last;

@@ -2,8 +2,9 @@
 // rank's part of a request's KV from every prefill rank that holds it (kv_handle.h), over UCX, into
 // memory of the caller's choosing and layout (kv_pull_plan.h), then releases the lease.
 //
-// A pull from each prefill rank: its lease word must hold the handle's nonce before the gets (a
-// stale handle is refused without reading blocks) and after them (a lease that ended mid-pull
+// A pull from each prefill rank: its lease record must hold the handle's nonce and the digest of
+// the handle's part for that rank before the gets (a stale, edited or forged handle is refused
+// without reading blocks) and the nonce after them (a lease that ended mid-pull
 // voids the data: FailedPrecondition, and the caller must not use the destination). Gets of one
 // rank are issued in a bounded window; ranks are pulled one after another. Every wait has the
 // caller's deadline; a prefill rank that is gone is an error within it (Unavailable where UCX
@@ -67,8 +68,9 @@ class KvPuller {
   // Pulls decode rank dst.tp_rank's part of `handle` (validated, transport present: ParseKvHandle
   // gives such) into [base, base + bytes), host memory or CUDA memory where UCX supports it.
   // InvalidArgument for a plan that is refused (PlanKvPull) or reaches past `bytes`;
-  // FailedPrecondition when a rank's lease word does not hold the nonce (a stale handle, a lease
-  // ended before or during the pull: the destination's contents are then void); a transport
+  // FailedPrecondition when a rank's lease record does not hold the nonce (a stale handle, a lease
+  // ended before or during the pull: the destination's contents are then void) or the digest of
+  // the handle's part for that rank (an edited handle: nothing read); a transport
   // error (Unavailable, DeadlineExceeded) naming the prefill rank.
   // `on_rank` (may be empty) sees the figures so far after each prefill rank (progress).
   absl::StatusOr<KvPullStats> Pull(const KvHandle& handle, const KvPullDestination& dst, void* base,
@@ -86,7 +88,7 @@ class KvPuller {
   explicit KvPuller(std::unique_ptr<parallel::UcxTransport> ucx);
   absl::StatusOr<Source*> Connect(const KvHandle& handle, int rank_index);
   absl::Status CheckLease(const KvHandle& handle, int rank_index, Source& source,
-                          parallel::UcxDeadline deadline, const char* when);
+                          parallel::UcxDeadline deadline, bool before);
   // After a transport error the endpoint is closed (ucx_transport.h): forget it, so that the next
   // call connects again; returns `why`.
   absl::Status DropSource(Source* source, absl::Status why);

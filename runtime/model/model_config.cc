@@ -23,6 +23,28 @@ namespace {
 
 constexpr char kPresetNames[] = "tiny, llama3-8b, llama3-70b, llama3-405b";
 
+// config.json and generation_config.json are some KB; a path that is a device, a FIFO or a huge
+// file is refused before it is read, not read without end.
+constexpr int64_t kMaxConfigBytes = int64_t{64} << 20;
+
+// InvalidArgument naming `path` unless it is a regular file of at most kMaxConfigBytes (one that
+// cannot be examined is left to the reader, whose error names it).
+absl::Status CheckConfigFile(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::file_status status = std::filesystem::status(path, ec);
+  if (ec) return absl::OkStatus();
+  if (!std::filesystem::is_regular_file(status)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a regular file (a directory, device or pipe)"));
+  }
+  const uintmax_t bytes = std::filesystem::file_size(path, ec);
+  if (!ec && bytes > static_cast<uintmax_t>(kMaxConfigBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", bytes, " bytes, more than the ",
+                                                   kMaxConfigBytes, " a config file may have"));
+  }
+  return absl::OkStatus();
+}
+
 // The Llama 3.1 RoPE every preset uses (theta 500000, scaling 8 / 1 / 4 / 8192).
 ModelConfig Llama3Base(std::string name) {
   ModelConfig c;
@@ -173,12 +195,60 @@ absl::StatusOr<std::optional<Llama3RopeScaling>> ParseRopeScaling(const ConfigRe
   return std::optional<Llama3RopeScaling>(s);
 }
 
+// The model a config.json names: "model_type" "llama" and "architectures" ["LlamaForCausalLM"],
+// either or both (transformers reads model_type; architectures names the class the weights were
+// saved from). A Mistral, Qwen or other checkpoint is refused here, naming the key, even where
+// its geometry would load: its forward differs from Llama's.
+absl::Status RefuseOtherModels(const ConfigReader& reader, const nlohmann::json& config) {
+  const nlohmann::json* type = json::Find(config, "model_type");
+  if (type != nullptr) {
+    if (!type->is_string() || type->get_ref<const std::string&>() != "llama") {
+      return reader.Error("model_type",
+                          absl::StrCat("is ", json::Show(*type), "; only \"llama\" is supported"));
+    }
+  }
+  const nlohmann::json* architectures = json::Find(config, "architectures");
+  if (architectures != nullptr && !architectures->is_null()) {
+    bool llama = architectures->is_array() && !architectures->empty();
+    for (const nlohmann::json& a : llama ? *architectures : nlohmann::json::array()) {
+      llama = llama && a.is_string() && a.get_ref<const std::string&>() == "LlamaForCausalLM";
+    }
+    if (!llama) {
+      return reader.Error("architectures",
+                          absl::StrCat("is ", json::Show(*architectures),
+                                       "; only [\"LlamaForCausalLM\"] is supported"));
+    }
+  } else if (type == nullptr) {
+    return reader.Error("model_type",
+                        "is missing (and so is \"architectures\"): config.json must name the "
+                        "model, \"llama\"");
+  }
+  return absl::OkStatus();
+}
+
+// The dtype the checkpoint was saved in ("torch_dtype"; transformers 5 writes "dtype"): only
+// recorded (the weights' own dtypes are read from the safetensors), but it must be one of the
+// dtypes a Llama checkpoint's weights may have, not a number or a name nothing knows.
+absl::Status CheckDtype(const ConfigReader& reader, const nlohmann::json& config) {
+  for (const char* key : {"torch_dtype", "dtype"}) {
+    const nlohmann::json* v = json::Find(config, key);
+    if (v == nullptr || v->is_null()) continue;
+    const bool known = v->is_string() && (*v == "float32" || *v == "bfloat16" || *v == "float16");
+    if (!known) {
+      return reader.Error(key, absl::StrCat("is ", json::Show(*v),
+                                            "; expected \"float32\", \"bfloat16\" or "
+                                            "\"float16\""));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Keys of LlamaConfig (and its relatives) that change the forward pass in a way cpfill does not
 // implement: running such a checkpoint as a plain Llama would give wrong logits without a
-// word, so each is refused by name. Absent, null and the plain-Llama value are accepted.
+// word, so each is refused by name. Absent and the plain-Llama value are accepted; null is too,
+// except for hidden_act (transformers would look up an activation named None).
 absl::Status RefuseUnimplemented(const ConfigReader& reader, const nlohmann::json& config) {
-  if (const nlohmann::json* act = json::Find(config, "hidden_act");
-      act != nullptr && !act->is_null()) {
+  if (const nlohmann::json* act = json::Find(config, "hidden_act"); act != nullptr) {
     if (!act->is_string() || act->get_ref<const std::string&>() != "silu") {
       return reader.Error("hidden_act",
                           absl::StrCat("is ", json::Show(*act), "; only \"silu\" is implemented"));
@@ -240,15 +310,16 @@ absl::Status ModelConfig::ValidateForTp(int tp) const {
   return absl::OkStatus();
 }
 
-// eos_token_id: a token id, a list of them, or null; each inside the vocabulary.
-absl::StatusOr<std::vector<int32_t>> ParseEosIds(const nlohmann::json& v, int vocab,
-                                                 const std::string& where) {
+// bos_token_id, eos_token_id, pad_token_id (`key`): a token id, a list of them, or null; each
+// inside the vocabulary.
+absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const nlohmann::json& v, std::string_view key,
+                                                   int vocab, const std::string& where) {
   std::vector<int32_t> ids;
   if (v.is_null()) return ids;
   const nlohmann::json list = v.is_array() ? v : nlohmann::json::array({v});
   for (const nlohmann::json& id : list) {
     const std::optional<int64_t> n = json::AsInt64(id);
-    CPFILL_CHECK_ARG(n.has_value() && *n >= 0 && *n < vocab, where, ": eos_token_id ",
+    CPFILL_CHECK_ARG(n.has_value() && *n >= 0 && *n < vocab, where, ": ", std::string(key), " ",
                      json::Show(id), " is not a token id of the vocabulary [0, ", vocab, ")");
     ids.push_back(static_cast<int32_t>(*n));
   }
@@ -264,13 +335,9 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::str
   c.name = std::move(name);
   const ConfigReader reader(config, c.name);
 
-  if (const nlohmann::json* type = json::Find(config, "model_type"); type != nullptr) {
-    if (!type->is_string() || type->get_ref<const std::string&>() != "llama") {
-      return reader.Error("model_type",
-                          absl::StrCat("is ", json::Show(*type), "; only \"llama\" is supported"));
-    }
-  }
+  CPFILL_RETURN_IF_ERROR(RefuseOtherModels(reader, config));
   CPFILL_RETURN_IF_ERROR(RefuseUnimplemented(reader, config));
+  CPFILL_RETURN_IF_ERROR(CheckDtype(reader, config));
   CPFILL_ASSIGN_OR_RETURN(c.hidden_size, reader.PositiveInt<int>("hidden_size"));
   CPFILL_ASSIGN_OR_RETURN(c.num_heads, reader.PositiveInt<int>("num_attention_heads"));
   if (reader.Has("num_key_value_heads")) {
@@ -318,9 +385,13 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::str
   CPFILL_ASSIGN_OR_RETURN(c.tie_word_embeddings, reader.Bool("tie_word_embeddings", false));
   CPFILL_ASSIGN_OR_RETURN(c.max_position_embeddings,
                           reader.PositiveInt<int64_t>("max_position_embeddings"));
-  if (const nlohmann::json* eos = json::Find(config, "eos_token_id"); eos != nullptr) {
-    CPFILL_ASSIGN_OR_RETURN(c.eos_token_ids,
-                            ParseEosIds(*eos, c.vocab_size, "model config '" + c.name + "'"));
+  const std::string where = "model config '" + c.name + "'";
+  for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+    const nlohmann::json* ids = json::Find(config, key);
+    if (ids == nullptr) continue;
+    CPFILL_ASSIGN_OR_RETURN(std::vector<int32_t> parsed,
+                            ParseTokenIds(*ids, key, c.vocab_size, where));
+    if (std::string_view(key) == "eos_token_id") c.eos_token_ids = std::move(parsed);
   }
   return c;
 }
@@ -331,19 +402,21 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model) {
   if (std::optional<ModelConfig> preset = Preset(model)) return *std::move(preset);
   const std::filesystem::path config_path = std::filesystem::path(model) / "config.json";
   std::error_code ec;
-  if (model.empty() || !std::filesystem::is_regular_file(config_path, ec)) {
+  if (model.empty() || !std::filesystem::exists(config_path, ec)) {
     return absl::NotFoundError(absl::StrCat("'", model, "' is neither a preset (", kPresetNames,
                                             ") nor a directory with config.json"));
   }
+  CPFILL_RETURN_IF_ERROR(CheckConfigFile(config_path.string()));
   CPFILL_ASSIGN_OR_RETURN(nlohmann::json config, json::ReadFile(config_path.string()));
   CPFILL_ASSIGN_OR_RETURN(ModelConfig c, ParseHfConfig(config, model));
   const std::filesystem::path generation = std::filesystem::path(model) / "generation_config.json";
-  if (std::filesystem::is_regular_file(generation, ec)) {
+  if (std::filesystem::exists(generation, ec)) {
+    CPFILL_RETURN_IF_ERROR(CheckConfigFile(generation.string()));
     CPFILL_ASSIGN_OR_RETURN(nlohmann::json g, json::ReadFile(generation.string()));
     const nlohmann::json* eos = g.is_object() ? json::Find(g, "eos_token_id") : nullptr;
     if (eos != nullptr) {
-      CPFILL_ASSIGN_OR_RETURN(c.eos_token_ids,
-                              ParseEosIds(*eos, c.vocab_size, generation.string()));
+      CPFILL_ASSIGN_OR_RETURN(
+          c.eos_token_ids, ParseTokenIds(*eos, "eos_token_id", c.vocab_size, generation.string()));
     }
   }
   return c;

@@ -50,13 +50,18 @@ struct ModelConfig {
   absl::Status ValidateForTp(int tp) const;
 };
 
-// Parses a Hugging Face config.json of the Llama family (model_type "llama"). InvalidArgument
-// naming the key for a missing or malformed field or an unsupported rope_scaling type.
-// generation_config.json is read by LoadModelConfig.
+// Parses a Hugging Face config.json of the Llama family: model_type "llama" and/or architectures
+// ["LlamaForCausalLM"] (one of them must be there), hidden_act "silu" (or absent), torch_dtype
+// (or dtype) "float32", "bfloat16" or "float16" (or absent), bos/eos/pad_token_id inside the
+// vocabulary. InvalidArgument naming the key for a missing or malformed field, another model or
+// an unsupported feature (rope_scaling type, biases, sliding windows). generation_config.json is
+// read by LoadModelConfig.
 absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::string name);
 
 // `model` is a preset name (tiny, llama3-8b, llama3-70b, llama3-405b) or a directory holding
-// config.json. NotFound when it is neither, naming both possibilities.
+// config.json. NotFound when it is neither, naming both possibilities; InvalidArgument naming
+// the file when config.json or generation_config.json is not a regular file (a device, a pipe)
+// or is larger than 64 MiB, refused before it is read.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& model);
 
 // True for the names of built-in presets.

@@ -218,14 +218,53 @@ TEST(ParseHfConfig, RefusesUnimplementedFeaturesByName) {
                                                            {"attention_bias", false},
                                                            {"mlp_bias", false},
                                                            {"sliding_window", nullptr},
-                                                           {"use_sliding_window", false},
-                                                           {"hidden_act", nullptr}}) {
+                                                           {"use_sliding_window", false}}) {
     absl::StatusOr<ModelConfig> c = ParseHfConfig(With(v, key, plain), "plain");
     EXPECT_TRUE(c.ok()) << key << ": " << c.status();
   }
   absl::StatusOr<ModelConfig> tied = ParseHfConfig(With(v, "tie_word_embeddings", true), "tied");
   ASSERT_TRUE(tied.ok()) << tied.status();
   EXPECT_TRUE(tied->tie_word_embeddings);
+}
+
+// The model a config.json names, its activation, dtype and special token ids: each refused by
+// name when it is not what cpfill runs, however well the geometry would load.
+TEST(ParseHfConfig, RefusesOtherModelsAndMalformedIdentity) {
+  const nlohmann::json v = Llama8BJson();
+  ExpectInvalid(With(v, "architectures", nlohmann::json::array({"MistralForCausalLM"})),
+                "\"architectures\" is [\"MistralForCausalLM\"]");
+  ExpectInvalid(
+      With(v, "architectures", nlohmann::json::array({"LlamaForCausalLM", "MistralForCausalLM"})),
+      "\"architectures\"");
+  ExpectInvalid(With(v, "architectures", nlohmann::json::array()), "\"architectures\"");
+  ExpectInvalid(With(v, "architectures", "LlamaForCausalLM"), "\"architectures\"");
+  ExpectInvalid(With(v, "architectures", nlohmann::json::array({5})), "\"architectures\"");
+  ExpectInvalid(With(v, "model_type", nullptr), "\"model_type\" is null");
+  // Neither names the model.
+  ExpectInvalid(Without(Without(v, "architectures"), "model_type"),
+                "\"model_type\" is missing (and so is \"architectures\")");
+  ExpectInvalid(With(Without(v, "model_type"), "architectures", nullptr),
+                "\"model_type\" is missing");
+  ExpectInvalid(With(v, "hidden_act", nullptr), "\"hidden_act\" is null");
+  ExpectInvalid(With(v, "torch_dtype", 5), "\"torch_dtype\" is 5");
+  ExpectInvalid(With(v, "torch_dtype", "float8"), "\"torch_dtype\" is \"float8\"");
+  ExpectInvalid(With(v, "dtype", "int4"), "\"dtype\" is \"int4\"");
+  ExpectInvalid(With(v, "bos_token_id", -7), "bos_token_id -7 is not a token id");
+  ExpectInvalid(With(v, "bos_token_id", 128256), "bos_token_id 128256");
+  ExpectInvalid(With(v, "bos_token_id", "<s>"), "bos_token_id \"<s>\"");
+  ExpectInvalid(With(v, "pad_token_id", -1), "pad_token_id -1");
+  ExpectInvalid(With(v, "pad_token_id", 1.5), "pad_token_id 1.5");
+
+  // Either name alone is enough; absent (or null) activation, dtype and ids take the defaults.
+  for (const nlohmann::json& ok :
+       {Without(v, "architectures"), Without(v, "model_type"), With(v, "architectures", nullptr),
+        Without(v, "hidden_act"), With(v, "torch_dtype", nullptr),
+        With(v, "torch_dtype", "float32"), With(v, "torch_dtype", "float16"),
+        With(v, "bos_token_id", nullptr), With(v, "pad_token_id", 128004),
+        With(v, "bos_token_id", 0)}) {
+    absl::StatusOr<ModelConfig> c = ParseHfConfig(ok, "fine");
+    EXPECT_TRUE(c.ok()) << ok.dump() << ": " << c.status();
+  }
 }
 
 TEST(ParseHfConfig, RejectsUnsupportedRopeScaling) {
@@ -332,6 +371,35 @@ TEST(LoadModelConfig, PresetsAndDirectories) {
   absl::StatusOr<ModelConfig> bad = LoadModelConfig(broken);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
   EXPECT_TRUE(Contains(bad.status(), "config.json")) << bad.status();
+}
+
+// config.json and generation_config.json are read only as regular files of a bounded size: a
+// device (endless), a directory or a huge file is refused by name, unread.
+TEST(LoadModelConfig, NonRegularAndHugeFilesAreRefusedUnread) {
+  const std::string dir = ::testing::TempDir() + "/model_config_test_files";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::filesystem::create_symlink("/dev/urandom", dir + "/config.json");
+  absl::StatusOr<ModelConfig> c = LoadModelConfig(dir);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_TRUE(Contains(c.status(), "config.json: not a regular file")) << c.status();
+  std::filesystem::remove(dir + "/config.json");
+  std::filesystem::create_directory(dir + "/config.json");
+  c = LoadModelConfig(dir);
+  EXPECT_TRUE(Contains(c.status(), "config.json: not a regular file")) << c.status();
+  std::filesystem::remove(dir + "/config.json");
+  std::ofstream(dir + "/config.json") << "{";
+  std::filesystem::resize_file(dir + "/config.json", (int64_t{64} << 20) + 1);  // sparse
+  c = LoadModelConfig(dir);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_TRUE(Contains(c.status(), "config.json: 67108865 bytes, more than")) << c.status();
+
+  std::ofstream(dir + "/config.json", std::ios::trunc) << kLlama31_8B;
+  ASSERT_TRUE(LoadModelConfig(dir).ok());
+  std::filesystem::create_symlink("/dev/zero", dir + "/generation_config.json");
+  c = LoadModelConfig(dir);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_TRUE(Contains(c.status(), "generation_config.json: not a regular file")) << c.status();
 }
 
 TEST(LoadModelConfig, EosIdsFromConfigAndGenerationConfig) {

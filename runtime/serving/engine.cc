@@ -311,7 +311,7 @@ absl::Status Engine::PublishKv(const StepPlan& plan,
       return handle.status();
     }
     if (handle.ok()) {
-      handoff_->Publish(static_cast<int>(p.slot), p.nonce);
+      handoff_->Publish(static_cast<int>(p.slot), p.nonce, *handle);
       lease_slot_of_[p.kv_name] = static_cast<int>(p.slot);
       if (root_) handoff_->FillTransport(&*handle, static_cast<int>(p.slot), p.nonce);
     }

@@ -175,7 +175,7 @@ class Engine : private KvOccupancy {
   // KV hand-off: set by AttachKvHandoff.
   KvHandoff* handoff_ = nullptr;
   std::string engine_id_;
-  std::map<std::string, int> lease_slot_of_;  // every rank: published KV name -> lease word
+  std::map<std::string, int> lease_slot_of_;  // every rank: published KV name -> lease record slot
 };
 
 }  // namespace cpfill::runtime

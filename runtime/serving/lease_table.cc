@@ -2,7 +2,9 @@
 
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "base/secure.h"
 #include "base/status.h"
 
 namespace cpfill::runtime {
@@ -16,7 +18,7 @@ void LeaseTable::Reset(int max_leases, std::chrono::milliseconds length) {
 
 std::optional<LeaseTable::Slot> LeaseTable::TakeSlot() {
   if (free_slots_.empty()) return std::nullopt;
-  Slot s{.slot = free_slots_.back(), .nonce = next_nonce_++};
+  Slot s{.slot = free_slots_.back(), .nonce = KvNonce::Random()};
   free_slots_.pop_back();
   return s;
 }
@@ -31,13 +33,11 @@ void LeaseTable::Hold(const std::string& id, Lease lease, Clock::time_point now)
 absl::StatusOr<std::map<std::string, LeaseTable::Lease>::iterator> LeaseTable::Find(
     const std::string& id, const std::string& nonce) {
   auto it = leases_.find(id);
-  if (it == leases_.end()) {
+  const std::string held = it == leases_.end() ? KvNonce{}.ToString() : it->second.nonce.ToString();
+  if (!ConstantTimeEqual(absl::AsciiStrToLower(nonce), held) || it == leases_.end()) {
     return absl::NotFoundError(
-        absl::StrCat("no KV lease '", id, "' holds (released, expired, or never given)"));
-  }
-  if (nonce != absl::StrCat("0x", absl::Hex(it->second.nonce))) {
-    return absl::NotFoundError(
-        absl::StrCat("KV lease '", id, "' has another nonce (a stale or forged handle)"));
+        "no KV lease holds under this id and nonce (released, expired, never given, or a stale "
+        "or forged handle)");
   }
   return it;
 }

@@ -1,5 +1,5 @@
 // cpfill/runtime/serving/lease_table.h — the KV hand-off's leases on world rank 0: which request
-// ids hold KV for a decode worker, under which nonce and lease word (slot), until when.
+// ids hold KV for a decode worker, under which nonce and lease record (slot), until when.
 //
 // A publish takes a slot and a nonce when first batched (TakeSlot); once its prefill answers,
 // the lease holds (Hold) until the worker releases it (Release, with the handle's nonce), it
@@ -8,8 +8,12 @@
 //
 //   LeaseTable leases;  leases.Reset(/*max_leases=*/64, std::chrono::seconds(30));
 //   std::optional<LeaseTable::Slot> s = leases.TakeSlot();          // nullopt: all are held
-//   leases.Hold("kv-3", {.kv_name = "\x01kv-3", .slot = s->slot, .nonce = s->nonce, ...});
-//   absl::StatusOr<std::string> drop = leases.Release("kv-3", "0x1");  // the KV to free
+//   leases.Hold(id, {.kv_name = name, .slot = s->slot, .nonce = s->nonce, ...}, now);
+//   absl::StatusOr<std::string> drop = leases.Release(id, s->nonce.ToString());  // the KV to free
+//
+// Nonces are 128 bits from the operating system's CSPRNG (KvNonce::Random), compared in constant
+// time, and a caller without the right nonce learns nothing: an unknown id and a wrong nonce get
+// the same answer.
 #pragma once
 
 #include <chrono>
@@ -20,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "runtime/handoff/kv_handle.h"
 
 namespace cpfill::runtime {
 
@@ -29,13 +34,13 @@ class LeaseTable {
   struct Lease {
     std::string kv_name;
     int slot = 0;
-    uint64_t nonce = 0;
+    KvNonce nonce;
     Clock::time_point expires;
     int64_t tokens = 0;
   };
   struct Slot {
     int slot = 0;
-    uint64_t nonce = 0;
+    KvNonce nonce;
   };
 
   // `max_leases` slots, each lease lasting `length` from its hold or renewal.
@@ -44,15 +49,15 @@ class LeaseTable {
   std::chrono::milliseconds length() const { return length_; }
   double length_s() const { return std::chrono::duration<double>(length_).count(); }
 
-  // A free slot and a fresh nonce; nullopt when every slot is taken.
+  // A free slot and a fresh random nonce; nullopt when every slot is taken.
   std::optional<Slot> TakeSlot();
   void ReturnSlot(int slot);  // a publish that never held
   // The lease of `id` holds from `now` (its slot was taken by TakeSlot).
   void Hold(const std::string& id, Lease lease, Clock::time_point now);
 
-  // Ends the lease of `id` if it holds with `nonce` ("0x" and hex digits): returns the KV name
-  // to drop. NotFound when no such lease holds (ended, expired, never given, or another nonce:
-  // a stale or forged handle).
+  // Ends the lease of `id` if it holds with `nonce` (KvNonce::ToString's form): returns the KV
+  // name to drop. NotFound, the same for every cause, when no such lease holds (ended, expired,
+  // never given, or another nonce: a stale or forged handle).
   absl::StatusOr<std::string> Release(const std::string& id, const std::string& nonce);
   // The lease lasts `length()` from `now`; returns that length in seconds. NotFound as Release.
   absl::StatusOr<double> Renew(const std::string& id, const std::string& nonce,
@@ -72,7 +77,6 @@ class LeaseTable {
   std::chrono::milliseconds length_{30000};
   std::map<std::string, Lease> leases_;  // by request id
   std::vector<int> free_slots_;
-  uint64_t next_nonce_ = 1;
 };
 
 }  // namespace cpfill::runtime

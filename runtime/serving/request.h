@@ -129,7 +129,7 @@ struct PendingRequest {
   // publish_kv: the lease it will hold, picked when first batched.
   std::string lease_id;
   int lease_slot = -1;
-  uint64_t lease_nonce = 0;
+  KvNonce lease_nonce;
   bool deferred = false;  // it waited a batch once for a request sharing its prefix (PlanPrefix)
   // Prefix cache, set when batched without KV of its own (PlanPrefix): the tokens its KV holds
   // after the batch, the entry it forks and how many tokens that gives it, and the entry its KV

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/secure.h"
 #include "base/status.h"
 #include "runtime/kv/kv_cache.h"
 
@@ -301,7 +302,7 @@ bool Scheduler::TakeLeaseSlot(PendingRequest& p) {
   if (!slot) return false;
   p.lease_slot = slot->slot;
   p.lease_nonce = slot->nonce;
-  p.lease_id = absl::StrCat("kv-", next_id_++);
+  p.lease_id = absl::StrCat("kv-", RandomHex(16));  // a name, not a capability: the nonce is
   p.kv_name = LeaseSession(p.lease_id);
   return true;
 }

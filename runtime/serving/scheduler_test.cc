@@ -258,9 +258,8 @@ TEST_F(SchedulerTest, LeasesAreNeverEvictedAndEndByNonceOrExpiry) {
   EXPECT_TRUE(IsKvCacheFull(refused.get().status()));
   EXPECT_EQ(s_->stats().kv_leases, 1);
   EXPECT_TRUE(absl::IsNotFound(s_->ReleaseKv(lease.request_id, "0xdead")));
-  EXPECT_TRUE(
-      absl::IsNotFound(s_->ReleaseKv("kv-999", absl::StrCat("0x", absl::Hex(lease.nonce)))));
-  auto renewed = s_->RenewKv(lease.request_id, absl::StrCat("0x", absl::Hex(lease.nonce)), now_);
+  EXPECT_TRUE(absl::IsNotFound(s_->ReleaseKv("kv-999", lease.nonce.ToString())));
+  auto renewed = s_->RenewKv(lease.request_id, lease.nonce.ToString(), now_);
   ASSERT_TRUE(renewed.ok());
   // Expired 30 s after the renewal: dropped with the next step.
   now_ += seconds(31);
@@ -281,7 +280,7 @@ TEST_F(SchedulerTest, AReleasedLeaseIsDroppedAndItsSlotReused) {
   StepPlan none = s_->Plan(now_);  // every slot held: answered at once, not batched
   EXPECT_TRUE(none.batch.empty());
   EXPECT_TRUE(absl::IsUnavailable(second.get().status()));
-  ASSERT_TRUE(s_->ReleaseKv(lease.request_id, absl::StrCat("0x", absl::Hex(lease.nonce))).ok());
+  ASSERT_TRUE(s_->ReleaseKv(lease.request_id, lease.nonce.ToString()).ok());
   EXPECT_EQ(s_->Plan(now_).end_sessions, std::vector<std::string>{lease.kv_name});
   SubmitOne({.tokens = Ids(3, 20), .publish_kv = true});
   StepPlan next = RunStep();

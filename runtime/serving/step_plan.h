@@ -32,11 +32,11 @@ struct StepPlan {
   uint64_t step = 0;                      // kDecode: the decode step (PlanDecode's offset)
   std::vector<std::string> end_sessions;  // sessions to end, evict or drop first
   std::vector<PrefillRequest> batch;
-  // kPrefill: KV every rank exports and publishes after the batch, under lease word `slot`.
+  // kPrefill: KV every rank exports and publishes after the batch, under lease record `slot`.
   struct Publish {
     std::string kv_name, request_id;
     uint32_t slot = 0;
-    uint64_t nonce = 0;
+    KvNonce nonce;
   };
   std::vector<Publish> publish;
   // kPrefill: prefix cache forks: `forks` before the batch (a request reuses an entry), `keeps`

@@ -117,7 +117,8 @@ std::vector<char> StepToWire(const StepPlan& plan) {
     w.Str(p.kv_name);
     w.Str(p.request_id);
     w.U32(p.slot);
-    w.U64(p.nonce);
+    w.U64(p.nonce.hi);
+    w.U64(p.nonce.lo);
   }
   w.Forks(plan.forks);
   w.Forks(plan.keeps);
@@ -138,7 +139,8 @@ absl::StatusOr<StepPlan> StepFromWire(const std::vector<char>& bytes) {
   ok = ok && r.U32(&n);
   for (uint32_t i = 0; ok && i < n; ++i) {
     StepPlan::Publish& p = c.publish.emplace_back();
-    ok = r.Str(&p.kv_name) && r.Str(&p.request_id) && r.U32(&p.slot) && r.U64(&p.nonce);
+    ok = r.Str(&p.kv_name) && r.Str(&p.request_id) && r.U32(&p.slot) && r.U64(&p.nonce.hi) &&
+         r.U64(&p.nonce.lo);
   }
   ok = ok && r.Forks(&c.forks) && r.Forks(&c.keeps);
   if (!ok || !r.done()) {

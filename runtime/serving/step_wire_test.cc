@@ -16,7 +16,8 @@ StepPlan Sample() {
        .session = "",
        .draw = TokenDraw{.params = {.temperature = 0.7, .top_k = 5, .top_p = 0.9, .seed = 42},
                          .step = 3}});
-  p.publish.push_back({.kv_name = "\x01kv-1", .request_id = "kv-1", .slot = 2, .nonce = 7});
+  p.publish.push_back(
+      {.kv_name = "\x01kv-1", .request_id = "kv-1", .slot = 2, .nonce = {.hi = 5, .lo = 7}});
   p.forks.push_back({.parent = "\x01pfx-1", .child = "chat", .tokens = 64});
   p.keeps.push_back({.parent = "chat", .child = "\x01pfx-2", .tokens = 3});
   return p;
@@ -43,7 +44,7 @@ TEST(StepWire, RoundTripsEveryField) {
   EXPECT_EQ(q->publish[0].kv_name, p.publish[0].kv_name);
   EXPECT_EQ(q->publish[0].request_id, "kv-1");
   EXPECT_EQ(q->publish[0].slot, 2u);
-  EXPECT_EQ(q->publish[0].nonce, 7u);
+  EXPECT_EQ(q->publish[0].nonce, (KvNonce{.hi = 5, .lo = 7}));
   ASSERT_EQ(q->forks.size(), 1u);
   EXPECT_EQ(q->forks[0].parent, p.forks[0].parent);
   EXPECT_EQ(q->forks[0].tokens, 64u);

@@ -19,9 +19,11 @@
 #include <array>
 #include <bitset>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -41,6 +43,31 @@ using Json = nlohmann::json;
 // The decode tables are dense in the token id: a file naming id 2^31 must not make us allocate
 // for it. Published vocabularies stay far below 2^24 tokens (Llama 3: 128,256).
 constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
+
+// The files Load reads are bounded: the largest published tokenizer.json files are some tens of
+// MB (Llama 3's: 9 MB), tokenizer_config.json a few MB at most. A path that is a device, a FIFO
+// or a huge file is refused before it is read, not read without end.
+constexpr int64_t kMaxTokenizerJsonBytes = int64_t{256} << 20;
+constexpr int64_t kMaxTokenizerConfigBytes = int64_t{64} << 20;
+
+// json::ReadFile of a regular file of at most `max_bytes`: NotFound when it is missing (as
+// ReadFile), InvalidArgument naming the file when it is not a regular file or is larger.
+absl::StatusOr<Json> ReadBoundedJson(const std::string& path, int64_t max_bytes) {
+  std::error_code ec;
+  const std::filesystem::file_status status = std::filesystem::status(path, ec);
+  if (std::filesystem::exists(status)) {
+    if (!std::filesystem::is_regular_file(status)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": not a regular file (a directory, device or pipe)"));
+    }
+    const uintmax_t bytes = std::filesystem::file_size(path, ec);
+    if (!ec && bytes > static_cast<uintmax_t>(max_bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", bytes, " bytes, more than the ",
+                                                     max_bytes, " a tokenizer file may have"));
+    }
+  }
+  return json::ReadFile(path);  // missing or unreadable: its error, naming the path
+}
 
 // GPT-2's pre-tokenizer pattern, which ByteLevel(use_regex=true) applies.
 constexpr char kGpt2Pattern[] =
@@ -431,7 +458,7 @@ class Loader {
   // token and EOS unknown.
   absl::Status ReadConfig(const std::string& path) {
     model_->bos_id = model_->prefix_ids.empty() ? -1 : model_->prefix_ids.front();
-    absl::StatusOr<Json> config = json::ReadFile(path);
+    absl::StatusOr<Json> config = ReadBoundedJson(path, kMaxTokenizerConfigBytes);
     if (absl::IsNotFound(config.status())) return absl::OkStatus();
     if (!config.ok()) return config.status();
     const Where w{&path, ""};
@@ -733,14 +760,40 @@ class Loader {
                                 " (at offset ", offset, "): ", Pcre2Message(error)));
     }
     // An empty match splits differently in Oniguruma (tokenizers) and PCRE2: refuse patterns
-    // that allow one (Llama 3's and GPT-2's never match less than one character).
+    // that allow one (Llama 3's and GPT-2's never match less than one character). MINLENGTH
+    // counts the characters a match consumes, not those it reports: a lookahead alone ("(?=a)")
+    // or \K reports an empty match past a MINLENGTH of 1, so the pattern is also tried at every
+    // character of a probe text (SplitIsolated refuses any empty match the probe missed).
     uint32_t min_length = 0;
-    if (pcre2_pattern_info(code.get(), PCRE2_INFO_MINLENGTH, &min_length) != 0 || min_length == 0) {
+    const bool empty =
+        pcre2_pattern_info(code.get(), PCRE2_INFO_MINLENGTH, &min_length) != 0 || min_length == 0;
+    if (empty || MatchesEmptyInProbe(code.get())) {
       return w.Bad(absl::StrCat(json::Show(Json(std::string(pattern))),
                                 " can match the empty string, which is not supported"));
     }
     pcre2_jit_compile(code.get(), PCRE2_JIT_COMPLETE);  // failing that, pcre2_match interprets
     return code;
+  }
+
+  // Whether `code` reports an empty match searching from any character of a text that holds
+  // every kind of character a pre-tokenizer pattern tells apart: letters (Latin, accented, CJK),
+  // digits (ASCII, Arabic-Indic), punctuation, contractions, blanks and line ends, an emoji.
+  static bool MatchesEmptyInProbe(const pcre2_code* code) {
+    static constexpr std::string_view kProbe =
+        "Hello, World! it's 'll 've 're 'd 'm 't 's 123 4567 \xd9\xa3\xd9\xa4 caf\xc3\xa9 "
+        "\xc3\x9f\xe4\xb8\xad\xe6\x96\x87 \xf0\x9f\x98\x80 \t\r\n  \n\n x_y-z."
+        "\"#$%&()*+/:;<=>?@[\\]^`{|}~ \xc2\xa0"
+        "end";
+    const Pcre2MatchData data(pcre2_match_data_create_from_pattern(code, nullptr));
+    if (data == nullptr) return true;  // cannot tell: refused
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(kProbe.data());
+    for (size_t start = 0; start <= kProbe.size(); ++start) {
+      if (start < kProbe.size() && (static_cast<uint8_t>(kProbe[start]) & 0xC0) == 0x80) continue;
+      if (pcre2_match(code, subject, kProbe.size(), start, 0, data.get(), nullptr) <= 0) continue;
+      const PCRE2_SIZE* match = pcre2_get_ovector_pointer(data.get());
+      if (match[1] <= match[0]) return true;
+    }
+    return false;
   }
 
   // ---- post-processor and decoder ----
@@ -1010,8 +1063,17 @@ class Encoder {
                          text.size(), "-byte piece: ", Pcre2Message(rc)));
       }
       const PCRE2_SIZE* match = pcre2_get_ovector_pointer(match_data_.get());
+      // Load refuses patterns that can match nothing (Compile), but no check of a regular
+      // expression is complete: an empty match here (or one that \K reports before `done`)
+      // would never advance, so it is refused instead of looping.
+      if (match[0] < done || match[1] <= match[0]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("text: the pre-tokenizer's pattern matched the empty string at byte ",
+                         match[0], " of a ", text.size(),
+                         "-byte piece (tokenizer.json's Split pattern is not supported)"));
+      }
       if (match[0] > done) out.push_back(text.substr(done, match[0] - done));
-      out.push_back(text.substr(match[0], match[1] - match[0]));  // never empty (see Compile)
+      out.push_back(text.substr(match[0], match[1] - match[0]));
       done = match[1];
     }
     if (done < text.size()) out.push_back(text.substr(done));
@@ -1101,7 +1163,7 @@ absl::StatusOr<Tokenizer> Tokenizer::Load(const std::string& dir) {
   const std::string path = dir + "/tokenizer.json";
   Loader loader(path);
   {
-    CPFILL_ASSIGN_OR_RETURN(const Json root, json::ReadFile(path));
+    CPFILL_ASSIGN_OR_RETURN(const Json root, ReadBoundedJson(path, kMaxTokenizerJsonBytes));
     CPFILL_RETURN_IF_ERROR(loader.ReadTokenizerJson(root));
   }
   CPFILL_RETURN_IF_ERROR(loader.ReadConfig(dir + "/tokenizer_config.json"));

@@ -51,12 +51,17 @@ class Tokenizer {
  public:
   // Reads DIR/tokenizer.json and (optional) DIR/tokenizer_config.json. NotFound when DIR has no
   // tokenizer.json; InvalidArgument naming the file and the problem for anything malformed or
-  // unsupported (a model type other than BPE, a pre-tokenizer we do not implement, ...).
+  // unsupported (a model type other than BPE, a pre-tokenizer we do not implement, a Split
+  // pattern that can match the empty string, ...), and for a file that is not a regular file
+  // or is larger than a tokenizer file can be (256 MiB tokenizer.json, 64 MiB
+  // tokenizer_config.json), refused before it is read.
   static absl::StatusOr<Tokenizer> Load(const std::string& dir);
 
   // The ids of `text`. InvalidArgument for text that is not valid UTF-8 (naming the byte
-  // offset). add_bos: add what the post-processor's template puts around the text (for Llama 3,
-  // BOS in front), as `tokenizers` does with add_special_tokens=True.
+  // offset), and for a pre-tokenizer pattern that matches the empty string in it (Load refuses
+  // the patterns it can tell do; this catches the rest instead of looping). add_bos: add what the
+  // post-processor's template puts around the text (for Llama 3, BOS in front), as `tokenizers`
+  // does with add_special_tokens=True.
   absl::StatusOr<std::vector<int32_t>> Encode(std::string_view text, bool add_bos) const;
 
   // The text of `ids`, always valid UTF-8: byte sequences that are not valid UTF-8 become U+FFFD

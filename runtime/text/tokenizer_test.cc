@@ -486,6 +486,22 @@ TEST(Tokenizer, MalformedFilesAreRefused) {
          r["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "a*"}};
        },
        "empty string"},
+      // MINLENGTH is 1 for these, yet each reports an empty match (a lookahead alone, \K).
+      {"split lookahead only",
+       [](Json& r) {
+         r["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "(?=a)"}};
+       },
+       "empty string"},
+      {"split keep-out",
+       [](Json& r) {
+         r["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "\\s\\K"}};
+       },
+       "empty string"},
+      {"split empty literal",
+       [](Json& r) {
+         r["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"String", ""}};
+       },
+       "empty string"},
       {"split pattern", [](Json& r) { r["pre_tokenizer"]["pretokenizers"][0]["pattern"] = "x"; },
        "pretokenizers[0].pattern"},
       {"byte level first",
@@ -558,6 +574,53 @@ TEST(Tokenizer, MalformedFilesAreRefused) {
     EXPECT_THAT(Message(t.status()), HasSubstr("tokenizer.json: ")) << name;
     EXPECT_THAT(Message(t.status()), HasSubstr(needle)) << name << ": " << t.status();
   }
+}
+
+// A pattern whose empty match Load cannot see (a lookahead for a character its probe lacks) is
+// refused when the text has that character, instead of splitting forever.
+TEST(Tokenizer, EmptyMatchAtEncodeIsRefusedNotLooped) {
+  TokenizerJson j;
+  j.root()["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "(?=\u2603)"}};
+  const Tokenizer t = MustLoad("empty_at_encode", j.root());
+  EXPECT_THAT(Ids(t, "no snowman"), ElementsAre('n', 'o', ' ', 's', 'n', 'o', 'w', 'm', 'a', 'n'));
+  const absl::StatusOr<std::vector<int32_t>> ids = t.Encode("a\u2603b", false);
+  ASSERT_FALSE(ids.ok());
+  EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(ids.status()), HasSubstr("matched the empty string at byte 1"));
+}
+
+// Load reads regular files of a bounded size only: a device (endless), a directory or a file
+// larger than any tokenizer is refused by name before it is read.
+TEST(Tokenizer, NonRegularAndHugeFilesAreRefusedUnread) {
+  TokenizerJson j;
+  const std::string dir = Dir("files");
+  std::filesystem::create_symlink("/dev/zero", dir + "/tokenizer.json");
+  absl::StatusOr<Tokenizer> t = Tokenizer::Load(dir);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  EXPECT_THAT(Message(t.status()), HasSubstr("tokenizer.json: not a regular file"));
+  std::filesystem::remove(dir + "/tokenizer.json");
+  std::filesystem::create_directory(dir + "/tokenizer.json");
+  t = Tokenizer::Load(dir);
+  EXPECT_THAT(Message(t.status()), HasSubstr("tokenizer.json: not a regular file"));
+  std::filesystem::remove(dir + "/tokenizer.json");
+
+  // Sparse files: their size is what counts, nothing is written.
+  WriteText(dir + "/tokenizer.json", "{");
+  std::filesystem::resize_file(dir + "/tokenizer.json", (int64_t{256} << 20) + 1);
+  t = Tokenizer::Load(dir);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  EXPECT_THAT(Message(t.status()), HasSubstr("tokenizer.json: 268435457 bytes, more than"));
+
+  WriteText(dir + "/tokenizer.json", j.root().dump());
+  std::filesystem::create_symlink("/dev/urandom", dir + "/tokenizer_config.json");
+  t = Tokenizer::Load(dir);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  EXPECT_THAT(Message(t.status()), HasSubstr("tokenizer_config.json: not a regular file"));
+  std::filesystem::remove(dir + "/tokenizer_config.json");
+  WriteText(dir + "/tokenizer_config.json", "{");
+  std::filesystem::resize_file(dir + "/tokenizer_config.json", (int64_t{64} << 20) + 1);
+  t = Tokenizer::Load(dir);
+  EXPECT_THAT(Message(t.status()), HasSubstr("tokenizer_config.json: 67108865 bytes, more than"));
 }
 
 TEST(Tokenizer, MalformedTextAndConfigAreRefused) {
