@@ -415,6 +415,7 @@ int Serve(const ServeFlags& f, const FlagSet& flags, Job& job, const parallel::P
     ran = engine.Run();
   }
   if (front) {
+    if (!ran.ok()) front->WaitUntilAnswered(std::chrono::seconds(1));
     front->Stop();
     http.join();
   }

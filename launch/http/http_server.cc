@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
@@ -168,6 +169,20 @@ void HttpFront::ExpireDrain() {
   drain_expired_ = true;
   std::lock_guard lock(waiting_mu_);
   for (const auto& cancelled : waiting_) cancelled->store(true);
+}
+
+void HttpFront::WaitUntilAnswered(std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    {
+      std::lock_guard lock(waiting_mu_);
+      if (waiting_.empty()) break;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  // A handler untracks itself before cpp-httplib writes its answer: a moment for the writes.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
 }
 
 std::shared_ptr<void> HttpFront::Track(std::shared_ptr<std::atomic<bool>> cancelled) {

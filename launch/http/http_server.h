@@ -78,6 +78,10 @@ class HttpFront {
   // engine is cancelled (its generation ends at its next token, freeing its KV) and answered
   // 503; a stream already under way ends with an error event. Any thread.
   void ExpireDrain();
+  // The engine has failed (every request it held is answered): waits until no request waits on
+  // it any more, or `limit` passes, so that their answers (503, a stream's error event) reach
+  // the clients before the job ends.
+  void WaitUntilAnswered(std::chrono::milliseconds limit);
 
  private:
   static constexpr std::chrono::milliseconds kHealthProbeEvery{500};

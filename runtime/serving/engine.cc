@@ -160,10 +160,12 @@ absl::Status Engine::Run() {
     absl::Status s = Broadcast(plan);
     if (s.ok() && plan.kind == StepPlan::kShutdown) return absl::OkStatus();
     if (s.ok()) s = Execute(plan);
-    if (!s.ok()) {  // the job cannot go on: every waiting request learns why
+    if (!s.ok()) {  // the job cannot go on: every waiting request learns why (Unavailable: the
+                    // server's 503), in the words of the failure, which name the rank
       if (root_) {
         std::lock_guard lock(mu_);
-        scheduler_.FailAll(plan, s);
+        scheduler_.FailAll(
+            plan, absl::UnavailableError(absl::StrCat("the job is ending: ", s.message())));
       }
       return s;
     }

@@ -128,7 +128,8 @@ class Engine : private KvOccupancy {
   void Shutdown();
 
   // Every rank (collective): the loop. OK after Shutdown; a communication failure (a rank dead
-  // or silent past the deadline) ends it with that error on every surviving rank.
+  // or silent past the deadline) ends it with that error on every surviving rank, and every
+  // request rank 0 holds is answered Unavailable "the job is ending: <that error>".
   absl::Status Run();
 
   EngineStats stats() const;                  // rank 0
