@@ -775,16 +775,24 @@ void ServingHistograms::Observe(const runtime::EngineResult& r) {
   if (r.tokens.size() > 1) tpot.Observe(r.tpot_s());
 }
 
-std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters& server,
-                        const ServingHistograms& h) {
-  std::string out;
-  auto metric = [&](const std::string& name, const char* type, const std::string& help,
-                    const std::vector<std::pair<std::string, double>>& samples) {
+namespace {
+
+// Prometheus text: one metric's HELP, TYPE and samples ({labels, value}).
+class MetricsWriter {
+ public:
+  void operator()(const std::string& name, const char* type, const std::string& help,
+                  const std::vector<std::pair<std::string, double>>& samples) {
     absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
     for (const auto& [labels, value] : samples) {
       absl::StrAppend(&out, name, labels, " ", absl::StrFormat("%.9g", value), "\n");
     }
-  };
+  }
+  std::string out;
+};
+
+// Requests, tokens, steps and the HTTP front's own counters.
+void RequestMetrics(const runtime::EngineStats& engine, const ServerCounters& server,
+                    MetricsWriter& metric) {
   metric("cpfill:requests_total", "counter",
          "Prompts answered by the engine, and HTTP requests refused.",
          {{"{status=\"ok\"}", double(engine.requests_ok)},
@@ -829,6 +837,10 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
   metric("cpfill:http_memory_trims_total", "counter",
          "Times freed memory was given back to the system (malloc_trim) once the server went idle.",
          {{"", double(server.memory_trims)}});
+}
+
+// Sessions, the KV cache, the hand-off's leases, the prefix cache.
+void KvMetrics(const runtime::EngineStats& engine, MetricsWriter& metric) {
   metric("cpfill:num_sessions", "gauge", "Sessions held.", {{"", double(engine.sessions)}});
   metric("cpfill:kv_cache_usage_ratio", "gauge", "Used share of rank 0's KV cache blocks.",
          {{"", engine.kv_usage_ratio}});
@@ -863,6 +875,16 @@ std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters
   metric("cpfill:kv_cache_shared_blocks", "gauge",
          "Rank 0's KV blocks held by more than one sequence (shared prefixes).",
          {{"", double(engine.kv_blocks_shared)}});
+}
+
+}  // namespace
+
+std::string MetricsText(const runtime::EngineStats& engine, const ServerCounters& server,
+                        const ServingHistograms& h) {
+  MetricsWriter metric;
+  RequestMetrics(engine, server, metric);
+  KvMetrics(engine, metric);
+  std::string& out = metric.out;
   out += h.ttft.Text("cpfill:time_to_first_token_seconds", "Queue time plus prefill, per prompt.");
   out += h.queue.Text("cpfill:queue_time_seconds", "Time from arrival to the prompt's batch.");
   out += h.batch_tokens.Text("cpfill:batch_tokens", "New tokens of the batch each prompt ran in.");
