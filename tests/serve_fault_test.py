@@ -95,7 +95,7 @@ def main():
                             {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1})
         if status != 200:
             fail(f"a request before the fault: {status} {body}")
-        stopped = rank_pid(1)
+        stopped = rank_pid(1, server.pid)
         if stopped is None:
             fail("cannot find world rank 1")
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)

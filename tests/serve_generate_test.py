@@ -266,7 +266,7 @@ def run(cpfill, server, port, tmp):
         fail("time per output token not observed")
     if http(port, "GET", "/health")[0] != 200:
         fail("/health after the tests")
-    pid = rank_pid(0)
+    pid = rank_pid(0, server.pid)
     os.kill(pid, signal.SIGTERM)
     if server.wait(timeout=60) != 0:
         fail("the server did not exit 0 after SIGTERM")

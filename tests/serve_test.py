@@ -82,8 +82,17 @@ def http(port, method, path, body=None, timeout=120):
         return e.code, e.read().decode()
 
 
-def rank_pid(rank):
-    """The pid of world rank `rank` of our cpfill serve."""
+def parent_pid(pid):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def rank_pid(rank, launcher):
+    """The pid of world rank `rank` of the cpfill serve that `launcher` (mpirun's pid) started:
+    only its own descendants, so that two suites on one host never signal each other's servers."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -92,8 +101,13 @@ def rank_pid(rank):
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
-        if len(cmd) > 1 and cmd[0].endswith(b"cpfill") and cmd[1] == b"serve" and \
-                f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+        if not (len(cmd) > 1 and cmd[0].endswith(b"cpfill") and cmd[1] == b"serve" and
+                f"OMPI_COMM_WORLD_RANK={rank}".encode() in env):
+            continue
+        ancestor = int(pid)
+        while ancestor not in (None, 0, 1, launcher):
+            ancestor = parent_pid(ancestor)
+        if ancestor == launcher:
             return int(pid)
     return None
 
@@ -259,7 +273,7 @@ def run(cpfill, server, port_file, log, tmp, env):
           f"answers equal one-shot prefills; {turns} later session turns reused their KV")
 
     # SIGTERM to rank 0: drain, every rank exits, mpirun 0.
-    pid = rank_pid(0)
+    pid = rank_pid(0, server.pid)
     if pid is None:
         fail("cannot find world rank 0")
     os.kill(pid, signal.SIGTERM)

@@ -279,7 +279,7 @@ def main():
     server, port, log = start(cpfill, ckpt, tmp, env)
     try:
         run(port, tok)
-        os.kill(rank_pid(0), signal.SIGTERM)
+        os.kill(rank_pid(0, server.pid), signal.SIGTERM)
         if server.wait(timeout=60) != 0:
             fail(f"the server exited {server.returncode} after SIGTERM")
     finally:
