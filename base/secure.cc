@@ -26,13 +26,17 @@ absl::Status SecureRandom(void* out, size_t n) {
   return absl::OkStatus();
 }
 
-std::string RandomHex(size_t bytes) {
-  std::vector<unsigned char> raw(bytes);
-  if (absl::Status s = SecureRandom(raw.data(), raw.size()); !s.ok()) {
+void SecureRandomOrDie(void* out, size_t n) {
+  if (absl::Status s = SecureRandom(out, n); !s.ok()) {
     std::fprintf(stderr, "cpfill: fatal: no random bytes for a capability: %s\n",
                  s.ToString().c_str());
     std::abort();
   }
+}
+
+std::string RandomHex(size_t bytes) {
+  std::vector<unsigned char> raw(bytes);
+  SecureRandomOrDie(raw.data(), raw.size());
   static constexpr char kHex[] = "0123456789abcdef";
   std::string hex;
   hex.reserve(2 * bytes);

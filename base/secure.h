@@ -19,8 +19,10 @@ namespace cpfill {
 // `n` bytes from getrandom(2) (the kernel's CSPRNG), retried on EINTR; Internal when the kernel
 // cannot give them (never a weaker fallback).
 absl::Status SecureRandom(void* out, size_t n);
-// A value of `bytes` random bytes as lowercase hex; aborts the process if the CSPRNG fails,
-// since no capability may be made without it.
+// SecureRandom for a capability: aborts the process if the CSPRNG fails, since no capability may
+// be made without it.
+void SecureRandomOrDie(void* out, size_t n);
+// A value of `bytes` random bytes (SecureRandomOrDie) as lowercase hex.
 std::string RandomHex(size_t bytes);
 
 using Sha256Digest = std::array<uint8_t, 32>;

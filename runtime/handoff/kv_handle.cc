@@ -484,9 +484,10 @@ absl::Status ValidatePoolLayout(const KvPoolLayout& pool, int num_layers, int64_
 
 KvNonce KvNonce::Random() {
   KvNonce n;
-  while (n.zero()) {
-    const std::string hex = RandomHex(16);
-    n = *Parse(absl::StrCat("0x", hex));
+  while (n.zero()) {  // zero means "no lease": drawn again (once in 2^128)
+    uint64_t words[2];
+    SecureRandomOrDie(words, sizeof(words));
+    n = {.hi = words[0], .lo = words[1]};
   }
   return n;
 }
