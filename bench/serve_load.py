@@ -141,8 +141,16 @@ def parse_args(argv):
                          "vocabulary [the vocab_size /v1/models reports]")
     ap.add_argument("--warmup", type=int, default=0, metavar="N",
                     help="requests sent one at a time before the run, not counted [0]")
+    ap.add_argument("--api-key", default=os.environ.get("CPFILL_API_KEY"), metavar="KEY",
+                    help="sent as 'Authorization: Bearer KEY' (default: $CPFILL_API_KEY, as the "
+                         "server reads it)")
     ap.add_argument("--json", metavar="FILE",
                     help="write the summary and every request's record here")
+    ap.add_argument("--aiperf-inputs", metavar="FILE",
+                    help="send nothing: write the drawn requests (token-id prompts, streamed) as "
+                         "an AIPerf inputs_json dataset (`aiperf profile --input-file FILE "
+                         "--custom-dataset-type inputs_json`; a session's turns are one "
+                         "conversation) and exit; bench/gpu/serve_load.sh uses it")
     ap.add_argument("--timeout-s", type=float, default=1800, metavar="S",
                     help="per request, seconds [1800]")
     ap.add_argument("--health-timeout-s", type=float, default=600, metavar="S",
@@ -235,6 +243,24 @@ def make_plan(args, model, run_id):
     return plan
 
 
+def write_aiperf_inputs(args, model, run_id):
+    """The plan as AIPerf's inputs_json: {"data": [{"session_id", "payloads": [body, ...]}]}.
+    AIPerf synthesizes text prompts only (its lengths normal around a mean); a model served
+    without a tokenizer (the synthetic presets) takes token ids, which AIPerf sends verbatim from
+    here. Arrivals, concurrency and goodput stay AIPerf's (its flags)."""
+    sessions = {}
+    for p in make_plan(args, model, run_id):
+        body = json.loads(p["body"])
+        body.update(stream=True, stream_options={"include_usage": True})
+        key = p["session"] or f"request-{p['index']}"
+        sessions.setdefault(key, []).append(body)
+    with open(args.aiperf_inputs, "w") as f:
+        json.dump({"data": [{"session_id": k, "payloads": v} for k, v in sessions.items()]}, f)
+    print(f"serve_load: {args.num_requests} requests ({len(sessions)} conversations) written to "
+          f"{args.aiperf_inputs}", file=sys.stderr)
+    return 0
+
+
 def warmup_bodies(args, model):
     rng = random.Random(f"{args.seed}:warmup")
     out = []
@@ -250,16 +276,17 @@ class Server:
     """The server's address; one connection per call (a request's timing includes its connect,
     as a client's would)."""
 
-    def __init__(self, url, timeout_s):
+    def __init__(self, url, timeout_s, api_key=None):
         u = urllib.parse.urlsplit(url)
         self.host, self.port, self.timeout_s = u.hostname, u.port or 80, timeout_s
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def call(self, method, path, body=None, timeout_s=None):
         """(status, text). Connection errors and timeouts raise OSError."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
         try:
             headers = {"Content-Type": "application/json"} if body is not None else {}
-            conn.request(method, path, body=body, headers=headers)
+            conn.request(method, path, body=body, headers={**headers, **self.auth})
             resp = conn.getresponse()
             return resp.status, resp.read().decode("utf-8", "replace")
         finally:
@@ -643,7 +670,7 @@ def config_of(args):
 
 def connect(args):
     """The server once healthy, its model and context length; exits 1 when it never is."""
-    server = Server(args.url, args.timeout_s)
+    server = Server(args.url, args.timeout_s, args.api_key)
     problem = wait_healthy(server, args.health_timeout_s)
     try:
         if problem:
@@ -665,6 +692,8 @@ def main(argv):
     args = parse_args(argv)
     server, model, max_len = connect(args)
     run_id = f"{args.seed}-{os.getpid()}"
+    if args.aiperf_inputs:
+        return write_aiperf_inputs(args, model, run_id)
     warmup = run_warmup(server, warmup_bodies(args, model))
     print(f"serve_load: drawing {args.num_requests} prompts", file=sys.stderr, flush=True)
     plan = make_plan(args, model, run_id)

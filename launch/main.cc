@@ -35,6 +35,8 @@ constexpr char kUsage[] =
     "              /metrics, KV hand-off to decode workers over UCX with --kv-handoff)\n"
     "  kv-pull     a stand-in decode worker: pull a request's KV from `serve --kv-handoff`\n"
     "              over UCX, release it, check it against one rank; bytes, time, GB/s\n"
+    "  plan        predict TTFT, its breakdown, memory per GPU and the best TP x CP of a\n"
+    "              cluster from device and link profiles (no MPI, no GPU)\n"
     "  export      write a preset's synthetic weights as a Hugging Face checkpoint directory\n"
     "  tokenize    encode texts and decode token ids with a checkpoint's tokenizer.json; JSON\n"
     "  env         list the environment variables cpfill reads, their defaults and values\n";
@@ -59,6 +61,7 @@ int main(int argc, char** argv) {
   if (command == "env") return RunEnvCommand(argc, argv);
   if (command == "tokenize") return RunTokenizeCommand(argc, argv);
   if (command == "kv-pull") return RunKvPullCommand(argc, argv);
+  if (command == "plan") return RunPlanCommand(argc, argv);
   std::fprintf(stderr, "cpfill: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return kExitBadInput;
 }

@@ -34,17 +34,26 @@ fi
 
 # The tests' Python packages, from PyPI, in .venv (tests/CMakeLists.txt's CPFILL_PYTHON): numpy
 # for the independent model reference (tests/hf_llama_reference.py), tokenizers (0.20 or later:
-# ignore_merges, merges as pairs) for tests/tokenizer_check.py. Debian's python3 refuses pip
-# installs into the system (PEP 668), hence the venv; it sees the system's packages, so torch and
-# transformers stay visible where the system has them (tests/hf_transformers_check.py).
+# ignore_merges, merges as pairs) for tests/tokenizer_check.py, gguf to dequantize SmolLM2
+# (tests/models/convert_smollm2.py, which fetches the model itself), the openai SDK for the
+# tests that drive `serve` as its users do. Debian's python3 refuses pip installs into the
+# system (PEP 668), hence the venv; it sees the system's packages, so torch and transformers stay
+# visible where the system has them (tests/hf_transformers_check.py).
 if [ ! -x .venv/bin/python3 ]; then
   echo "setup: making .venv for the tests' Python packages"
   python3 -m venv --system-site-packages .venv
 fi
-if ! .venv/bin/python3 -c "import numpy, tokenizers
+if ! .venv/bin/python3 -c "import numpy, tokenizers, gguf, openai, jinja2
 assert tuple(map(int, tokenizers.__version__.split('.')[:2])) >= (0, 20)" 2>/dev/null; then
-  echo "setup: installing numpy and tokenizers into .venv"
-  .venv/bin/python3 -m pip install --quiet numpy "tokenizers>=0.20"
+  echo "setup: installing numpy, tokenizers, gguf, openai and jinja2 into .venv"
+  .venv/bin/python3 -m pip install --quiet numpy "tokenizers>=0.20" "gguf>=0.10" "openai>=1.0" "jinja2>=3.0"
+fi
+# NVIDIA's AIPerf for tests/aiperf_smoke_test.py (label aiperf) and bench/gpu/serve_load.sh, only
+# with CPFILL_AIPERF=1 (tests/run_all.sh sets it when the HTTP layer changed): some 100 packages,
+# 0.9 GB in .venv, about 2 minutes (measured 2026-12-07: 120 s on 2 cores); pinned, its flags move.
+if [ "${CPFILL_AIPERF:-0}" = 1 ] && [ ! -x .venv/bin/aiperf ]; then
+  echo "setup: installing aiperf into .venv (CPFILL_AIPERF=1)"
+  .venv/bin/python3 -m pip install --quiet "aiperf==0.13.0"
 fi
 
 if [ ! -f "$build/build.ninja" ]; then

@@ -1,18 +1,24 @@
 #include "parallel/mpi_communicator.h"
 
+#include <fcntl.h>
 #include <mpi.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -97,6 +103,51 @@ struct CensusReply {
   char what[200] = {0};   // the pending operation, or the last one
 };
 
+// Where a rank's process lives, gathered once at start-up: a silent rank on this rank's own
+// kernel and pid namespace can be looked at (/proc) to tell a death from a stop.
+struct PeerProcess {
+  uint64_t kernel = 0;  // hash of the host name, boot id and pid namespace
+  int64_t pid = 0;
+};
+
+PeerProcess ThisProcess() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot_id;
+  std::getline(std::ifstream("/proc/sys/kernel/random/boot_id"), boot_id);
+  struct stat ns {};
+  const uint64_t pid_ns = stat("/proc/self/ns/pid", &ns) == 0 ? uint64_t{ns.st_ino} : 0;
+  // Without the boot id two hosts could match (a shared host name, and every host's initial
+  // pid namespace has the same inode): then nobody's /proc is trusted (kernel 0: unknown).
+  if (boot_id.empty() || pid_ns == 0) return {0, static_cast<int64_t>(getpid())};
+  // std::hash, not absl::Hash: the same on every process of one build (absl::Hash is salted).
+  const uint64_t kernel = std::hash<std::string>{}(absl::StrCat(host, "/", boot_id, "/", pid_ns));
+  return {kernel, static_cast<int64_t>(getpid())};
+}
+
+// What /proc says of a process on this host.
+enum class Fate { kUnknown, kRunning, kStopped, kDied };
+
+Fate FateOf(const PeerProcess& peer, uint64_t this_kernel) {
+  if (this_kernel == 0 || peer.kernel != this_kernel || peer.pid <= 0) return Fate::kUnknown;
+  // Only a missing entry means gone: EMFILE (a server near its fd limit), ENOMEM or EACCES say
+  // nothing of the peer, and a false "died" would end the whole job.
+  const int fd = open(absl::StrCat("/proc/", peer.pid, "/stat").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT || errno == ESRCH ? Fate::kDied : Fate::kUnknown;
+  char buf[1024];
+  const ssize_t n = read(fd, buf, sizeof(buf));
+  const int read_errno = errno;
+  close(fd);
+  if (n < 0) return read_errno == ESRCH ? Fate::kDied : Fate::kUnknown;
+  if (n == 0) return Fate::kDied;
+  const std::string stat(buf, static_cast<size_t>(n));
+  const size_t paren = stat.rfind(')');
+  const char state = paren != std::string::npos && paren + 2 < stat.size() ? stat[paren + 2] : '?';
+  if (state == 'Z' || state == 'X') return Fate::kDied;  // a zombie until its launcher reaps it
+  if (state == 'T' || state == 't') return Fate::kStopped;
+  return Fate::kRunning;
+}
+
 // One MPI thread for the whole process (see the header for why). Operations are started in the
 // order submitted, so every rank posts its collectives in the same order as its caller did.
 //
@@ -107,7 +158,12 @@ struct CensusReply {
 // stopped does not answer. The deadline message then says which ranks are late and why.
 class ProgressEngine {
  public:
-  explicit ProgressEngine(MPI_Comm census) : census_(census), thread_([this] { Loop(); }) {}
+  // `peers`: every world rank's process (PeerProcess), indexed by world rank.
+  ProgressEngine(MPI_Comm census, std::vector<PeerProcess> peers)
+      : census_(census),
+        peers_(std::move(peers)),
+        this_kernel_(ThisProcess().kernel),
+        thread_([this] { Loop(); }) {}
   ~ProgressEngine() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -137,7 +193,7 @@ class ProgressEngine {
     auto done = Submit(
         "census of the world",
         [this, text](std::vector<MPI_Request>*) {
-          *text = Census(active_, nullptr);
+          *text = Census(active_, nullptr, kCensusWait);
           return MPI_SUCCESS;
         },
         timeout);
@@ -145,22 +201,29 @@ class ProgressEngine {
     return *text;
   }
 
-  // The ranks that did not answer an ask within kCensusWait (from any thread; on the progress
-  // thread). Nullopt when the probe itself could not run in time.
-  std::optional<std::vector<int>> SilentRanks() {
-    auto silent = std::make_shared<std::vector<int>>();
+  // The ranks that did not answer an ask within kCensusWait, each with what became of it
+  // (Silence), from any thread; on the progress thread. Nullopt when the probe itself could not
+  // run in time.
+  std::optional<std::vector<std::pair<int, std::string>>> SilentRanks() {
+    auto silent = std::make_shared<std::vector<std::pair<int, std::string>>>();
     auto done = Submit(
         "liveness probe of the world",
         [this, silent](std::vector<MPI_Request>*) {
-          const std::vector<std::optional<CensusReply>> got = Ask(active_);
+          const std::vector<std::optional<CensusReply>> got = Ask(active_, kCensusWait);
           for (size_t p = 0; p < got.size(); ++p) {
-            if (!got[p]) silent->push_back(static_cast<int>(p));
+            if (!got[p]) silent->emplace_back(static_cast<int>(p), Silence(static_cast<int>(p)));
           }
           return MPI_SUCCESS;
         },
         kCensusWait * 2);
     if (done.wait_for(kCensusWait * 3) != std::future_status::ready) return std::nullopt;
     return *silent;
+  }
+
+  // From any thread: peers_ and this_kernel_ do not change.
+  bool Died(int p) const {
+    return p >= 0 && p < static_cast<int>(peers_.size()) &&
+           FateOf(peers_[p], this_kernel_) == Fate::kDied;
   }
 
   std::future<OpResult> Submit(std::string description, StartFn start,
@@ -186,6 +249,7 @@ class ProgressEngine {
     Clock::time_point started;
     std::vector<MPI_Request> requests;
     std::promise<OpResult> done;
+    std::optional<std::string> census;  // taken CensusWaitFor(timeout) before the deadline
   };
 
   void Loop() {
@@ -208,6 +272,7 @@ class ProgressEngine {
         incoming.swap(queue_);
       }
       ServeAsks(active);
+      WatchPeers();
       for (auto& op : incoming) {
         ++ops_started_;
         op->started = Clock::now();
@@ -236,6 +301,19 @@ class ProgressEngine {
                elapsed});
         } else if (flag) {
           op.done.set_value({absl::OkStatus(), elapsed});
+        } else if (!died_.empty()) {
+          // A peer's process is gone: no operation of this job can be trusted to complete. The
+          // requests are abandoned, as at a deadline.
+          op.done.set_value({absl::UnavailableError(absl::StrCat(
+                                 died_, "; world rank ", g_world_rank.load(), " was in ",
+                                 op.description, " for ", absl::StrFormat("%.1f", elapsed), " s")),
+                             elapsed});
+        } else if (!op.census && now - op.started > op.timeout - CensusWaitFor(op.timeout)) {
+          // The census is asked before the deadline, so that the job ends at the deadline and
+          // not a census later (a rank's progress thread answers at once unless it is gone).
+          op.census = Census(active, &op, CensusWaitFor(op.timeout));
+          ++it;
+          continue;
         } else if (now - op.started > op.timeout) {
           // MPI cannot cancel a collective; the requests are abandoned and the caller ends the
           // job, which is the only safe continuation.
@@ -245,7 +323,7 @@ class ProgressEngine {
                    " did not complete within ", std::chrono::duration<double>(op.timeout).count(),
                    " s (a peer is dead, stuck or much slower; raise --timeout-s "
                    "if it is only slow). ",
-                   Census(active, &op))),
+                   op.census.value_or(""))),
                elapsed});
         } else {
           ++it;
@@ -262,7 +340,44 @@ class ProgressEngine {
   }
 
   static constexpr std::chrono::milliseconds kIdlePoll{20};
-  static constexpr std::chrono::seconds kCensusWait{2};
+  static constexpr std::chrono::milliseconds kCensusWait{2000};
+  static constexpr std::chrono::milliseconds kPeerWatchEvery{100};
+
+  // An operation's census: at most kCensusWait, and a quarter of its deadline, so that it
+  // starts late enough to mean something.
+  static std::chrono::milliseconds CensusWaitFor(std::chrono::milliseconds timeout) {
+    return std::min(kCensusWait, timeout / 4);
+  }
+
+  // What became of a rank that did not answer a census, as far as this host can tell.
+  std::string Silence(int p) const {
+    const Fate fate =
+        p < static_cast<int>(peers_.size()) ? FateOf(peers_[p], this_kernel_) : Fate::kUnknown;
+    switch (fate) {
+      case Fate::kDied:
+        return absl::StrCat("world rank ", p, " died (its process ", peers_[p].pid, " is gone)");
+      case Fate::kStopped:
+        return absl::StrCat("world rank ", p, " stopped answering (process ", peers_[p].pid,
+                            " is stopped by a signal)");
+      default:
+        return absl::StrCat("world rank ", p, " stopped answering (dead, stopped or cut off)");
+    }
+  }
+
+  // Every kPeerWatchEvery: a rank on this host whose process is gone ends every operation at
+  // once (died_), instead of at its deadline; its launcher ends the job soon after. Every rank
+  // found gone in one look is named: which went first (the fault, or a rank that ended the job
+  // on seeing it) cannot be told apart.
+  void WatchPeers() {
+    if (!died_.empty() || Clock::now() - peers_watched_ < kPeerWatchEvery) return;
+    peers_watched_ = Clock::now();
+    std::vector<std::string> gone;
+    for (size_t p = 0; p < peers_.size(); ++p) {
+      if (static_cast<int>(p) == g_world_rank.load()) continue;
+      if (FateOf(peers_[p], this_kernel_) == Fate::kDied) gone.push_back(Silence(p));
+    }
+    died_ = absl::StrJoin(gone, "; ");
+  }
   enum CensusTag : int { kTagAsk = 21, kTagReply = 22 };
 
   // This rank's answer: its oldest pending operation (the one it waits in), or its last one.
@@ -310,8 +425,9 @@ class ProgressEngine {
     }
   }
 
-  // Every other rank's answer, or nothing from one that did not answer within kCensusWait.
-  std::vector<std::optional<CensusReply>> Ask(const std::vector<std::unique_ptr<Op>>& active) {
+  // Every other rank's answer, or nothing from one that did not answer within `wait`.
+  std::vector<std::optional<CensusReply>> Ask(const std::vector<std::unique_ptr<Op>>& active,
+                                              std::chrono::milliseconds wait) {
     int me = 0, n = 1;
     MPI_Comm_rank(census_, &me);
     MPI_Comm_size(census_, &n);
@@ -326,10 +442,12 @@ class ProgressEngine {
       MPI_Isend(ask, 1, MPI_INT64_T, p, kTagAsk, census_, &asks[p]);
     }
     std::vector<bool> answered(n, false);
-    const auto until = Clock::now() + kCensusWait;
+    const auto until = Clock::now() + wait;
     int missing = n - 1;
-    while (missing > 0 && Clock::now() < until) {
+    // A rank found dead meanwhile will not answer: the operations end at once (died_).
+    while (missing > 0 && Clock::now() < until && died_.empty()) {
       ServeAsks(active);
+      WatchPeers();
       for (int p = 0; p < n; ++p) {
         if (p == me || answered[p]) continue;
         int flag = 0;
@@ -353,21 +471,22 @@ class ProgressEngine {
     return replies;
   }
 
-  // Asks every other rank where it is; waits kCensusWait at most; names who is late.
-  std::string Census(const std::vector<std::unique_ptr<Op>>& active, const Op* late_op) {
-    const std::vector<std::optional<CensusReply>> got = Ask(active);
+  // Asks every other rank where it is; waits `wait` at most; names who is late.
+  std::string Census(const std::vector<std::unique_ptr<Op>>& active, const Op* late_op,
+                     std::chrono::milliseconds wait) {
+    const std::vector<std::optional<CensusReply>> got = Ask(active, wait);
     const int n = static_cast<int>(got.size());
     int me = 0;
     MPI_Comm_rank(census_, &me);
     if (n == 1) return "";
-    std::string out = absl::StrCat("Census of the ", n, " world ranks (", kCensusWait.count(),
-                                   " s for answers):");
+    std::string out = absl::StrCat("Census of the ", n, " world ranks (",
+                                   absl::StrFormat("%g", wait.count() / 1e3), " s for answers):");
     std::vector<int> late;
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
       if (!got[p]) {
         late.push_back(p);
-        absl::StrAppend(&out, " world rank ", p, " did not answer (dead or stopped);");
+        absl::StrAppend(&out, " ", Silence(p), ";");
       } else if (got[p]->waiting_s < 0) {
         late.push_back(p);
         absl::StrAppendFormat(&out,
@@ -390,6 +509,10 @@ class ProgressEngine {
   }
 
   MPI_Comm census_;
+  const std::vector<PeerProcess> peers_;
+  const uint64_t this_kernel_;
+  std::string died_;  // a peer found dead (Silence); the progress thread's alone
+  Clock::time_point peers_watched_ = Clock::now();
   std::vector<std::unique_ptr<Op>> active_;  // the progress thread's alone
   mutable std::mutex wait_mu_;
   std::optional<std::pair<std::string, Clock::time_point>> outside_wait_;  // under wait_mu_
@@ -738,7 +861,13 @@ absl::Status MpiRuntime::StartOn(const JobComm& comm, CommOptions options) {
   MPI_Comm census = MPI_COMM_NULL;
   CPFILL_MPI_CHECK(MPI_Comm_dup(job_->comm, &census));
   MPI_Comm_set_errhandler(census, MPI_ERRORS_RETURN);
-  engine_ = std::make_unique<internal::ProgressEngine>(census);
+  // Blocking, like the dups above: the progress thread that gives later calls a deadline does
+  // not run yet.
+  std::vector<internal::PeerProcess> peers(static_cast<size_t>(world_size_));
+  const internal::PeerProcess mine = internal::ThisProcess();
+  CPFILL_MPI_CHECK(
+      MPI_Allgather(&mine, sizeof(mine), MPI_BYTE, peers.data(), sizeof(mine), MPI_BYTE, census));
+  engine_ = std::make_unique<internal::ProgressEngine>(census, std::move(peers));
   g_engine = engine_.get();
   return absl::OkStatus();
 }
@@ -805,11 +934,19 @@ void EndWaitOutsideMpi() {
 absl::Status WorldAnswers() {
   auto* e = g_engine.load();
   if (e == nullptr) return absl::OkStatus();
-  const std::optional<std::vector<int>> silent = e->SilentRanks();
+  const auto silent = e->SilentRanks();
   if (!silent) return absl::UnavailableError("the liveness probe of the world did not complete");
   if (silent->empty()) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat("world rank(s) ", absl::StrJoin(*silent, ", "),
-                                             " did not answer (dead or stopped)"));
+  std::vector<int> ranks;
+  std::vector<std::string> fates;
+  for (const auto& [rank, fate] : *silent) ranks.push_back(rank), fates.push_back(fate);
+  return absl::UnavailableError(absl::StrCat("world rank(s) ", absl::StrJoin(ranks, ", "),
+                                             " did not answer: ", absl::StrJoin(fates, "; ")));
+}
+
+bool WorldRankDied(int world_rank) {
+  auto* e = g_engine.load();
+  return e != nullptr && e->Died(world_rank);
 }
 
 std::string CensusOfWorld(std::chrono::milliseconds timeout) {
@@ -820,6 +957,12 @@ std::string CensusOfWorld(std::chrono::milliseconds timeout) {
 void MpiRuntime::Abort(int code, const std::string& message) {
   std::fprintf(stderr, "cpfill: error on world rank %d: %s\n", world_rank_, message.c_str());
   std::fflush(stderr);
+  // A rank on this host is gone: its launcher ends the job already, and an exit without
+  // MPI_Finalize ends it as well. MPI_Abort would wait on the launcher (Open MPI's help message
+  // about a second) while the launcher's SIGKILL comes.
+  for (int p = 0; engine_ != nullptr && p < world_size_; ++p) {
+    if (p != world_rank_ && engine_->Died(p)) std::_Exit(code);
+  }
   MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);  // MPI_Abort does not return; this keeps [[noreturn]] honest
 }

@@ -38,6 +38,12 @@ std::string CensusOfWorld(std::chrono::milliseconds timeout);
 // starts; Unavailable naming the ranks that did not answer.
 absl::Status WorldAnswers();
 
+// Whether world rank `world_rank`'s process is known to be gone: only a rank on this host (same
+// kernel and pid namespace) can be known so; false for any other, and before MPI starts. Every
+// pending MPI operation fails at once (Unavailable, "world rank N died") when a rank on this host
+// dies, instead of at its deadline.
+bool WorldRankDied(int world_rank);
+
 class MpiRuntime {
  public:
   static absl::StatusOr<std::unique_ptr<MpiRuntime>> Create(int* argc, char*** argv,

@@ -488,6 +488,13 @@ generate_bad_input)
     --prompt-lens 5 --max-tokens 0
   expect_exit 2 'batch-invariant: the CUDA backend' -- mpi 2 "$cpfill" generate --model tiny \
     --backend cuda --prompt-lens 5 --batch-invariant
+  # SparQ decode's r,k[,l] against the model's head dim (tiny: 64), naming the flag.
+  expect_exit 2 '--sparq 65,16: sparq.r = 65 must be in 1..64' -- mpi 2 "$cpfill" generate \
+    --model tiny --backend cpu --prompt-lens 5 --sparq 65,16
+  expect_exit 2 '--sparq 8,16,-1: sparq.l = -1 must be >= 0' -- mpi 2 "$cpfill" generate \
+    --model tiny --backend cpu --prompt-lens 5 --sparq 8,16,-1
+  expect_exit 2 "--sparq 8.5,16: '8.5' is not an integer" -- mpi 2 "$cpfill" generate \
+    --model tiny --backend cpu --prompt-lens 5 --sparq 8.5,16
   # The batch is queued at once: more prompts than --max-queue are refused up front, on every
   # rank alike (not an abort once the engine refuses them on rank 0).
   expect_exit 2 '--max-queue 1: the queue holds fewer than the 3 prompts' -- mpi 2 "$cpfill" \

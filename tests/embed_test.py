@@ -76,7 +76,8 @@ def one_shot_first_tokens(cpfill, tmp):
 SAMPLED = ["--temperature", "0.9", "--top-k", "50", "--top-p", "0.95", "--sample-seed", "7"]
 # What the examples' bad generation params are refused with, in their order.
 BAD_PARAMS = ["struct_size is 0", "max_tokens is 0", "max_tokens is -1", "top_p is 1.5",
-              "top_p is 0", "temperature is -1", "top_k is -1", "stop_token_ids is NULL"]
+              "top_p is 0", "temperature is -1", "top_k is -1", "stop_token_ids is NULL",
+              "sparq_r is 65", "sparq_k is -1", "sparq_l is -1"]
 # The functions of the first ABI (CPFILL_0.1): they must never move.
 ABI_0_1 = {"cpfill_version", "cpfill_last_error", "cpfill_engine_create", "cpfill_engine_rank",
            "cpfill_engine_size", "cpfill_engine_vocab_size", "cpfill_engine_run", "cpfill_submit",
@@ -133,6 +134,8 @@ def check_exports(lib, header):
                                check=True).stdout.splitlines():
         f = line.split()
         if len(f) >= 6 and f[1] == "g" and "*UND*" not in line and "*ABS*" not in line:
+            if f[-2].startswith("(CPFILL_"):  # an older version kept for old programs (.symver)
+                continue
             exported[f[-1]] = f[-2]
     if set(exported) != declared:
         fail(f"{lib} exports {sorted(set(exported) - declared)} beyond cpfill.h and lacks "
@@ -144,6 +147,42 @@ def check_exports(lib, header):
              f"missing {sorted(ABI_0_1 - declared)}")
     print(f"{lib}: {len(exported)} functions, the {len(ABI_0_1)} of CPFILL_0.1 unmoved, "
           f"{sorted(set(exported.values()))}")
+
+
+# A program built against CPFILL_0.2's cpfill.h: its cpfill_generate_params is 72 bytes (LP64)
+# and its init binds to the CPFILL_0.2 version, which must write no more than that.
+OLD_INIT_C = r"""
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+typedef struct {
+  size_t struct_size; int32_t max_tokens; double temperature; int32_t top_k; double top_p;
+  uint64_t seed; int ignore_eos; const int32_t* stop_token_ids; size_t num_stop_token_ids;
+} params_0_2;
+void cpfill_generate_params_init(params_0_2* p);
+__asm__(".symver cpfill_generate_params_init, cpfill_generate_params_init@CPFILL_0.2");
+int main(void) {
+  struct { params_0_2 p; unsigned char guard[32]; } s;
+  memset(&s, 0xab, sizeof s);
+  cpfill_generate_params_init(&s.p);
+  for (size_t i = 0; i < sizeof s.guard; ++i) {
+    if (s.guard[i] != 0xab) { printf("old init wrote past the 0.2 struct\n"); return 1; }
+  }
+  printf("old init: struct_size %zu max_tokens %d\n", s.p.struct_size, (int)s.p.max_tokens);
+  return s.p.struct_size == sizeof(params_0_2) && s.p.max_tokens == 16 ? 0 : 1;
+}
+"""
+
+
+def check_old_init(lib, tmp):
+    """cpfill_generate_params grew in CPFILL_0.4: a CPFILL_0.2 program's init stays in bounds."""
+    src, exe = os.path.join(tmp, "old_init.c"), os.path.join(tmp, "old_init")
+    open(src, "w").write(OLD_INIT_C)
+    libdir = os.path.dirname(lib)
+    run(["cc", "-std=c99", "-Wall", "-Werror", src, f"-L{libdir}", "-lcpfill",
+         f"-Wl,-rpath,{libdir}", "-o", exe])
+    print(run([exe]).strip())
 
 
 def check(output, want, label):
@@ -183,6 +222,7 @@ def main():
     lib = os.path.join(build, "lib/libcpfill.so") if "--built-example" in sys.argv else \
         os.path.join(prefix, "lib/libcpfill.so")
     check_exports(lib, os.path.join(SOURCE, "launch/embed/cpfill.h"))
+    check_old_init(lib, tmp)
     if "--python-example" in sys.argv:
         py = os.path.join(SOURCE, "launch/embed/examples/prefill.py")
         out = run(["mpirun", "-np", "4", sys.executable, py, f"{prefix}/lib/libcpfill.so"] + FLAGS)

@@ -34,6 +34,8 @@ def load_safetensors(path):
         elif info["dtype"] == "BF16":
             a = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
             a = a.astype(np.float64)
+        elif info["dtype"] == "F8_E4M3":
+            a = np.frombuffer(raw, dtype=np.uint8)  # codes; tests/fp8_reference.py decodes
         elif info["dtype"] == "I32":
             a = np.frombuffer(raw, dtype="<i4")
         else:
@@ -71,7 +73,17 @@ def rotate_half(x):
     return np.concatenate([-x[..., d:], x[..., :d]], axis=-1)
 
 
-def forward_last_logits(cfg, w, tokens):
+def forward_last_logits(cfg, w, tokens, linear=None):
+    return forward_logits(cfg, w, tokens, len(tokens) - 1, linear)[-1]
+
+
+def forward_logits(cfg, w, tokens, first=0, linear=None):
+    """Logits [positions, vocab] of a sequence run from position 0, for positions `first` on
+    (teacher-forced decoding compares each step's). `linear(h, name)` computes a projection
+    (default h @ w[name].T; tests/fp8_reference.py passes row-wise FP8)."""
+    if linear is None:
+        def linear(h, name):
+            return h @ w[name].T
     d_model = cfg["hidden_size"]
     n_h = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads", n_h)
@@ -87,9 +99,9 @@ def forward_last_logits(cfg, w, tokens):
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(t, n_h, hd)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(t, n_kv, hd)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(t, n_kv, hd)
+        q = (linear(h, p + "self_attn.q_proj.weight")).reshape(t, n_h, hd)
+        k = (linear(h, p + "self_attn.k_proj.weight")).reshape(t, n_kv, hd)
+        v = (linear(h, p + "self_attn.v_proj.weight")).reshape(t, n_kv, hd)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         group = n_h // n_kv
@@ -100,16 +112,16 @@ def forward_last_logits(cfg, w, tokens):
         probs = np.exp(scores)
         probs /= probs.sum(-1, keepdims=True)
         attn = np.einsum("hqk,khd->qhd", probs, v).reshape(t, n_h * hd)
-        x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        x = x + linear(attn, p + "self_attn.o_proj.weight")
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        gate = h @ w[p + "mlp.gate_proj.weight"].T
-        up = h @ w[p + "mlp.up_proj.weight"].T
-        x = x + ((gate / (1 + np.exp(-gate))) * up) @ w[p + "mlp.down_proj.weight"].T
-    last = rms_norm(x[-1], w["model.norm.weight"], eps)
+        gate = linear(h, p + "mlp.gate_proj.weight")
+        up = linear(h, p + "mlp.up_proj.weight")
+        x = x + linear((gate / (1 + np.exp(-gate))) * up, p + "mlp.down_proj.weight")
+    last = rms_norm(x[first:], w["model.norm.weight"], eps)
     head = w.get("lm_head.weight")
     if head is None or cfg.get("tie_word_embeddings"):
         head = w["model.embed_tokens.weight"]
-    return head @ last
+    return last @ head.T
 
 
 def main():

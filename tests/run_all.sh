@@ -59,9 +59,19 @@ stage "1/3 build and ctest (build/)"
 # embedding library and its example, the benchmarks (so they keep compiling), and the binaries
 # of this stage's tests; the unit tests' binaries are built in build-asan, where they run.
 stage1_labels='e2e|fuzz|gpu|multigpu|cuda|np2'
+# AIPerf (label aiperf; its install is 0.9 GB and 2 minutes) runs when the HTTP layer changed
+# against the last commit (or is uncommitted), or with CPFILL_AIPERF=1; CPFILL_AIPERF=0 leaves it out.
+aiperf_paths=(launch/http launch/commands/serve.cc tests/aiperf_smoke_test.py)
+if [ -z "${CPFILL_AIPERF:-}" ]; then
+  CPFILL_AIPERF=0
+  git diff --quiet HEAD~1 -- "${aiperf_paths[@]}" 2>/dev/null || CPFILL_AIPERF=1
+fi
+export CPFILL_AIPERF
+aiperf_out=(); [ "$CPFILL_AIPERF" = 1 ] || aiperf_out=(-LE aiperf)
+echo "run_all: the AIPerf test $([ "$CPFILL_AIPERF" = 1 ] && echo runs || echo 'is left out')"
 BUILD_TARGETS=none bash launch/setup.sh
 build_stage build "$stage1_labels" cpfill cpfill_shared embed_example_c bench/all
-run_ctest build -L "$stage1_labels" --output-on-failure -j 2
+run_ctest build -L "$stage1_labels" "${aiperf_out[@]}" --output-on-failure -j 2
 
 stage "2/3 ASan + UBSan (build-asan/): unit and mpi GoogleTests (np2: stage 1), the server and bad input"
 asan=${ASAN_BUILD_DIR:-build-asan}

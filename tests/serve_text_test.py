@@ -60,7 +60,9 @@ def start(cpfill, ckpt, tmp, env):
 
 
 def complete(port, prompt, session=None, **fields):
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, **fields}
+    # Special tokens stay in the text: the checks compare with tokenizers' decode of every id.
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "skip_special_tokens": False, **fields}
     if session:
         body["session"] = session
     status, text = http(port, "POST", "/v1/completions", body)
@@ -87,7 +89,8 @@ def check_logprobs_name_tokens(port, tok):
     """With a tokenizer, logprobs name tokens by their text, as OpenAI clients read them, and
     text_offset points into the choice's text alike whether streamed or not (a character split
     over byte tokens counts once)."""
-    body = {"prompt": "Once upon a time", "max_tokens": 12, "logprobs": 4}
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "logprobs": 4,
+            "skip_special_tokens": False}
     choice = complete(port, **body)["choices"][0]
     lp = choice["logprobs"]
     names = [tok.decode([i], skip_special_tokens=False) for i in choice["token_ids"]]
@@ -108,7 +111,7 @@ def check_logprobs_name_tokens(port, tok):
 
 def streamed(port, body):
     """A streamed completion's chunks (one prompt), and the usage chunk."""
-    events = stream(port, {"model": MODEL, "stream": True,
+    events = stream(port, {"model": MODEL, "stream": True, "skip_special_tokens": False,
                            "stream_options": {"include_usage": True}, **body})
     if events[-1] != "[DONE]" or events[-2]["choices"]:
         fail(f"the stream did not end with a usage chunk and [DONE]: {events[-2:]}")

@@ -2,6 +2,7 @@
 """cpfill's tokenizer against the Python `tokenizers` package (CTest tokenizer_matches_hf).
 
     tokenizer_check.py build/cpfill WORKDIR [--random N] [--seed S]
+    tokenizer_check.py build/cpfill WORKDIR --smollm2   (CTest tokenizer_matches_hf_smollm2)
 
 1. Trains a byte-level BPE tokenizer in the Llama 3 style (the Llama 3 Split pattern, Isolated,
    then ByteLevel without a prefix space or regex; ByteLevel decoder; Llama 3's 256 special tokens
@@ -17,6 +18,14 @@
    without BOS; and random id lists (some cutting multi-byte characters, so that U+FFFD
    replacement is exercised) decoded by both, with and without skip_special_tokens.
 4. Encodes about 1 MB of mixed text with both and prints the timings (no limit asserted).
+
+With --smollm2, the same comparison runs on a real vocabulary instead of a trained one: SmolLM2's
+tokenizer.json as tests/models/convert_smollm2.py builds it with `tokenizers` (49,152 tokens,
+48,900 merges, 17 special tokens, `continuing_subword_prefix: ""` as transformers writes it,
+Digits then GPT-2's ByteLevel split), in four variants: as converted; the pre-tokenizer written
+as llama.cpp's two regexes (Split \p{N}, Split GPT-2's pattern, ByteLevel without regex);
+ignore_merges on; digit runs (Digits without individual_digits). The texts add ChatML turns and
+SmolLM2's special tokens inside words.
 
 Known differences, not tested: characters assigned after Unicode 14 (Debian 12's PCRE2 knows no
 letters or digits there; tokenizers' Oniguruma does) and U+180E (whitespace to PCRE2 only).
@@ -197,14 +206,67 @@ def variants(trained, rng):
             "shuffled-merges": shuffled, "shuffled-merges-no-ignore": shuffled_no_ignore}
 
 
-def save(directory, tokenizer_json):
+# ---- SmolLM2: a real vocabulary ------------------------------------------------------------
+
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+SMOLLM2_SPECIAL_TEXTS = [
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n", "x<|im_end|>y", "<|endoftext|><|endoftext|>", "<|im_start|", "<repo_name>a/b",
+    "<file_sep><filename>x.py\n", "a <jupyter_code> b", "<gh_stars>1000", "<|im_end|>\n\n\n",
+    "Paris is 2,148,271 people; 3.14159 and 1e-5.", "x1y22z333", "٣٤ ²³ Ⅻ ½", "  1  22   333",
+]
+
+
+def smollm2_variants(directory):
+    with open(os.path.join(directory, "tokenizer.json"), encoding="utf-8") as f:
+        base = json.load(f)
+    if base["model"].get("continuing_subword_prefix") != "":
+        print("FAIL: the converted SmolLM2 tokenizer.json lost its continuing_subword_prefix \"\"")
+    regexes = json.loads(json.dumps(base))
+    regexes["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\p{N}"}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "pattern": {"Regex": GPT2_PATTERN}, "behavior": "Isolated",
+         "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+         "use_regex": False}]}
+    ignore = json.loads(json.dumps(base))
+    ignore["model"]["ignore_merges"] = True
+    runs = json.loads(json.dumps(base))
+    runs["pre_tokenizer"]["pretokenizers"][0]["individual_digits"] = False
+    return {"smollm2": base, "smollm2-llama.cpp-regexes": regexes,
+            "smollm2-ignore-merges": ignore, "smollm2-digit-runs": runs}
+
+
+def check_smollm2(args, rng):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "models"))
+    import convert_smollm2
+    checkpoint = convert_smollm2.require_checkpoint()
+    with open(os.path.join(checkpoint, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    texts = EDGE_CASES + SMOLLM2_SPECIAL_TEXTS + corpus(rng, args.random)
+    bad, lists_total = 0, 0
+    for name, tokenizer_json in smollm2_variants(checkpoint).items():
+        directory = os.path.join(args.workdir, name)
+        tok = save(directory, tokenizer_json, config)
+        lists = id_lists(tok, rng, texts)
+        bad += compare(name, tok, args.cpfill, directory, texts, lists)
+        lists_total += len(lists)
+    print(f"tokenizer_check --smollm2: tokenizers {tokenizers.__version__}, {len(texts)} strings "
+          f"x 2 and {lists_total} id lists x 2 over 4 variants of SmolLM2's vocabulary: {bad} "
+          f"mismatches -> {'OK' if bad == 0 else 'FAIL'}")
+    return 0 if bad == 0 else 1
+
+
+def save(directory, tokenizer_json, config=None):
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
         json.dump(tokenizer_json, f, ensure_ascii=False)
-    config = {"bos_token": SPECIAL[0],
-              "eos_token": {"__type": "AddedToken", "content": SPECIAL[1], "lstrip": False,
-                            "normalized": False, "rstrip": False, "single_word": False},
-              "model_max_length": 131072, "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = config or {
+        "bos_token": SPECIAL[0],
+        "eos_token": {"__type": "AddedToken", "content": SPECIAL[1], "lstrip": False,
+                      "normalized": False, "rstrip": False, "single_word": False},
+        "model_max_length": 131072, "tokenizer_class": "PreTrainedTokenizerFast"}
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f)
     return Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
@@ -213,7 +275,8 @@ def save(directory, tokenizer_json):
 # ---- id lists to decode --------------------------------------------------------------------
 
 def byte_ids(tok):
-    """Ids of the 256 single-byte tokens, in byte order (GPT-2's alphabet)."""
+    """Ids of the 256 single-byte tokens, in byte order (GPT-2's alphabet); None for a byte
+    the vocabulary lacks (SmolLM2 has no token for bytes that never occur in UTF-8)."""
     printable = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or b >= 174]
     chars, n = {}, 0
     for b in range(256):
@@ -238,9 +301,11 @@ def id_lists(tok, rng, texts):
     for pattern in [b"\xe0\x80", b"\xed\xa0\x80", b"\xf0\x9f\x98", b"\xc0\xaf", b"\xf4\x90\x80\x80",
                     b"\x80", b"\xff", b"\xe2\x82A", b"\xf0\x90\x80\xf0", b"a\xe2\x82\xacb",
                     b"\xe1\x80\xe2\xf0\x91\x92\xf1\xbfA", b"\xed\x9f\xbf", b"\xef\xbf\xbf"]:
-        lists.append([b[x] for x in pattern])
+        if all(b[x] is not None for x in pattern):
+            lists.append([b[x] for x in pattern])
+    present = [i for i in b if i is not None]
     for _ in range(300):  # random bytes
-        lists.append([b[rng.randrange(256)] for _ in range(rng.randint(1, 12))])
+        lists.append([rng.choice(present) for _ in range(rng.randint(1, 12))])
     return lists
 
 
@@ -332,6 +397,8 @@ def main():
     ap.add_argument("workdir")
     ap.add_argument("--random", type=int, default=2500, help="random strings per variant")
     ap.add_argument("--seed", type=int, default=16)
+    ap.add_argument("--smollm2", action="store_true",
+                    help="compare on SmolLM2's real vocabulary (converted if not cached)")
     args = ap.parse_args()
     version = tuple(int(x) for x in tokenizers.__version__.split(".")[:2])
     if version < (0, 20):
@@ -339,6 +406,8 @@ def main():
               "ignore_merges, merges as pairs); run launch/setup.sh")
         return 1
     rng = random.Random(args.seed)
+    if args.smollm2:
+        return check_smollm2(args, rng)
     trained = train(rng)
     texts = EDGE_CASES + corpus(rng, args.random)
     bad, strings, lists_total = 0, 0, 0

@@ -8,13 +8,13 @@ cd "$(dirname "$0")/../.."
 launcher=()  # ccache, where installed, makes rebuilds of a few files cheap
 command -v ccache >/dev/null &&
   launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
-cmake -S . -B build-gpu -G Ninja -DCPFILL_CUDA=ON -DCPFILL_CPU_ARCH=x86-64-v3 "${launcher[@]}" \
+cmake -S . -B build-gpu -G Ninja -DCPFILL_CUDA=ON -DCPFILL_CPU_ARCH=x86-64-v3 -DCPFILL_BUILD_TESTS=ON -DCPFILL_BUILD_BENCH=ON "${launcher[@]}" \
   >/dev/null
 bins=(attention/attention_cuda_test bench/attention_cuda_bench cpfill tests/llama_model_cuda_test
       runtime/kv/kv_cache_cuda_test runtime/model/gemv_cuda_test runtime/model/token_draw_cuda_test
       parallel/ucx_transport_test parallel/position_runs_cuda_test
       attention/prefix_batched_cuda_test bench/prefix_attention_cuda_bench
-      bench/decode_linear_cuda_bench)
+      bench/decode_linear_cuda_bench runtime/model/fp8_gemm_cuda_test bench/fp8_gemm_cuda_bench)
 cmake --build build-gpu --target "${bins[@]##*/}" -j "$(nproc)"
 rm -rf .gpu-carry && mkdir -p .gpu-carry/lib
 for bin in "${bins[@]}"; do cp "build-gpu/$bin" .gpu-carry/; done

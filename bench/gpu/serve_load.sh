@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# cpfill serve under load (bench/serve_load.py) beside one-shot `cpfill prefill` of the same
+# cpfill serve under load (NVIDIA's AIPerf, `aiperf profile`, for a checkpoint with a tokenizer;
+# bench/serve_load.py for the synthetic presets, whose empty answer text AIPerf counts as a
+# failure) beside one-shot `cpfill prefill` of the same
 # lengths, in one device call: the Llama-3-8B geometry (synthetic weights, all 32 layers) on one
 # H200 (NP=1) or CP2 over two (NP=2). Steps:
 #   1. `cpfill serve` starts on NP ranks;
@@ -24,7 +26,15 @@
 # length; default 400000 / length, within [3, 8]), LOW_RATE (req/s at every length; default from
 # the 8B's measured prefill time), SAT_N (24 x NP), GOODPUT_TTFT_MS (unset: no goodput), REPEAT
 # (2), KV_TOKENS (262144 per rank), SERVE_ARGS (more `serve` flags), CPFILL (the binary). A check
-# of the script on the CPU machine:
+# LOADGEN (aiperf where MODEL/tokenizer.json exists, else serve_load), AIPERF (the command),
+# TOKENIZER (AIPerf's: .gpu-carry/tokenizer, else .venv/models/smollm2-135m-instruct). With AIPerf
+# each run is $OUT/TAG/ (profile_export_aiperf.json, per-request JSONL) and TAG.inputs.json.
+# On a GPU host AIPerf comes from wheels in .whl/ (bench/README.md). A check with AIPerf on the
+# CPU machine (bench/results/2026-12-07-cpu-aiperf):
+#   CPFILL=build-tst/cpfill NP=2 MODEL=$PWD/.venv/models/smollm2-135m-instruct BACKEND=cpu \
+#     VOCAB=49152 LENGTHS="64 256" LOW_N=3 LOW_RATE=1 SAT_N=8 KV_TOKENS=16384 \
+#     GOODPUT_TTFT_MS=2000 OUT=/tmp/serve-load bash bench/gpu/serve_load.sh
+# and of the serve_load.py path:
 #   CPFILL=build-cpu/cpfill NP=2 MODEL=tiny BACKEND=cpu VOCAB=1024 LENGTHS="64 256 1024" \
 #     LOW_RATE=2 SAT_N=12 KV_TOKENS=16384 OUT=/tmp/serve-load bash bench/gpu/serve_load.sh
 set -uo pipefail
@@ -81,23 +91,74 @@ start_server() {  # sets $server (mpirun's pid) and $url; returns 1 when no port
   done
   [ -s "$port_file" ] || { note "server did not start:"; tail -20 "$out/serve.log"; return 1; }
   url=http://127.0.0.1:$(cat "$port_file")
+  model_id=$(python3 -c 'import json, sys, urllib.request
+print(json.load(urllib.request.urlopen(sys.argv[1] + "/v1/models"))["data"][0]["id"])' "$url")
   note "server up after ${SECONDS} s at $url"
 }
 
-load() {  # load TAG ARGS...: one serve_load.py run; its table to $out/TAG.txt, a line noted
+# AIPerf: .venv/bin/aiperf here; on a GPU host `python3 -m aiperf` from wheels carried in .whl/
+# (bench/README.md), installed under /tmp/site. AIPERF overrides.
+if [ -n "${AIPERF:-}" ]; then read -ra aiperf <<< "$AIPERF"
+elif ls .whl/aiperf-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > "$out/aiperf_install.log" 2>&1 || {
+    note "aiperf wheels: install failed ($out/aiperf_install.log)"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; aiperf=(python3 -m aiperf)
+elif [ -x .venv/bin/aiperf ]; then aiperf=(.venv/bin/aiperf)
+else aiperf=(aiperf); fi
+# AIPerf needs a tokenizer even where it counts nothing (--use-server-token-count): SmolLM2's
+# (tests/models/convert_smollm2.py), or TOKENIZER; the prompts are token ids (below).
+tokenizer=${TOKENIZER:-$([ -d .gpu-carry/tokenizer ] && echo .gpu-carry/tokenizer ||
+  echo .venv/models/smollm2-135m-instruct)}
+
+# load_py TAG ARGS...: one serve_load.py run; its table to $out/TAG.txt, a line noted.
+load_py() {
   python3 bench/serve_load.py --url "$url" --vocab "$vocab" --seed 1 --json "$out/$1.json" \
     "${@:2}" > "$out/$1.txt" 2> "$out/$1.err"
   note "$1: rc $? at ${SECONDS} s; $(grep -E '^requests' "$out/$1.txt" | tr -s ' ');" \
     "$(grep -E '^throughput' "$out/$1.txt" | tr -s ' ')"
 }
 
+# load TAG SPEC N AIPERF_ARGS...: one `aiperf profile` run into $out/TAG/. The requests (N
+# prefill-only completions, token ids of lengths SPEC, seed 1) come from serve_load.py
+# --aiperf-inputs: AIPerf synthesizes text only, and the synthetic models have no tokenizer.
+# AIPerf sends them (Poisson arrivals, concurrency, goodput), streamed, and times them.
+load() {
+  local tag=$1 spec=$2 n=$3
+  python3 bench/serve_load.py --url "$url" --vocab "$vocab" --seed 1 --rate inf \
+    --lengths "$spec" --num-requests "$n" --aiperf-inputs "$out/$tag.inputs.json" \
+    > "$out/$tag.err" 2>&1 || { note "$tag: no inputs (rc $?)"; return; }
+  "${aiperf[@]}" profile --model "$model_id" --tokenizer "$tokenizer" \
+    --endpoint-type completions --streaming --url "$url" --use-server-token-count \
+    --input-file "$out/$tag.inputs.json" --custom-dataset-type inputs_json \
+    --dataset-sampling-strategy sequential --request-count "$n" --random-seed 1 \
+    --request-timeout-seconds 1800 --artifact-dir "$out/$tag" --ui-type none \
+    --no-gpu-telemetry ${GOODPUT_TTFT_MS:+--goodput "time_to_first_token:$GOODPUT_TTFT_MS"} \
+    "${@:4}" > "$out/$tag.txt" 2>> "$out/$tag.err"
+  note "$tag: aiperf rc $? at ${SECONDS} s; $(python3 bench/gpu/summarize.py aiperf-line "$out/$tag")"
+}
+
 start_server || exit 1
+# AIPerf reads the streamed text: a model without a tokenizer (the synthetic presets) answers
+# token ids with empty text, which AIPerf 0.13 counts as a failed request ("No responses with
+# actual content"). Those run serve_load.py (LOADGEN=serve_load); checkpoints, AIPerf.
+loadgen=${LOADGEN:-$([ -f "$model/tokenizer.json" ] && echo aiperf || echo serve_load)}
+note "load generator: $loadgen"
 for t in $lengths; do  # step 2: low load, one at a time
-  load "low-$t" --lengths "fixed:$t" --num-requests "$(low_n "$t")" --rate "$(low_rate "$t")" \
-    --max-concurrency 1 --warmup 1
+  if [ "$loadgen" = aiperf ]; then
+    load "low-$t" "fixed:$t" "$(low_n "$t")" --request-rate "$(low_rate "$t")" \
+      --arrival-pattern poisson --concurrency 1 --warmup-request-count 1
+  else
+    load_py "low-$t" --lengths "fixed:$t" --num-requests "$(low_n "$t")" \
+      --rate "$(low_rate "$t")" --max-concurrency 1 --warmup 1
+  fi
 done
-load saturation --lengths "choice:$(echo "$lengths" | tr ' ' ,)" --num-requests "$sat_n" \
-  --rate inf ${GOODPUT_TTFT_MS:+--goodput-ttft-ms "$GOODPUT_TTFT_MS"}
+if [ "$loadgen" = aiperf ]; then
+  load saturation "choice:$(echo "$lengths" | tr ' ' ,)" "$sat_n" --concurrency "$sat_n"
+else
+  load_py saturation --lengths "choice:$(echo "$lengths" | tr ' ' ,)" --num-requests "$sat_n" \
+    --rate inf ${GOODPUT_TTFT_MS:+--goodput-ttft-ms "$GOODPUT_TTFT_MS"}
+fi
 stop_server
 trap - EXIT
 for t in $lengths; do  # step 5: one-shot prefills of the same lengths on the same ranks
@@ -110,6 +171,6 @@ cat "$summary"
 echo "== serve under load vs one-shot prefill"
 python3 bench/gpu/summarize.py serve "$out" | tee "$out/serve_load.md"
 # The device tool returns few files a call: everything goes into one archive, beside the tables.
-tar czf "$out/serve-load.tgz" -C "$out" --exclude serve-load.tgz . &&
+tar czf "/tmp/serve-load.$$.tgz" -C "$out" . && mv "/tmp/serve-load.$$.tgz" "$out/serve-load.tgz" &&
   find "$out" -maxdepth 1 -type f ! -name serve-load.tgz ! -name compare.json \
     ! -name serve_load.md ! -name summary.txt -delete

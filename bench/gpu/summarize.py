@@ -5,6 +5,7 @@
   summarize.py table4 REPORT.json OUT_DIR # selector_calibration.sh: `cpfill calibrate --json`
   summarize.py regression OUT_DIR         # regression.sh: the short before/after table
   summarize.py serve OUT_DIR              # serve_load.sh: serve under load vs one-shot prefills
+  summarize.py aiperf-line RUN_DIR        # serve_load.sh: one line on an `aiperf profile` run
 """
 import glob
 import json
@@ -204,14 +205,75 @@ def oneshot_ms(out_dir):
     return out
 
 
+def aiperf_report(run_dir):
+    """An `aiperf profile` run's folder (serve_load.sh) as serve_load.py's report: the fields of
+    "summary" and "per_request" that the serve tables read. AIPerf knows no server-side prefill
+    time, so prefill_ms and the client overhead over it stay empty (serve_load.py keeps those)."""
+    s = json.load(open(os.path.join(run_dir, "profile_export_aiperf.json")))
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "profile_export.jsonl"))]
+    records = [r for r in records if r["metadata"].get("benchmark_phase", "profiling") == "profiling"]
+    ok = [r for r in records if not r.get("error")]
+    failed = len(records) - len(ok)
+    by_status = {}
+    for r in records:
+        if r.get("error"):
+            code = str(r["error"].get("code", "error"))
+            by_status[code] = by_status.get(code, 0) + 1
+    prompt = [int(r["metrics"]["input_sequence_length"]["value"]) for r in ok
+              if "input_sequence_length" in r["metrics"]]
+    duration = (s.get("benchmark_duration") or {}).get("avg")
+    ttft = s.get("time_to_first_token") or {}
+    good = (s.get("good_request_count") or {}).get("avg")
+    return {"summary": {
+        "requests": {"sent": len(records), "ok": len(ok), "failed": failed,
+                     "failures_by_status": by_status},
+        "ttft_ms": {k: ttft[k] for k in ("p50", "p90", "p99") if k in ttft} or None,
+        "prefill_ms": None, "overhead_ms": None, "overhead_vs_server_ttft_ms": None,
+        "duration_s": duration, "prompt_tokens_ok": sum(prompt),
+        "prompt_token_throughput": sum(prompt) / duration if duration else None,
+        "request_throughput": (s.get("request_throughput") or {}).get("avg"),
+        "good_requests": good},
+        "per_request": [{"status": 200, "prompt_tokens": n} for n in prompt],
+        "metrics": {"delta": {}}}
+
+
+def load_runs(out_dir, prefix):
+    """[(tokens or None, report)] of the load runs named PREFIX*: serve_load.py's JSON files or
+    AIPerf's folders (serve_load.sh), in order of the length in the name."""
+    runs = []
+    for path in glob.glob(os.path.join(out_dir, prefix + "*")):
+        name = os.path.basename(path)
+        if os.path.isdir(path) and os.path.exists(os.path.join(path, "profile_export_aiperf.json")):
+            report = aiperf_report(path)
+        elif name.endswith(".json") and not name.endswith(".inputs.json"):
+            report = json.load(open(path))
+        else:
+            continue
+        digits = re.findall(r"\d+", name)
+        runs.append((int(digits[-1]) if digits else None, report))
+    return sorted(runs, key=lambda r: r[0] or 0)
+
+
+def aiperf_line(run_dir):
+    """One line on an AIPerf run: ok/sent, TTFT p50/p99, throughput (serve_load.sh's notes)."""
+    try:
+        s = aiperf_report(run_dir)["summary"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"no AIPerf result ({e})")
+        return
+    t = s["ttft_ms"] or {}
+    print(f"requests {s['requests']['ok']}/{s['requests']['sent']} ok; TTFT p50 "
+          f"{t.get('p50', float('nan')):.1f} ms, p99 {t.get('p99', float('nan')):.1f} ms; "
+          f"{s['prompt_token_throughput'] or 0:.0f} prompt tok/s"
+          + (f"; good {s['good_requests']:.0f}" if s["good_requests"] is not None else ""))
+
+
 def serve_low(out_dir, oneshot):
     """Low load, per length: the client's TTFT against the one-shot prefill of the same prompt
     (target: p50 - one-shot <= 2 ms + 1% of the one-shot time)."""
     rows = []
-    for path in sorted(glob.glob(os.path.join(out_dir, "low-*.json")),
-                       key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[-1])):
-        r = json.load(open(path))
-        s, tokens = r["summary"], int(re.findall(r"\d+", os.path.basename(path))[-1])
+    for tokens, r in load_runs(out_dir, "low-"):
+        s = r["summary"]
         ttft, prefill, over = s["ttft_ms"] or {}, s["prefill_ms"] or {}, s["overhead_ms"] or {}
         one = oneshot.get(tokens)
         gap = ttft["p50"] - one if one and ttft else None
@@ -235,10 +297,10 @@ def ok_per_batch(delta):
 def serve_saturation(out_dir, oneshot):
     """Saturation: prompt tokens/s against the same requests' one-shot prefills back to back
     (target: >= 0.95x)."""
-    path = os.path.join(out_dir, "saturation.json")
-    if not os.path.exists(path):
+    runs = load_runs(out_dir, "saturation")
+    if not runs:
         return None
-    r = json.load(open(path))
+    r = runs[0][1]
     s, ok = r["summary"], [q for q in r["per_request"] if q["status"] == 200]
     missing = sorted({q["prompt_tokens"] for q in ok} - set(oneshot))
     ref_s = sum(oneshot.get(q["prompt_tokens"], 0.0) for q in ok) / 1e3
@@ -258,10 +320,10 @@ def serve_saturation(out_dir, oneshot):
 def serve_failures(out_dir):
     """{run: failures_by_status} of every load run with a failed request (target: none)."""
     out = {}
-    for path in sorted(glob.glob(os.path.join(out_dir, "*.json"))):
-        r = json.load(open(path))
-        if isinstance(r, dict) and "summary" in r and r["summary"]["requests"]["failed"]:
-            out[os.path.basename(path)] = r["summary"]["requests"]["failures_by_status"]
+    for prefix in ("low-", "saturation"):
+        for tokens, r in load_runs(out_dir, prefix):
+            if isinstance(r, dict) and "summary" in r and r["summary"]["requests"]["failed"]:
+                out[f"{prefix}{tokens or ''}"] = r["summary"]["requests"]["failures_by_status"]
     return out
 
 
@@ -298,4 +360,4 @@ def serve(out_dir):
 
 if __name__ == "__main__":
     {"scaling": scaling, "table4": table4, "regression": regression,
-     "serve": serve}[sys.argv[1]](*sys.argv[2:])
+     "serve": serve, "aiperf-line": aiperf_line}[sys.argv[1]](*sys.argv[2:])

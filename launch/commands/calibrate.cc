@@ -2,7 +2,8 @@
 // grid of (T, P) with T + P fixed per context length (the paper's Table 4), measures the
 // attention compute rate C and the ring bandwidth BW, fits the App. D rule
 // h = a ln T + b ln(T/(T+P)) + c, prints each rule's choices and regret, and writes the JSON that
-// `--fit` reads.
+// `--fit` reads. `--profile F` writes the device and link profile `cpfill plan` reads
+// (launch/job/device_profile.h) instead, or as well with --out.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -20,6 +21,7 @@
 #include "launch/job/attention_job.h"
 #include "launch/job/backend.h"
 #include "launch/job/calibration.h"
+#include "launch/job/device_profile.h"
 #include "launch/job/flags.h"
 #include "launch/job/job.h"
 #include "launch/job/selector_flags.h"
@@ -40,6 +42,8 @@ struct CalibrateFlags {
   std::string out = "cpfill-fit.json";
   std::string backend = "auto";
   std::string json_file;
+  std::string profile;                  // --profile: the device profile `cpfill plan` reads
+  std::vector<int64_t> profile_tokens;  // its causal squares [backend's defaults]
 };
 
 // GPU-sized grid defaults: the paper's Table 4 miss rates, at two context totals.
@@ -77,6 +81,14 @@ void DefineFlags(FlagSet& flags, CalibrateFlags* f) {
       .String("json", &f->json_file,
               "write the grid's times, every rule's choices and regrets as JSON")
       .Output();
+  flags
+      .String("profile", &f->profile,
+              "write a device profile for `cpfill plan` (attention and GEMM rates, memory "
+              "bandwidth, the ring link); alone it skips the (T, P) grid, with --out it runs both")
+      .Output();
+  flags.IntList("profile-tokens", &f->profile_tokens,
+                "causal squares the profile times [cpu 256,1024,2048,4096; cuda 2048,8192,32768]")
+      .Within({1, 1 << 20});
   flags.String("backend", &f->backend,
                "auto | cpu | cuda | cuda-staged (auto: cuda when a GPU is visible; CUDA backends "
                "default to GPU-sized grids)");
@@ -95,6 +107,8 @@ absl::Status Validate(const CalibrateFlags& f, const parallel::ProcessGrid& grid
   for (double m : f.g.miss_rates) {
     CPFILL_CHECK_ARG(m > 0 && m <= 1, "--miss-rates: ", m, " is not in (0, 1]");
   }
+  CPFILL_CHECK_ARG(f.profile_tokens.empty() || !f.profile.empty(),
+                   "--profile-tokens goes with --profile");
   CPFILL_CHECK_ARG(f.g.repeat >= 1 && f.g.compute_tokens >= 1 && f.g.bandwidth_bytes >= 1,
                    "--repeat, --compute-tokens and --bandwidth-bytes must be positive");
   return absl::OkStatus();
@@ -286,6 +300,37 @@ int Report(Job& job, const CalibrateFlags& f, const parallel::ProcessGrid& grid,
   return kExitOk;
 }
 
+// --profile: the device and link profile of this machine, written by rank 0.
+void WriteProfile(Job& job, const CalibrateFlags& f, const parallel::ProcessGrid& grid,
+                  const CalibratePlan& plan) {
+  const bool cpu = plan.backend->name() == "cpu";
+  ProfileOptions o{.attention_tokens = f.profile_tokens,
+                   .gemm_rows = {16, 128, 1024, 4096},
+                   .repeat = f.g.repeat,
+                   .threads = job.ThreadsPerRank(grid),
+                   .elem_bytes = f.g.elem_bytes};
+  if (o.attention_tokens.empty()) {
+    o.attention_tokens = cpu ? std::vector<int64_t>{256, 1024, 2048, 4096}
+                             : std::vector<int64_t>{2048, 8192, 32768};
+  }
+  auto measured = MeasureDeviceProfile(*plan.backend, *grid.world, plan.one.shape, o);
+  if (!measured.ok()) job.Fail(measured.status());
+  for (const auto& r : measured->device.attention) {
+    job.Print("profile: attention %.4g TFLOP/s at %.4g pairs per head\n", r.tflops, r.size);
+  }
+  for (const auto& r : measured->device.gemm) {
+    job.Print("profile: GEMM %.4g TFLOP/s at %g rows\n", r.tflops, r.size);
+  }
+  job.Print("profile: memory %.4g GB/s\n", measured->device.memory_gbps);
+  for (const auto& link : measured->links.links) {
+    job.Print("profile: ring link %.4g GB/s, %.4g us\n", link.gbps, link.latency_us);
+  }
+  if (job.is_root()) {
+    if (absl::Status s = json::WriteFile(f.profile, measured->ToJson()); !s.ok()) job.Fail(s);
+    job.Print("wrote %s (use with cpfill plan --device-profile and --link-profile)\n", f.profile);
+  }
+}
+
 // The command once its job has started: plan -> run -> report.
 int Calibrate(CalibrateFlags& f, const FlagSet& flags, Job& job,
               const parallel::ProcessGrid& grid) {
@@ -294,6 +339,10 @@ int Calibrate(CalibrateFlags& f, const FlagSet& flags, Job& job,
   job.Print("cpfill calibrate: %s; %d / %d heads per rank x %d; %s backend\n", grid.Describe(),
             plan.one.model.num_heads, plan.one.model.num_kv_heads, f.g.head_dim,
             plan.backend->Description());
+  if (!f.profile.empty()) {
+    WriteProfile(job, f, grid, plan);
+    if (!flags.IsSet("out")) return kExitOk;  // the profile alone
+  }
   const Measured measured = Measure(job, f, grid, plan);
   return Report(job, f, grid, plan, measured);
 }

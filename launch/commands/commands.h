@@ -2,7 +2,7 @@
 //
 // Each takes the full argv (argv[1] is the subcommand name) and returns the process exit code:
 // the exit codes of launch/job/job.h. Distributed subcommands start MPI
-// themselves; `select`, `export`, `tokenize` and `env` need no MPI and run anywhere.
+// themselves; `select`, `plan`, `export`, `tokenize` and `env` need no MPI and run anywhere.
 #pragma once
 
 namespace cpfill::launch {
@@ -17,5 +17,6 @@ int RunExportCommand(int argc, char** argv);
 int RunEnvCommand(int argc, char** argv);
 int RunTokenizeCommand(int argc, char** argv);
 int RunKvPullCommand(int argc, char** argv);
+int RunPlanCommand(int argc, char** argv);
 
 }  // namespace cpfill::launch

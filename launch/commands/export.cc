@@ -8,6 +8,7 @@
 #include "launch/commands/commands.h"
 #include "launch/job/flags.h"
 #include "launch/job/job.h"
+#include "launch/job/model_flags.h"
 #include "launch/job/model_setup.h"
 #include "runtime/model/model_config.h"
 #include "runtime/model/weights.h"
@@ -15,7 +16,7 @@
 namespace cpfill::launch {
 
 int RunExportCommand(int argc, char** argv) {
-  std::string model, out;
+  std::string model, out, quantize;
   int64_t seed = 1;
   int layers = 0;
   bool bf16 = false;
@@ -28,6 +29,9 @@ int RunExportCommand(int argc, char** argv) {
       .Within(Range::AtLeast(0));
   flags.Int("layers", &layers, "keep only the first K layers (0: all)").Within({0, 1e6});
   flags.Bool("bf16", &bf16, "store bf16 (default fp32)");
+  flags.String("quantize", &quantize,
+               "fp8-rowwise[:ffn|all]: store the feed-forward (or all) projections as row-wise "
+               "FP8, an fbgemm_fp8 checkpoint (F8_E4M3 weights, weight_scale per output row)");
   if (auto done = AnswerFlagsFirst(flags, flags.Parse(argc, argv, 2))) return *done;
   if (!runtime::IsPreset(model)) {
     return RefuseInput(
@@ -40,14 +44,16 @@ int RunExportCommand(int argc, char** argv) {
         "--layers ", layers, ": ", model, " has only ", config->num_layers, " layers")));
   }
   if (layers > 0) config->num_layers = layers;
+  if (absl::Status s = ApplyQuantizeFlag(quantize, &*config); !s.ok()) return RefuseInput(s);
   if (absl::Status s = WeightsFit(*config, 1); !s.ok()) return RefuseInput(s);
   auto weights = runtime::SyntheticWeights(*config, static_cast<uint64_t>(seed), 0, 1);
   if (!weights.ok()) return RefuseInput(weights.status());
   if (absl::Status s = runtime::SaveHfCheckpoint(*config, *weights, out, bf16); !s.ok()) {
     return RefuseInput(absl::InvalidArgumentError(absl::StrCat("--out: ", s.message())));
   }
-  std::printf("saved %s (%d layers, %s) to %s\n", model.c_str(), config->num_layers,
-              bf16 ? "bf16" : "fp32", out.c_str());
+  std::printf("saved %s (%d layers, %s%s) to %s\n", model.c_str(), config->num_layers,
+              bf16 ? "bf16" : "fp32", config->fp8.enabled() ? ", row-wise FP8 projections" : "",
+              out.c_str());
   return kExitOk;
 }
 

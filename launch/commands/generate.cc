@@ -5,11 +5,14 @@
 // on the same tokens. The engine is the one `serve` runs (engine_host.h).
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "launch/commands/commands.h"
 #include "launch/http/http_api.h"
@@ -33,6 +36,8 @@ struct GenerateFlags {
   bool ignore_eos = false, check = false;
   double tolerance = 1e-3;
   std::string json_file;
+  std::string sparq;  // "r,k[,l]": decode with SparQ
+  std::optional<attention::sparq::SparqConfig> parsed_sparq;
 };
 
 // --tokens and --text are read after the engine is built: their KV cache, unsized, gets this.
@@ -60,6 +65,29 @@ void DefineFlags(FlagSet& flags, GenerateFlags* f) {
               "default 3e-2)")
       .Within(Range::Above(0));
   flags.String("json", &f->json_file, "write the report as JSON to this file").Output();
+  flags.String("sparq", &f->sparq,
+               "r,k[,l]: decode with SparQ attention (r of head_dim components rank positions, the "
+               "top k attended, the last l always; CPU backend); prefill stays dense");
+}
+
+// --sparq "r,k[,l]" against the model's head dim; nullopt when not given.
+absl::StatusOr<std::optional<attention::sparq::SparqConfig>> SparqFromFlag(const std::string& text,
+                                                                           int head_dim) {
+  if (text.empty()) return std::nullopt;
+  const std::vector<std::string> parts = absl::StrSplit(text, ',');
+  std::vector<int> v;
+  for (const std::string& p : parts) {
+    int x = 0;
+    CPFILL_CHECK_ARG(absl::SimpleAtoi(p, &x), "--sparq ", text, ": '", p,
+                     "' is not an integer (give r,k[,l])");
+    v.push_back(x);
+  }
+  CPFILL_CHECK_ARG(v.size() == 2 || v.size() == 3, "--sparq ", text, ": give r,k[,l]");
+  attention::sparq::SparqConfig c{.r = v[0], .k = v[1], .local_window = v.size() == 3 ? v[2] : 0};
+  if (absl::Status s = runtime::CheckSparqConfig(c, head_dim); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--sparq ", text, ": ", s.message()));
+  }
+  return c;
 }
 
 // The whole batch is queued at once (RunEngine): more prompts than --max-queue holds would be
@@ -89,7 +117,10 @@ absl::StatusOr<std::vector<runtime::PrefillRequest>> Prompts(const GenerateFlags
                             static_cast<uint64_t>(f.engine.model.seed));
   }
   CPFILL_CHECK_ARG(host.tokenizer.has_value(), "--text needs the model's tokenizer (",
-                   f.engine.model.name, " has no tokenizer.json); give --tokens");
+                   f.engine.model.name,
+                   host.tokenizer_status.ok() ? " has no tokenizer.json"
+                                              : absl::StrCat(": ", host.tokenizer_status.message()),
+                   "); give --tokens");
   CPFILL_ASSIGN_OR_RETURN(std::vector<int32_t> ids, host.tokenizer->Encode(f.text, true));
   return std::vector<runtime::PrefillRequest>{{.tokens = std::move(ids)}};
 }
@@ -111,6 +142,7 @@ absl::StatusOr<std::vector<runtime::EngineResult>> RunEngine(
                                .sampling = f.sampling,
                                .ignore_eos = f.ignore_eos,
                                .return_logits = f.check};  // the check compares them
+      r.sparq = f.parsed_sparq;
       r.sampling.seed = static_cast<uint64_t>(f.sample_seed) + i;
       requests.push_back(std::move(r));
     }
@@ -206,7 +238,8 @@ nlohmann::ordered_json Report(const GenerateFlags& f, const EngineHost& host,
                     {"tpot_ms", r.tpot_s() * 1e3},
                     {"decode_ms", r.decode_s * 1e3},
                     {"decode_step_phases_ms", DecodePhasesMs(r.decode_timings)},
-                    {"preemptions", r.preemptions}});
+                    {"preemptions", r.preemptions},
+                    {"sparq_decode_steps", r.sparq_decode_steps}});
   }
   return {{"command", "generate"},
           {"model", host.config.name},
@@ -245,6 +278,12 @@ int Generate(GenerateFlags& f, const FlagSet& flags, Job& job, const parallel::P
   auto host = BuildEngineHost(f.engine, flags, job, grid, {});
   if (!host.ok()) return job.Refuse(host.status());
   if ((*host)->backend == "cuda" && !flags.IsSet("tolerance")) f.tolerance = 3e-2;  // relative
+  auto sparq = SparqFromFlag(f.sparq, (*host)->config.head_dim);
+  if (!sparq.ok()) return job.ConfigError(sparq.status());
+  if (sparq->has_value() && (*host)->backend != "cpu") {
+    return job.ConfigError(absl::InvalidArgumentError("sparq needs the CPU backend for now"));
+  }
+  f.parsed_sparq = *sparq;
   auto prompts = Prompts(f, **host);
   if (!prompts.ok()) return job.ConfigError(prompts.status());
   job.Print("cpfill generate: %s (%d layers), %d sequence(s), up to %d tokens each; %s; %s\n",

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstring>
 #include <exception>
 #include <future>
 #include <memory>
@@ -60,9 +61,13 @@ struct cpfill_request {
 static_assert(sizeof(void*) != 8 ||
                   (sizeof(cpfill_result) == 72 && offsetof(cpfill_result, algorithm) == 64),
               "cpfill_result's layout changed: it must never change");
-static_assert(sizeof(void*) != 8 || (sizeof(cpfill_generate_params) == 72 &&
-                                     offsetof(cpfill_generate_params, num_stop_token_ids) == 64),
-              "cpfill_generate_params changed: grow it only at the end, checking struct_size");
+static_assert(sizeof(void*) != 8 || (sizeof(cpfill_generate_params) == 88 &&
+                                     offsetof(cpfill_generate_params, num_stop_token_ids) == 64 &&
+                                     offsetof(cpfill_generate_params, sparq_r) == 72),
+              "cpfill_generate_params changed: grow it only at the end, checking struct_size, "
+              "with a new version of cpfill_generate_params_init (libcpfill.map)");
+// CPFILL_0.2's cpfill_generate_params: every field before sparq_r (72 bytes on LP64).
+constexpr size_t kGenerateParamsSize_0_2 = offsetof(cpfill_generate_params, sparq_r);
 
 namespace {
 
@@ -118,16 +123,18 @@ constexpr int64_t kMaxGenerateTokens = int64_t{1} << 20;
 
 // The engine's generation fields from the C struct. The sampling fields are checked by the
 // engine's Submit, which names them.
-absl::Status ApplyParams(const cpfill_generate_params& p, cpfill::runtime::EngineRequest* request) {
+absl::Status ApplyParams(const cpfill_generate_params& p, const cpfill::launch::EngineHost& host,
+                         cpfill::runtime::EngineRequest* request) {
   if (p.struct_size == 0) {
     return absl::InvalidArgumentError(
         "cpfill_submit_generate: params->struct_size is 0; fill the params with "
         "cpfill_generate_params_init first");
   }
-  if (p.struct_size != sizeof(cpfill_generate_params)) {
+  if (p.struct_size != sizeof(cpfill_generate_params) && p.struct_size != kGenerateParamsSize_0_2) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cpfill_submit_generate: params->struct_size is ", p.struct_size, "; this libcpfill (",
-        cpfill_version(), ") knows ", sizeof(cpfill_generate_params),
+        cpfill_version(), ") knows ", sizeof(cpfill_generate_params), " (CPFILL_0.4) and ",
+        kGenerateParamsSize_0_2, " (CPFILL_0.2)",
         ": link the libcpfill whose cpfill.h the program was built with"));
   }
   if (p.max_tokens < 1 || p.max_tokens > kMaxGenerateTokens) {
@@ -145,6 +152,30 @@ absl::Status ApplyParams(const cpfill_generate_params& p, cpfill::runtime::Engin
   request->ignore_eos = p.ignore_eos != 0;
   if (p.num_stop_token_ids > 0) {
     request->stop_ids.assign(p.stop_token_ids, p.stop_token_ids + p.num_stop_token_ids);
+  }
+  // The SparQ fields exist only in a CPFILL_0.4 struct: a 0.2 one is never read past its size.
+  if (p.struct_size == sizeof(cpfill_generate_params)) {
+    if (p.sparq_k < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("cpfill_submit_generate: sparq_k is ",
+                                                     p.sparq_k, ", must be >= 0 (0: dense)"));
+    }
+    if (p.sparq_k > 0) {
+      if (p.sparq_r < 1 || p.sparq_r > host.config.head_dim) {
+        return absl::InvalidArgumentError(absl::StrCat("cpfill_submit_generate: sparq_r is ",
+                                                       p.sparq_r, ", must be in 1 .. ",
+                                                       host.config.head_dim, " (the head dim)"));
+      }
+      if (p.sparq_l < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("cpfill_submit_generate: sparq_l is ", p.sparq_l, ", must be >= 0"));
+      }
+      if (host.backend != "cpu") {
+        return absl::InvalidArgumentError(
+            "cpfill_submit_generate: sparq_k > 0 needs the CPU backend for now");
+      }
+      request->sparq = cpfill::attention::sparq::SparqConfig{
+          .r = p.sparq_r, .k = p.sparq_k, .local_window = p.sparq_l};
+    }
   }
   return absl::OkStatus();
 }
@@ -169,7 +200,7 @@ absl::Status Submit(cpfill_engine* e, const int32_t* tokens, size_t n, const cha
                                          .return_logits = true};  // cpfill_result's
   auto r = std::make_unique<cpfill_request>();
   if (params != nullptr) {
-    if (absl::Status s = ApplyParams(*params, &request); !s.ok()) return s;
+    if (absl::Status s = ApplyParams(*params, *e->host, &request); !s.ok()) return s;
     r->generates = true;
   }
   request.on_token = [log = r->tokens](const cpfill::runtime::GeneratedToken& t) {
@@ -318,7 +349,10 @@ int cpfill_submit(cpfill_engine* e, const int32_t* tokens, size_t n, const char*
   return Guarded([&] { return Submit(e, tokens, n, session, nullptr, request); });
 }
 
-void cpfill_generate_params_init(cpfill_generate_params* p) {
+// cpfill_generate_params_init has two versions (libcpfill.map): CPFILL_0.4's writes the whole
+// struct; CPFILL_0.2's, which programs built against that header bind to, writes only the
+// kGenerateParamsSize_0_2 bytes their struct has, and that struct_size.
+extern "C" void cpfill_generate_params_init_0_4(cpfill_generate_params* p) {
   if (p == nullptr) return;
   *p = cpfill_generate_params{.struct_size = sizeof(cpfill_generate_params),
                               .max_tokens = 16,
@@ -328,14 +362,26 @@ void cpfill_generate_params_init(cpfill_generate_params* p) {
                               .seed = 0,
                               .ignore_eos = 0,
                               .stop_token_ids = nullptr,
-                              .num_stop_token_ids = 0};
+                              .num_stop_token_ids = 0,
+                              .sparq_r = 0,
+                              .sparq_k = 0,
+                              .sparq_l = 0};
 }
+extern "C" void cpfill_generate_params_init_0_2(cpfill_generate_params* p) {
+  if (p == nullptr) return;
+  cpfill_generate_params whole;
+  cpfill_generate_params_init_0_4(&whole);
+  whole.struct_size = kGenerateParamsSize_0_2;
+  std::memcpy(static_cast<void*>(p), &whole, kGenerateParamsSize_0_2);
+}
+__asm__(".symver cpfill_generate_params_init_0_2, cpfill_generate_params_init@CPFILL_0.2");
+__asm__(".symver cpfill_generate_params_init_0_4, cpfill_generate_params_init@@CPFILL_0.4");
 
 int cpfill_submit_generate(cpfill_engine* e, const int32_t* tokens, size_t n, const char* session,
                            const cpfill_generate_params* params, cpfill_request** request) {
   return Guarded([&] {
     cpfill_generate_params defaults;
-    cpfill_generate_params_init(&defaults);
+    cpfill_generate_params_init_0_4(&defaults);
     return Submit(e, tokens, n, session, params != nullptr ? params : &defaults, request);
   });
 }

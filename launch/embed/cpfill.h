@@ -49,9 +49,10 @@
  * freed.
  *
  * ABI: symbols are versioned (libcpfill.map): CPFILL_0.1 the prefill API, CPFILL_0.2 generation,
- * CPFILL_0.3 the KV hand-off's decode side.
- * cpfill_result never grows; cpfill_generate_params carries its own size (struct_size), so later
- * fields can be added without breaking programs built against this header.
+ * CPFILL_0.3 the KV hand-off's decode side, CPFILL_0.4 cpfill_generate_params' SparQ fields.
+ * cpfill_result never grows; cpfill_generate_params carries its own size (struct_size) and grows
+ * only at its end, each growth with a new version of cpfill_generate_params_init (the old one
+ * keeps writing the old size, so that programs built against an older header keep running).
  */
 #ifndef CPFILL_H_
 #define CPFILL_H_
@@ -131,9 +132,19 @@ typedef struct cpfill_generate_params {
   int ignore_eos;                /* 1: generate past the model's EOS ids; default 0 */
   const int32_t* stop_token_ids; /* stop at these too; may be NULL when num_stop_token_ids is 0 */
   size_t num_stop_token_ids;     /* default 0 */
+  /* Since CPFILL_0.4: decode with SparQ attention (CPU backend only; prefill stays dense):
+   * positions ranked by sparq_r of head_dim query/key components, the top sparq_k attended, the
+   * last sparq_l always among them (attention/sparq/README.md). sparq_k 0 is dense decode (the
+   * default); else 1 <= sparq_r <= head_dim, sparq_k >= 1, sparq_l >= 0. */
+  int32_t sparq_r;               /* default 0 */
+  int32_t sparq_k;               /* default 0: dense */
+  int32_t sparq_l;               /* default 0 */
 } cpfill_generate_params;
 
-/* The defaults above (OpenAI's and vLLM's), and struct_size. */
+/* The defaults above (OpenAI's and vLLM's), and struct_size. Versioned: a program built against
+ * CPFILL_0.2's cpfill.h binds to the init of that version, which writes only the fields its
+ * struct has (struct_size 72 on LP64, accepted by cpfill_submit_generate as dense decode); ctypes
+ * and other dlsym callers get the newest and must declare every field above. */
 void cpfill_generate_params_init(cpfill_generate_params* params);
 
 /* Rank 0, any thread, non-blocking: as cpfill_submit, and generates up to params->max_tokens

@@ -16,6 +16,7 @@
 #include "base/secure.h"
 #include "base/status.h"
 #include "base/string_view.h"
+#include "launch/http/request_body.h"
 #include "parallel/selector.h"
 
 namespace cpfill::launch {
@@ -45,7 +46,15 @@ const std::set<std::string> kKnownFields = {"model",
                                             "include_stop_str_in_output",
                                             "top_k",
                                             "presence_penalty",
-                                            "frequency_penalty"};
+                                            "frequency_penalty",
+                                            "repetition_penalty",
+                                            "best_of",
+                                            "logit_bias",
+                                            "suffix",
+                                            "skip_special_tokens",
+                                            "spaces_between_special_tokens",
+                                            "min_tokens",
+                                            "sparq"};
 
 absl::StatusOr<std::vector<int32_t>> TokenIds(const nlohmann::json& list,
                                               const std::string& where) {
@@ -62,41 +71,31 @@ absl::StatusOr<std::vector<int32_t>> TokenIds(const nlohmann::json& list,
   return ids;
 }
 
-absl::StatusOr<std::vector<int32_t>> TextIds(const nlohmann::json& text, const std::string& where,
+absl::StatusOr<std::vector<int32_t>> TextIds(const std::string& text, const std::string& where,
                                              const runtime::Tokenizer* tokenizer) {
   CPFILL_CHECK_ARG(tokenizer != nullptr, where,
-                   ": text needs the model's tokenizer, and this model has none (a preset, or a "
-                   "checkpoint without tokenizer.json); send token ids");
-  absl::StatusOr<std::vector<int32_t>> ids =
-      tokenizer->Encode(text.get_ref<const std::string&>(), /*add_bos=*/true);
+                   ": text needs the model's tokenizer, and no tokenizer is loaded (a preset, a "
+                   "checkpoint without tokenizer.json, or one the server's log says it cannot "
+                   "read); send token ids");
+  absl::StatusOr<std::vector<int32_t>> ids = tokenizer->Encode(text, /*add_bos=*/true);
   CPFILL_CHECK_ARG(ids.ok(), where, ": ", ids.status().message());
   return ids;
 }
 
-// One prompt: a list of token ids or a text.
-absl::StatusOr<std::vector<int32_t>> PromptIds(const nlohmann::json& p, const std::string& where,
-                                               const runtime::Tokenizer* tokenizer) {
-  if (p.is_string()) return TextIds(p, where, tokenizer);
-  return TokenIds(p, where);
-}
-
-absl::Status ParsePrompts(const nlohmann::json& prompt, const runtime::Tokenizer* tokenizer,
+// The prompts as the SAX parse left them (request_body.h): texts encoded, id lists taken as
+// they are; a text prompt's text is kept for echo.
+absl::Status ParsePrompts(RequestBody& body, const runtime::Tokenizer* tokenizer,
                           CompletionRequest* r) {
-  CPFILL_CHECK_ARG(prompt.is_string() || (prompt.is_array() && !prompt.empty()),
-                   "\"prompt\" must be a text, a non-empty list of token ids, or a list of "
-                   "texts or of such lists");
-  const bool batch = prompt.is_array() && (prompt[0].is_array() || prompt[0].is_string());
-  if (!batch) {
-    CPFILL_ASSIGN_OR_RETURN(r->prompts.emplace_back(), PromptIds(prompt, "\"prompt\"", tokenizer));
-    return absl::OkStatus();
-  }
-  CPFILL_CHECK_ARG(prompt.size() <= kMaxPromptsPerRequest, "\"prompt\" holds ", prompt.size(),
-                   " prompts, more than ", kMaxPromptsPerRequest);
-  for (size_t i = 0; i < prompt.size(); ++i) {
-    const std::string where = absl::StrCat("\"prompt\"[", i, "]");
-    CPFILL_CHECK_ARG(prompt[i].is_array() || prompt[i].is_string(), where,
-                     " must be a text or a list of token ids");
-    CPFILL_ASSIGN_OR_RETURN(r->prompts.emplace_back(), PromptIds(prompt[i], where, tokenizer));
+  CPFILL_CHECK_ARG(body.has_prompt, "\"prompt\" is required");
+  for (size_t i = 0; i < body.prompts.size(); ++i) {
+    PromptItem& p = body.prompts[i];
+    const std::string where = body.batch ? absl::StrCat("\"prompt\"[", i, "]") : "\"prompt\"";
+    if (p.text) {
+      CPFILL_ASSIGN_OR_RETURN(r->prompts.emplace_back(), TextIds(*p.text, where, tokenizer));
+    } else {
+      r->prompts.push_back(std::move(p.ids));
+    }
+    r->prompt_texts.push_back(std::move(p.text));
   }
   return absl::OkStatus();
 }
@@ -166,7 +165,8 @@ nlohmann::ordered_json Timing(const runtime::EngineResult& r) {
           {"decode_ms", r.decode_s * 1e3},
           {"decode_step_phases_ms", DecodePhasesMs(r.decode_timings)},
           {"tpot_ms", r.tpot_s() * 1e3},
-          {"preemptions", r.preemptions}};
+          {"preemptions", r.preemptions},
+          {"sparq_decode_steps", r.sparq_decode_steps}};
 }
 
 // `n` choices per prompt: a prompt's tokens count once (its first choice's), as OpenAI's do.
@@ -204,14 +204,28 @@ absl::StatusOr<bool> BoolField(const nlohmann::json& v, const char* name) {
   return f->get<bool>();
 }
 
-// Fields cpfill has no feature for, accepted at their neutral values only.
-absl::Status RefuseUnsupported(const nlohmann::json& v) {
+// Fields cpfill has no feature for, accepted at their neutral values only (client libraries
+// send them by default): penalties 0 (repetition_penalty 1), best_of null or n, logit_bias null
+// or {}, suffix null or "".
+absl::Status RefuseUnsupported(const nlohmann::json& v, int n) {
   for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
     CPFILL_ASSIGN_OR_RETURN(std::optional<double> x, NumberField(v, penalty, -2, 2));
     CPFILL_CHECK_ARG(x.value_or(0) == 0, "\"", penalty, "\" is not supported (only 0)");
   }
-  CPFILL_ASSIGN_OR_RETURN(bool echo, BoolField(v, "echo"));
-  CPFILL_CHECK_ARG(!echo, "\"echo\" is not supported");
+  CPFILL_ASSIGN_OR_RETURN(std::optional<double> rep, NumberField(v, "repetition_penalty", 0, 100));
+  CPFILL_CHECK_ARG(rep.value_or(1) == 1, "\"repetition_penalty\" is not supported (only 1)");
+  if (const nlohmann::json* b = json::Find(v, "best_of"); b != nullptr && !b->is_null()) {
+    CPFILL_CHECK_ARG(json::AsInt64(*b) == n, "\"best_of\" is ", json::Show(*b),
+                     ": only \"n\" (", n, ") is supported");
+  }
+  if (const nlohmann::json* bias = json::Find(v, "logit_bias"); bias != nullptr) {
+    CPFILL_CHECK_ARG(bias->is_null() || (bias->is_object() && bias->empty()),
+                     "\"logit_bias\" is not supported (only null or {})");
+  }
+  if (const nlohmann::json* suffix = json::Find(v, "suffix"); suffix != nullptr) {
+    CPFILL_CHECK_ARG(suffix->is_null() || (suffix->is_string() && suffix->empty()),
+                     "\"suffix\" is not supported (only null or \"\")");
+  }
   return absl::OkStatus();
 }
 
@@ -253,20 +267,77 @@ absl::Status ParseN(const nlohmann::json& v, CompletionRequest* r) {
   return absl::OkStatus();
 }
 
-// max_tokens, streaming, sampling, stop ids and logprobs.
-absl::Status ParseGeneration(const nlohmann::json& v, CompletionRequest* r) {
-  CPFILL_RETURN_IF_ERROR(RefuseUnsupported(v));
-  CPFILL_RETURN_IF_ERROR(ParseN(v, r));
+// max_tokens (0 only with echo: the prompt's logprobs alone), min_tokens, echo and how text is
+// decoded.
+absl::Status ParseLengths(const nlohmann::json& v, CompletionRequest* r) {
+  CPFILL_ASSIGN_OR_RETURN(r->echo, BoolField(v, "echo"));
   if (const nlohmann::json* m = json::Find(v, "max_tokens"); m != nullptr && !m->is_null()) {
     const std::optional<int64_t> n = json::AsInt64(*m);
-    CPFILL_CHECK_ARG(n.has_value() && *n >= 1 && *n <= kMaxTokensPerRequest, "\"max_tokens\" is ",
-                     json::Show(*m), ", must be an integer in [1, ", kMaxTokensPerRequest, "]");
+    const int least = r->echo ? 0 : 1;
+    CPFILL_CHECK_ARG(n.has_value() && *n >= least && *n <= kMaxTokensPerRequest,
+                     "\"max_tokens\" is ", json::Show(*m), ", must be an integer in [", least,
+                     ", ", kMaxTokensPerRequest, "]", r->echo ? "" : " (0 only with \"echo\")");
     r->max_tokens = static_cast<int>(*n);
   }
+  if (const nlohmann::json* m = json::Find(v, "min_tokens"); m != nullptr && !m->is_null()) {
+    const std::optional<int64_t> n = json::AsInt64(*m);
+    CPFILL_CHECK_ARG(n.has_value() && *n >= 0 && *n <= r->max_tokens, "\"min_tokens\" is ",
+                     json::Show(*m), ", must be an integer in [0, max_tokens ", r->max_tokens,
+                     "]");
+    r->min_tokens = static_cast<int>(*n);
+  }
+  if (const nlohmann::json* s = json::Find(v, "skip_special_tokens"); s != nullptr) {
+    CPFILL_ASSIGN_OR_RETURN(r->skip_special_tokens, BoolField(v, "skip_special_tokens"));
+    if (s->is_null()) r->skip_special_tokens = true;
+  }
+  if (const nlohmann::json* s = json::Find(v, "spaces_between_special_tokens"); s != nullptr) {
+    CPFILL_ASSIGN_OR_RETURN(r->spaces_between_special_tokens,
+                            BoolField(v, "spaces_between_special_tokens"));
+    if (s->is_null()) r->spaces_between_special_tokens = true;
+  }
+  return absl::OkStatus();
+}
+
+// "sparq": {"r": int, "k": int, "l": int (optional, 0)}: r >= 1 (<= head_dim is checked where
+// the model is known), k >= 1, l >= 0; every field refused by name.
+absl::Status ParseSparq(const nlohmann::json& v, CompletionRequest* r) {
+  const nlohmann::json* s = json::Find(v, "sparq");
+  if (s == nullptr || s->is_null()) return absl::OkStatus();
+  CPFILL_CHECK_ARG(s->is_object(), "\"sparq\" must be an object {\"r\", \"k\", \"l\"}");
+  attention::sparq::SparqConfig c;
+  const auto field = [&](const char* name, bool required, int least, int* out) -> absl::Status {
+    const nlohmann::json* f = json::Find(*s, name);
+    if (f == nullptr || f->is_null()) {
+      CPFILL_CHECK_ARG(!required, "\"sparq.", name, "\" is required");
+      *out = 0;
+      return absl::OkStatus();
+    }
+    const std::optional<int64_t> n = json::AsInt64(*f);
+    CPFILL_CHECK_ARG(n.has_value() && *n >= least && *n <= (1 << 30), "\"sparq.", name, "\" is ",
+                     json::Show(*f), ", must be an integer >= ", least);
+    *out = static_cast<int>(*n);
+    return absl::OkStatus();
+  };
+  for (const auto& [key, value] : s->items()) {
+    CPFILL_CHECK_ARG(key == "r" || key == "k" || key == "l", "unknown field \"sparq.", key, "\"");
+  }
+  CPFILL_RETURN_IF_ERROR(field("r", true, 1, &c.r));
+  CPFILL_RETURN_IF_ERROR(field("k", true, 1, &c.k));
+  CPFILL_RETURN_IF_ERROR(field("l", false, 0, &c.local_window));
+  r->sparq = c;
+  return absl::OkStatus();
+}
+
+// max_tokens, streaming, sampling, stop ids and logprobs.
+absl::Status ParseGeneration(const nlohmann::json& v, CompletionRequest* r) {
+  CPFILL_RETURN_IF_ERROR(ParseN(v, r));
+  CPFILL_RETURN_IF_ERROR(RefuseUnsupported(v, r->n));
+  CPFILL_RETURN_IF_ERROR(ParseLengths(v, r));
   CPFILL_ASSIGN_OR_RETURN(r->stream, BoolField(v, "stream"));
   if (const nlohmann::json* o = json::Find(v, "stream_options"); o != nullptr && !o->is_null()) {
     CPFILL_CHECK_ARG(o->is_object(), "\"stream_options\" must be an object");
     CPFILL_ASSIGN_OR_RETURN(r->include_usage, BoolField(*o, "include_usage"));
+    CPFILL_ASSIGN_OR_RETURN(r->continuous_usage_stats, BoolField(*o, "continuous_usage_stats"));
   }
   CPFILL_ASSIGN_OR_RETURN(std::optional<double> t, NumberField(v, "temperature", 0, 100));
   CPFILL_ASSIGN_OR_RETURN(std::optional<double> p, NumberField(v, "top_p", 0, 1));
@@ -349,13 +420,12 @@ absl::Status ParseKvTransfer(const nlohmann::json& body, CompletionRequest* r) {
 
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
                                                          const std::string& served_model,
-                                                         const runtime::Tokenizer* tokenizer) {
-  CPFILL_CHECK_ARG(body.size() <= kMaxBodyBytes, "the body has ", body.size(), " bytes, more than ",
-                   kMaxBodyBytes);
-  absl::StatusOr<nlohmann::json> parsed = json::Parse(body);
-  CPFILL_CHECK_ARG(parsed.ok(), "the body is not valid JSON: ", parsed.status().message());
-  const nlohmann::json& v = *parsed;
-  CPFILL_CHECK_ARG(v.is_object(), "the body must be a JSON object");
+                                                         const runtime::Tokenizer* tokenizer,
+                                                         int64_t max_prompt_tokens) {
+  CPFILL_ASSIGN_OR_RETURN(
+      RequestBody parsed,
+      ParseRequestBody(body, "prompt", max_prompt_tokens, kMaxPromptsPerRequest));
+  const nlohmann::json& v = parsed.fields;
   for (const auto& [key, value] : v.items()) {
     CPFILL_CHECK_ARG(kKnownFields.count(key), "unknown field \"", key, "\"");
   }
@@ -365,10 +435,9 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
                      "\"model\" is ", json::Show(*model), "; this server serves \"", served_model,
                      "\"");
   }
-  const nlohmann::json* prompt = json::Find(v, "prompt");
-  CPFILL_CHECK_ARG(prompt != nullptr, "\"prompt\" is required");
-  CPFILL_RETURN_IF_ERROR(ParsePrompts(*prompt, tokenizer, &r));
+  CPFILL_RETURN_IF_ERROR(ParsePrompts(parsed, tokenizer, &r));
   CPFILL_RETURN_IF_ERROR(ParseGeneration(v, &r));
+  CPFILL_RETURN_IF_ERROR(ParseSparq(v, &r));
   CPFILL_RETURN_IF_ERROR(ParseStop(v, tokenizer, &r));
   if (const nlohmann::json* s = json::Find(v, "session"); s != nullptr && !s->is_null()) {
     CPFILL_CHECK_ARG(s->is_string() && !s->get_ref<const std::string&>().empty() &&
@@ -378,7 +447,15 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
                      "\"session\" takes one prompt and \"n\" 1, got ", r.prompts.size(),
                      " prompt(s) and \"n\" ", r.n);
     r.session = s->get<std::string>();
+    // A session's earlier turns are cached: the logits before this turn's first token are gone.
+    CPFILL_CHECK_ARG(!(r.echo && r.logprobs > 0), "\"echo\" with \"logprobs\" takes no \"session\"");
   }
+  // Each choice would score the whole prompt again and hold its own copy (a 128K prompt at
+  // logprobs 20 is ~47 MB a choice on rank 0): the prompt's logprobs are the same for every
+  // choice, so one request asks for them once.
+  CPFILL_CHECK_ARG(!(r.echo && r.logprobs > 0 && r.n > 1),
+                   "\"echo\" with \"logprobs\" takes \"n\" 1 (the prompt's logprobs are the same "
+                   "for every choice: ask for them once, and for more choices without echo)");
   if (const nlohmann::json* kv = json::Find(v, "kv_transfer_params"); kv != nullptr) {
     CPFILL_CHECK_ARG(kv->is_object() || kv->is_null(),
                      "\"kv_transfer_params\" must be an object or null");
@@ -423,13 +500,13 @@ std::function<bool(const std::vector<runtime::SampledToken>&)> StopWhen(
     const CompletionRequest& request, const runtime::Tokenizer* tokenizer) {
   size_t longest = 0;
   for (const std::string& stop : request.stop) longest = std::max(longest, stop.size());
-  return [stops = request.stop, window = longest + 2,
+  return [stops = request.stop, window = longest + 2, skip = request.skip_special_tokens,
           tokenizer](const std::vector<runtime::SampledToken>& tokens) {
     std::vector<int32_t> ids;
     for (size_t i = tokens.size() > window ? tokens.size() - window : 0; i < tokens.size(); ++i) {
       ids.push_back(tokens[i].id);
     }
-    const std::string text = DecodeText(tokenizer, ids);
+    const std::string text = DecodeText(tokenizer, ids, skip);
     return std::any_of(stops.begin(), stops.end(), [&](const std::string& stop) {
       return text.find(stop) != std::string::npos;
     });
@@ -445,11 +522,15 @@ std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& re
   for (size_t i = 0; i < request.choices(); ++i) {
     runtime::EngineRequest e{.tokens = request.prompts[i / static_cast<size_t>(request.n)],
                              .session = request.session,
-                             .max_tokens = request.max_tokens,
+                             // max_tokens 0 (echo): the prefill's token is dropped from the answer
+                             .max_tokens = std::max(1, request.max_tokens),
                              .sampling = request.sampling,
                              .stop_ids = request.stop_token_ids,
                              .ignore_eos = request.ignore_eos,
                              .publish_kv = request.publish_kv};
+    e.min_tokens = request.min_tokens;
+    e.sparq = request.sparq;
+    if (request.echo && request.logprobs > 0) e.prompt_logprobs = request.logprobs;
     // Choices of one request draw differently, and repeat with the request's seed.
     e.sampling.seed = request.seed.value_or(seed) + i;
     if (!request.stop.empty() && tokenizer != nullptr) e.stop_when = StopWhen(request, tokenizer);
@@ -458,25 +539,46 @@ std::vector<runtime::EngineRequest> EngineRequestsOf(const CompletionRequest& re
   return out;
 }
 
-std::string DecodeText(const runtime::Tokenizer* tokenizer, const std::vector<int32_t>& ids) {
+std::string DecodeText(const runtime::Tokenizer* tokenizer, std::span<const int32_t> ids,
+                       bool skip_special) {
   if (tokenizer == nullptr || ids.empty()) return "";
-  return tokenizer->Decode(ids, /*skip_special=*/false).value_or("");
+  return tokenizer->Decode(ids, skip_special).value_or("");
 }
 
 size_t NextTokenStart(std::string_view text_before, size_t previous_start) {
   return EndsSplit(text_before) ? previous_start : text_before.size();
 }
 
+// Linear in the tokens (a prompt's logprobs may cover 100K of them): the text decoded so far is
+// split at the last token after which it ended in a whole character; the text of the tokens
+// before that point is fixed (byte-level decoding concatenates bytes, and a character boundary
+// stays one), so only the tail after it is decoded again.
 std::vector<size_t> TokenTextStarts(const runtime::Tokenizer* tokenizer,
-                                    const std::vector<int32_t>& ids) {
+                                    std::span<const int32_t> ids, bool skip_special) {
   std::vector<size_t> starts;
-  std::vector<int32_t> before;
-  for (const int32_t id : ids) {
-    starts.push_back(before.empty() ? 0
-                                    : NextTokenStart(DecodeText(tokenizer, before), starts.back()));
-    before.push_back(id);
+  size_t fixed_bytes = 0, fixed_tokens = 0, before_bytes = 0;
+  bool before_split = false;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    starts.push_back(i == 0 ? 0 : before_split ? starts.back() : before_bytes);
+    const std::string tail =
+        DecodeText(tokenizer, ids.subspan(fixed_tokens, i + 1 - fixed_tokens), skip_special);
+    before_bytes = fixed_bytes + tail.size();
+    before_split = EndsSplit(tail);
+    if (!before_split) fixed_bytes = before_bytes, fixed_tokens = i + 1;
   }
   return starts;
+}
+
+std::vector<size_t> CodePointOffsets(std::string_view text, const std::vector<size_t>& starts,
+                                     size_t count, size_t base) {
+  std::vector<size_t> out;
+  size_t at = 0, points = base;
+  for (size_t i = 0; i < count; ++i) {
+    points += CodePoints(text.substr(at, starts[i] - at));  // starts never decrease
+    at = starts[i];
+    out.push_back(points);
+  }
+  return out;
 }
 
 size_t TokensBeforeCut(const std::vector<size_t>& starts, size_t cut) {
@@ -486,22 +588,65 @@ size_t TokensBeforeCut(const std::vector<size_t>& starts, size_t cut) {
 
 namespace {
 
-// A choice's text, cut at a stop string, and its logprobs when asked: of the tokens that text
-// covers, each at its offset in characters.
-void ChoiceText(const CompletionRequest& request, const std::vector<runtime::SampledToken>& tokens,
+// The prompt's part of an echoed choice's logprobs: every prompt token at its offset in the
+// echoed text; the first has no logprob (nothing comes before it), the others the model's
+// (`scored`: of tokens 1..n-1) and its top k, which names the prompt's token too, as vLLM's do.
+nlohmann::ordered_json PromptLogprobs(const CompletionRequest& request,
+                                      const std::vector<int32_t>& ids,
+                                      const std::vector<runtime::SampledToken>& scored,
+                                      const runtime::Tokenizer* tokenizer) {
+  const std::string text = DecodeText(tokenizer, ids, request.skip_special_tokens);
+  const std::vector<size_t> offsets = CodePointOffsets(
+      text, TokenTextStarts(tokenizer, ids, request.skip_special_tokens), ids.size(), 0);
+  std::vector<runtime::SampledToken> tokens(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    tokens[i].id = ids[i];
+    if (i >= 1 && i - 1 < scored.size()) tokens[i] = scored[i - 1];
+  }
+  nlohmann::ordered_json lp = Logprobs(tokens, offsets, tokenizer);
+  for (size_t i = 1; i < tokens.size(); ++i) {
+    const std::string name = TokenName(tokenizer, tokens[i].id);
+    if (!lp["top_logprobs"][i].contains(name)) lp["top_logprobs"][i][name] = tokens[i].logprob;
+  }
+  if (!ids.empty()) lp["token_logprobs"][0] = nullptr, lp["top_logprobs"][0] = nullptr;
+  return lp;
+}
+
+// The text echo sends for prompt `prompt`: the text sent, else its ids decoded.
+std::string EchoedText(const CompletionRequest& request, size_t prompt,
+                       const runtime::Tokenizer* tokenizer) {
+  const bool sent_text =
+      prompt < request.prompt_texts.size() && request.prompt_texts[prompt].has_value();
+  return sent_text ? *request.prompt_texts[prompt]
+                   : DecodeText(tokenizer, request.prompts[prompt], request.skip_special_tokens);
+}
+
+// A choice's text (its prompt's first with echo), cut at a stop string, and its logprobs when
+// asked: of the tokens that text covers (the prompt's first with echo), each at its offset in
+// characters.
+void ChoiceText(const CompletionRequest& request, size_t prompt, const runtime::EngineResult& r,
                 const runtime::Tokenizer* tokenizer, nlohmann::ordered_json* choice) {
   std::vector<int32_t> ids;
-  for (const runtime::SampledToken& t : tokens) ids.push_back(t.id);
-  const std::string text = DecodeText(tokenizer, ids);
+  for (const runtime::SampledToken& t : r.tokens) ids.push_back(t.id);
+  const bool skip = request.skip_special_tokens;
+  const std::string text = DecodeText(tokenizer, ids, skip);
   const size_t cut = StopCut(request, text);
-  (*choice)["text"] = cut == std::string::npos ? text : text.substr(0, cut);
+  const std::string echoed = request.echo ? EchoedText(request, prompt, tokenizer) : "";
+  (*choice)["text"] = echoed + (cut == std::string::npos ? text : text.substr(0, cut));
   if (request.logprobs == 0) return;
-  const std::vector<size_t> starts = TokenTextStarts(tokenizer, ids);
+  const std::vector<size_t> starts = TokenTextStarts(tokenizer, ids, skip);
   const size_t covered = TokensBeforeCut(starts, cut);
-  std::vector<size_t> offsets;
-  for (size_t i = 0; i < covered; ++i) offsets.push_back(CodePoints(text.substr(0, starts[i])));
-  (*choice)["logprobs"] =
-      Logprobs(std::span(tokens).first(covered), std::span<const size_t>(offsets), tokenizer);
+  const std::vector<size_t> offsets = CodePointOffsets(text, starts, covered, CodePoints(echoed));
+  nlohmann::ordered_json lp = Logprobs(std::span(r.tokens).first(covered), offsets, tokenizer);
+  if (request.echo) {
+    nlohmann::ordered_json both =
+        PromptLogprobs(request, request.prompts[prompt], r.prompt_logprobs, tokenizer);
+    for (auto& [key, list] : both.items()) {
+      for (auto& v : lp[key]) list.push_back(std::move(v));
+    }
+    lp = std::move(both);
+  }
+  (*choice)["logprobs"] = std::move(lp);
 }
 
 }  // namespace
@@ -519,7 +664,7 @@ nlohmann::ordered_json CompletionResponse(const CompletionRequest& request,
                                 {"token_ids", r.token_ids()},
                                 {"logprobs", nullptr},
                                 {"finish_reason", r.finish_reason}};
-    ChoiceText(request, r.tokens, tokenizer, &c);
+    ChoiceText(request, i / static_cast<size_t>(request.n), r, tokenizer, &c);
     choices.push_back(std::move(c));
     timing.push_back(Timing(r));
   }
@@ -561,6 +706,34 @@ nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::
     c["logprobs"] = Logprobs(covered, std::span(offset).first(covered.size()), tokenizer);
   }
   if (!delta.finish_reason.empty()) c["finish_reason"] = delta.finish_reason;
+  nlohmann::ordered_json chunk = {{"id", id},
+                                  {"object", "text_completion"},
+                                  {"created", created},
+                                  {"model", served_model},
+                                  {"choices", {std::move(c)}}};
+  if (delta.completion_tokens >= 0) {
+    chunk["usage"] = {{"prompt_tokens", delta.prompt_tokens},
+                      {"completion_tokens", delta.completion_tokens},
+                      {"total_tokens", delta.prompt_tokens + delta.completion_tokens}};
+  }
+  return chunk;
+}
+
+nlohmann::ordered_json EchoChunk(const CompletionRequest& request, size_t prompt, int index,
+                                 const std::string& id, int64_t created,
+                                 const std::string& served_model,
+                                 const std::vector<runtime::SampledToken>& scored,
+                                 const std::string& finish_reason,
+                                 const runtime::Tokenizer* tokenizer) {
+  nlohmann::ordered_json c = {{"index", index},
+                              {"text", EchoedText(request, prompt, tokenizer)},
+                              {"token_ids", nlohmann::ordered_json::array()},
+                              {"logprobs", nullptr},
+                              {"finish_reason", nullptr}};
+  if (request.logprobs > 0) {
+    c["logprobs"] = PromptLogprobs(request, request.prompts[prompt], scored, tokenizer);
+  }
+  if (!finish_reason.empty()) c["finish_reason"] = finish_reason;
   return {{"id", id},
           {"object", "text_completion"},
           {"created", created},
@@ -577,6 +750,79 @@ nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
           {"model", served_model},
           {"choices", nlohmann::ordered_json::array()},
           {"usage", Usage(results, n)}};
+}
+
+namespace {
+
+// The "model" of a body, when given, must be the served one.
+absl::Status CheckModel(const nlohmann::json& v, const std::string& served_model) {
+  if (const nlohmann::json* model = json::Find(v, "model"); model != nullptr && !model->is_null()) {
+    CPFILL_CHECK_ARG(model->is_string() && model->get_ref<const std::string&>() == served_model,
+                     "\"model\" is ", json::Show(*model), "; this server serves \"", served_model,
+                     "\"");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NeedTokenizer(const runtime::Tokenizer* tokenizer) {
+  if (tokenizer != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "this model has no tokenizer (a preset, or a checkpoint without tokenizer.json)");
+}
+
+}  // namespace
+
+absl::StatusOr<nlohmann::ordered_json> Tokenize(std::string_view body,
+                                                const std::string& served_model,
+                                                const runtime::Tokenizer* tokenizer,
+                                                int64_t max_model_len) {
+  CPFILL_ASSIGN_OR_RETURN(RequestBody parsed, ParseRequestBody(body, "", 0, 0));
+  const nlohmann::json& v = parsed.fields;
+  for (const auto& [key, value] : v.items()) {
+    CPFILL_CHECK_ARG(key == "model" || key == "prompt" || key == "add_special_tokens" ||
+                         key == "messages" || key == "return_token_strs",
+                     "unknown field \"", key, "\"");
+  }
+  CPFILL_RETURN_IF_ERROR(CheckModel(v, served_model));
+  CPFILL_CHECK_ARG(!v.contains("messages"),
+                   "\"messages\" needs a chat template, and this server renders none: send "
+                   "\"prompt\"");
+  const nlohmann::json* prompt = json::Find(v, "prompt");
+  CPFILL_CHECK_ARG(prompt != nullptr && prompt->is_string(), "\"prompt\" must be a text");
+  CPFILL_ASSIGN_OR_RETURN(bool plain, BoolField(v, "add_special_tokens"));
+  const bool add = !v.contains("add_special_tokens") || v["add_special_tokens"].is_null() || plain;
+  CPFILL_RETURN_IF_ERROR(NeedTokenizer(tokenizer));
+  absl::StatusOr<std::vector<int32_t>> ids =
+      tokenizer->Encode(prompt->get_ref<const std::string&>(), add);
+  CPFILL_CHECK_ARG(ids.ok(), "\"prompt\": ", ids.status().message());
+  nlohmann::ordered_json out = {
+      {"count", ids->size()}, {"max_model_len", max_model_len}, {"tokens", *ids}};
+  CPFILL_ASSIGN_OR_RETURN(bool strs, BoolField(v, "return_token_strs"));
+  if (strs) {
+    nlohmann::ordered_json names = nlohmann::ordered_json::array();
+    for (const int32_t id : *ids) names.push_back(TokenName(tokenizer, id));
+    out["token_strs"] = std::move(names);
+  }
+  return out;
+}
+
+absl::StatusOr<nlohmann::ordered_json> Detokenize(std::string_view body,
+                                                  const std::string& served_model,
+                                                  const runtime::Tokenizer* tokenizer) {
+  CPFILL_ASSIGN_OR_RETURN(RequestBody parsed,
+                          ParseRequestBody(body, "tokens", kMaxTokensPerRequest, 1));
+  const nlohmann::json& v = parsed.fields;
+  for (const auto& [key, value] : v.items()) {
+    CPFILL_CHECK_ARG(key == "model", "unknown field \"", key, "\"");
+  }
+  CPFILL_RETURN_IF_ERROR(CheckModel(v, served_model));
+  CPFILL_CHECK_ARG(parsed.has_prompt && parsed.prompts.size() == 1 && !parsed.batch &&
+                       !parsed.prompts[0].text,
+                   "\"tokens\" must be a non-empty list of token ids");
+  CPFILL_RETURN_IF_ERROR(NeedTokenizer(tokenizer));
+  absl::StatusOr<std::string> text = tokenizer->Decode(parsed.prompts[0].ids, false);
+  CPFILL_CHECK_ARG(text.ok(), "\"tokens\": ", text.status().message());
+  return nlohmann::ordered_json{{"prompt", *text}};
 }
 
 std::string JsonText(const nlohmann::ordered_json& value) {
@@ -810,6 +1056,9 @@ void RequestMetrics(const runtime::EngineStats& engine, const ServerCounters& se
          {{"", double(engine.batches)}});
   metric("cpfill:decode_steps_total", "counter", "Decode steps (one token per running sequence).",
          {{"", double(engine.decode_steps)}});
+  metric("cpfill:sparq_decode_steps_total", "counter",
+         "Decode steps where some sequence attended with SparQ.",
+         {{"", double(engine.sparq_decode_steps)}});
   metric("cpfill:session_evictions_total", "counter", "Idle sessions evicted from a full KV cache.",
          {{"", double(engine.evictions)}});
   metric("cpfill:num_preemptions_total", "counter",

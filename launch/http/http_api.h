@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -28,6 +29,7 @@ struct CompletionRequest {
   // "prompt": [ids], [[ids], ...], "text" or ["text", ...] (text encoded with BOS, as vLLM's
   // completions do by default)
   std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::optional<std::string>> prompt_texts;  // per prompt: its text, if one was sent
   int n = 1;  // choices per prompt: choice i is prompt i / n (the prefix cache prefills it once)
   size_t choices() const { return prompts.size() * static_cast<size_t>(n); }
   std::string session;  // extension: keep and reuse this conversation's KV
@@ -37,6 +39,8 @@ struct CompletionRequest {
   // --kv-handoff).
   std::optional<nlohmann::json> kv_transfer_params;
   bool publish_kv = false;
+  // {"sparq": {"r": 16, "k": 128, "l": 16}}: decode with SparQ (cpfill's extension; CPU backend).
+  std::optional<attention::sparq::SparqConfig> sparq;
   int max_tokens = 16;                         // OpenAI's default; 1: prefill and the first token
   bool stream = false, include_usage = false;  // server-sent events; a last chunk with usage
   runtime::SamplingParams sampling{.temperature = 1.0};  // OpenAI's defaults
@@ -49,6 +53,19 @@ struct CompletionRequest {
   // one that completed the match too (as vLLM's do). Needs the tokenizer.
   std::vector<std::string> stop;
   bool include_stop_str_in_output = false;
+  // echo: each choice's text starts with its prompt's (the text sent, else the ids decoded); with
+  // logprobs, its logprobs start with the prompt's tokens' (the first one's null, as OpenAI's and
+  // vLLM's). max_tokens 0 (only with echo): the prompt alone, nothing generated.
+  bool echo = false;
+  // The least tokens generated before EOS or a stop id may end it (those are masked until then).
+  int min_tokens = 0;
+  // Text leaves special tokens (EOS, <|im_end|>, ...) out, as vLLM's by default. Byte-level BPE
+  // decodes added tokens as their text, with no separators: spaces_between_special_tokens is
+  // accepted and, as in vLLM with a fast tokenizer, changes nothing.
+  bool skip_special_tokens = true;
+  bool spaces_between_special_tokens = true;
+  // stream_options.continuous_usage_stats: every chunk carries its choice's usage so far.
+  bool continuous_usage_stats = false;
 };
 
 // The engine requests of a completion, one per choice (`seed` when the request names none);
@@ -75,12 +92,14 @@ inline constexpr int kMaxLogprobs = 20;
 inline constexpr int kMaxTokensPerRequest = 1 << 20;
 
 // InvalidArgument naming the field for malformed JSON, wrong types, unknown or unsupported
-// fields (penalties, echo; text prompts and stop strings when `tokenizer` is null: the model has
+// fields (penalties, best_of, logit_bias or suffix at other than neutral values; text prompts and stop strings when `tokenizer` is null: the model has
 // none), a model name other than `served_model`, more than kMaxPromptsPerRequest choices, or a
 // session with more than one choice.
-absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body,
-                                                         const std::string& served_model,
-                                                         const runtime::Tokenizer* tokenizer);
+// The body is parsed by ParseRequestBody (request_body.h): a prompt of more than
+// `max_prompt_tokens` ids is refused (ResourceExhausted, 413) as soon as the parse reaches it.
+absl::StatusOr<CompletionRequest> ParseCompletionRequest(
+    std::string_view body, const std::string& served_model, const runtime::Tokenizer* tokenizer,
+    int64_t max_prompt_tokens = kMaxTokensPerRequest);
 
 // The response: choices (n per prompt: every generated token's id and, with a tokenizer, their
 // text cut at a stop string; logprobs when asked, of the tokens that text covers; the finish
@@ -110,19 +129,44 @@ struct StreamDelta {
   size_t text_offset = 0;
   std::vector<int32_t> unsent_ids;
   std::string finish_reason;
+  // continuous_usage_stats: the choice's usage so far (completion_tokens < 0: none sent).
+  int64_t prompt_tokens = 0, completion_tokens = -1;
 };
 // One server-sent event of a streamed completion (OpenAI's text_completion chunk).
 nlohmann::ordered_json StreamChunk(const CompletionRequest& request, const std::string& id,
                                    int64_t created, const std::string& served_model,
                                    const StreamDelta& delta, const runtime::Tokenizer* tokenizer);
+// echo in a stream (as vLLM's): choice `index`'s first chunk, the text of prompt `prompt` (as
+// echo sends it whole) and, with logprobs, its prompt logprobs (`scored`: EngineResult's); no
+// token ids. `finish_reason` "length" when nothing is generated (max_tokens 0), else "".
+nlohmann::ordered_json EchoChunk(const CompletionRequest& request, size_t prompt, int index,
+                                 const std::string& id, int64_t created,
+                                 const std::string& served_model,
+                                 const std::vector<runtime::SampledToken>& scored,
+                                 const std::string& finish_reason,
+                                 const runtime::Tokenizer* tokenizer);
 // The last chunk when stream_options.include_usage is set: no choices, the usage.
 nlohmann::ordered_json UsageChunk(const std::string& id, int64_t created,
                                   const std::string& served_model,
                                   const std::vector<runtime::EngineResult>& results, int n = 1);
 
+// POST /tokenize (vLLM's): {"prompt": text, "add_special_tokens": true} or {"messages"} (refused:
+// no chat template here) -> {"count", "max_model_len", "tokens"}; POST /detokenize:
+// {"tokens": [ids]} -> {"prompt": text}. InvalidArgument naming the field; FailedPrecondition
+// without a tokenizer. `model` as in completions.
+absl::StatusOr<nlohmann::ordered_json> Tokenize(std::string_view body,
+                                                const std::string& served_model,
+                                                const runtime::Tokenizer* tokenizer,
+                                                int64_t max_model_len);
+absl::StatusOr<nlohmann::ordered_json> Detokenize(std::string_view body,
+                                                  const std::string& served_model,
+                                                  const runtime::Tokenizer* tokenizer);
+
 // The text of `ids` (special tokens as their text): a character split over tokens decodes to
 // U+FFFD until its last byte comes (EndsSplit).
-std::string DecodeText(const runtime::Tokenizer* tokenizer, const std::vector<int32_t>& ids);
+// skip_special: leave special tokens out (the request's skip_special_tokens).
+std::string DecodeText(const runtime::Tokenizer* tokenizer, std::span<const int32_t> ids,
+                       bool skip_special = false);
 // Characters (Unicode code points) of UTF-8 text: logprobs' text_offset counts what clients'
 // strings count, not bytes.
 size_t CodePoints(std::string_view utf8);
@@ -137,7 +181,10 @@ bool EndsSplit(std::string_view text);
 size_t NextTokenStart(std::string_view text_before, size_t previous_start);
 // NextTokenStart of every token of `ids` (0 for each without a tokenizer: there is no text).
 std::vector<size_t> TokenTextStarts(const runtime::Tokenizer* tokenizer,
-                                    const std::vector<int32_t>& ids);
+                                    std::span<const int32_t> ids, bool skip_special = false);
+// The first `count` starts (bytes into `text`) in characters, plus `base`.
+std::vector<size_t> CodePointOffsets(std::string_view text, const std::vector<size_t>& starts,
+                                     size_t count, size_t base);
 // How many of a choice's tokens its text covers, given where each starts: all of them, unless a
 // stop string cut the text at `cut` (StopCut); then those that start before it. logprobs cover
 // these, streamed or not.

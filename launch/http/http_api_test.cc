@@ -219,7 +219,7 @@ TEST(HttpApi, RefusesEachMalformedFieldByName) {
       {"[1, 2]", "must be a JSON object"},
       {R"({"prompt": [1], "prompt": [2]})", "not valid JSON"},  // duplicate keys
       {R"({})", "\"prompt\" is required"},
-      {R"({"prompt": "hello"})", "this model has none"},
+      {R"({"prompt": "hello"})", "no tokenizer is loaded"},
       {R"({"prompt": ["hello"]})", "\"prompt\"[0]: text needs the model's tokenizer"},
       {R"({"prompt": 7})", "must be a text"},
       {R"({"prompt": "\ud800"})", "not valid JSON"},  // a lone surrogate is not UTF-8
@@ -241,7 +241,16 @@ TEST(HttpApi, RefusesEachMalformedFieldByName) {
       {R"({"prompt": [1], "stop_token_ids": [1, -1]})", "\"stop_token_ids\"[1]"},
       {R"({"prompt": [1], "ignore_eos": 1})", "\"ignore_eos\""},
       {R"({"prompt": [1], "presence_penalty": 0.5})", "\"presence_penalty\" is not supported"},
-      {R"({"prompt": [1], "echo": true})", "\"echo\" is not supported"},
+      {R"({"prompt": [1], "max_tokens": 0})", "0 only with \"echo\""},
+      {R"({"prompt": [1], "best_of": 2})", "\"best_of\" is 2: only \"n\" (1)"},
+      {R"({"prompt": [1], "logit_bias": {"5": 1}})", "\"logit_bias\" is not supported"},
+      {R"({"prompt": [1], "suffix": "x"})", "\"suffix\" is not supported"},
+      {R"({"prompt": [1], "frequency_penalty": 1})", "\"frequency_penalty\" is not supported"},
+      {R"({"prompt": [1], "repetition_penalty": 1.2})", "\"repetition_penalty\""},
+      {R"({"prompt": [1], "min_tokens": 20})", "\"min_tokens\" is 20"},
+      {R"({"prompt": [1], "skip_special_tokens": 1})", "\"skip_special_tokens\""},
+      {R"({"prompt": [1], "echo": true, "logprobs": 1, "session": "s"})", "takes no \"session\""},
+      {R"({"prompt": [1], "echo": true, "logprobs": 1, "n": 2})", "takes \"n\" 1"},
       {R"({"prompt": [1], "stream_options": 3})", "\"stream_options\""},
       {R"({"prompt": [1], "model": "other"})", "this server serves \"tiny\""},
       {R"({"prompt": [1], "logprobs": 21})", "\"logprobs\""},
@@ -314,6 +323,110 @@ TEST(HttpApi, ResponseCarriesTokensUsageLogprobsAndTimings) {
   EXPECT_NEAR(top["token_id:2"].get<double>(), 3.0 - log_z, 1e-6);
   EXPECT_NEAR(top["token_id:3"].get<double>(), 2.0 - log_z, 1e-6);
   EXPECT_NEAR(out["cpfill"]["prompts"][0]["ttft_ms"].get<double>(), 3.0, 1e-9);
+}
+
+TEST(HttpApi, AcceptsTheNeutralValuesClientsSendByDefault) {
+  auto r = ParseCompletionRequest(
+      R"({"prompt": [1], "best_of": 1, "logit_bias": {}, "suffix": null, "user": "u",
+          "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+          "skip_special_tokens": false, "spaces_between_special_tokens": true,
+          "min_tokens": 3, "max_tokens": 5, "echo": false,
+          "stream_options": {"include_usage": true, "continuous_usage_stats": true}})",
+      "tiny", nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->skip_special_tokens);
+  EXPECT_TRUE(r->include_usage && r->continuous_usage_stats);
+  EXPECT_EQ(r->min_tokens, 3);
+  EXPECT_EQ(EngineRequestsOf(*r, 1, nullptr)[0].min_tokens, 3);
+  EXPECT_EQ(EngineRequestsOf(*r, 1, nullptr)[0].prompt_logprobs, -1);
+  auto nulls = ParseCompletionRequest(R"({"prompt": [1], "logit_bias": null, "best_of": null})",
+                                      "tiny", nullptr);
+  ASSERT_TRUE(nulls.ok()) << nulls.status();
+  EXPECT_TRUE(nulls->skip_special_tokens);  // vLLM's default
+  // echo with max_tokens 0 asks the engine for one token (dropped) and the prompt's logprobs.
+  auto echo = ParseCompletionRequest(R"({"prompt": [1, 2], "echo": true, "max_tokens": 0,
+                                         "logprobs": 2})",
+                                     "tiny", nullptr);
+  ASSERT_TRUE(echo.ok()) << echo.status();
+  const auto e = EngineRequestsOf(*echo, 1, nullptr);
+  EXPECT_EQ(e[0].max_tokens, 1);
+  EXPECT_EQ(e[0].prompt_logprobs, 2);
+}
+
+TEST(HttpApi, EchoesThePromptWithItsLogprobsFirstNull) {
+  const runtime::Tokenizer tok = ByteTokenizer("echo", {});
+  CompletionRequest request;
+  request.prompts = {ByteIds("ab")};
+  request.prompt_texts = {std::nullopt};
+  request.echo = true;
+  request.logprobs = 1;
+  runtime::EngineResult r;
+  r.tokens = {{.id = 'c', .logprob = -1.0, .top = {{'c', -1.0}}}};
+  r.prompt_logprobs = {{.id = 'b', .logprob = -3.0, .top = {{'x', -0.1}}}};
+  r.finish_reason = "length";
+  const auto out = CompletionResponse(request, {r}, "cmpl-1", 7, "tiny", &tok);
+  const auto& c = out["choices"][0];
+  EXPECT_EQ(c["text"], "abc");
+  EXPECT_EQ(c["logprobs"]["tokens"], nlohmann::ordered_json({"a", "b", "c"}));
+  EXPECT_EQ(c["logprobs"]["token_logprobs"], nlohmann::ordered_json({nullptr, -3.0, -1.0}));
+  EXPECT_EQ(c["logprobs"]["text_offset"], nlohmann::ordered_json({0, 1, 2}));
+  EXPECT_TRUE(c["logprobs"]["top_logprobs"][0].is_null());
+  // The prompt's token is named beside the top k, as vLLM's prompt logprobs do.
+  EXPECT_EQ(c["logprobs"]["top_logprobs"][1]["b"], -3.0);
+  EXPECT_EQ(c["logprobs"]["top_logprobs"][1]["x"], -0.1);
+  // A text prompt echoes as it was sent; without logprobs only the text changes.
+  request.prompt_texts = {"ab"};
+  request.logprobs = 0;
+  r.tokens.clear();  // max_tokens 0
+  const auto alone = CompletionResponse(request, {r}, "cmpl-2", 7, "tiny", &tok);
+  EXPECT_EQ(alone["choices"][0]["text"], "ab");
+  EXPECT_EQ(alone["usage"]["completion_tokens"], 0);
+}
+
+TEST(HttpApi, SkipsSpecialTokensInTextUnlessAsked) {
+  const runtime::Tokenizer tok = SpecialTokenizer();
+  CompletionRequest request;
+  request.prompts = {{1}};
+  runtime::EngineResult r;
+  for (const int32_t id : ByteIds("Paris.")) r.tokens.push_back({.id = id});
+  r.tokens.push_back({.id = 256});  // <|im_end|>
+  auto text = [&] {
+    return CompletionResponse(request, {r}, "c", 1, "m", &tok)["choices"][0]["text"];
+  };
+  EXPECT_EQ(text(), "Paris.");
+  request.skip_special_tokens = false;
+  EXPECT_EQ(text(), "Paris.<|im_end|>");
+}
+
+TEST(HttpApi, TokenizesAndDetokenizesAsVllm) {
+  const runtime::Tokenizer tok = SpecialTokenizer();
+  auto t = Tokenize(R"({"model": "m", "prompt": "hi<|im_end|>", "add_special_tokens": false,
+                        "return_token_strs": true})",
+                    "m", &tok, 4096);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)["tokens"], nlohmann::ordered_json({'h', 'i', 256}));
+  EXPECT_EQ((*t)["count"], 3);
+  EXPECT_EQ((*t)["max_model_len"], 4096);
+  EXPECT_EQ((*t)["token_strs"][2], "<|im_end|>");
+  auto d = Detokenize(R"({"tokens": [104, 105, 256]})", "m", &tok);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)["prompt"], "hi<|im_end|>");
+  EXPECT_TRUE(absl::IsInvalidArgument(Detokenize(R"({"tokens": [-1]})", "m", &tok).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(Detokenize(R"({"tokens": [1], "x": 1})", "m", &tok).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(Tokenize(R"({"messages": []})", "m", &tok, 1).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(Tokenize(R"({"prompt": "a"})", "m", nullptr, 1).status()));
+}
+
+TEST(HttpApi, ContinuousUsageRidesOnEveryChunk) {
+  CompletionRequest request;
+  request.prompts = {{1, 2, 3}};
+  request.continuous_usage_stats = true;
+  StreamDelta delta{.index = 0, .text = "x", .token = runtime::SampledToken{.id = 5}};
+  delta.prompt_tokens = 3;
+  delta.completion_tokens = 2;
+  const auto chunk = StreamChunk(request, "c", 1, "m", delta, nullptr);
+  EXPECT_EQ(chunk["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(chunk["usage"]["total_tokens"], 5);
 }
 
 TEST(HttpApi, TextOffsetsCountCharactersNotBytes) {

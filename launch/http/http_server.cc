@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
+#include "launch/http/chat_api.h"
+#include "launch/http/chat_renderer.h"
 #include "launch/http/http_connections.h"
 #include "launch/http/http_stream.h"
 #include "parallel/mpi_communicator.h"
@@ -131,6 +133,12 @@ HttpFront::HttpFront(runtime::Engine& engine, runtime::LlamaModel& model, std::s
       model_(model),
       served_model_(std::move(served_model)),
       tokenizer_(tokenizer),
+      max_prompt_tokens_(options.max_prompt_tokens),
+      renderer_(options.chat_template_renderer.empty()
+                    ? nullptr
+                    : std::make_unique<ChatRenderer>(ChatRenderer::Options{
+                          .command = options.chat_template_renderer,
+                          .timeout = options.chat_render_timeout})),
       server_(std::make_unique<GuardedServer>(std::move(options))),
       seeds_(std::random_device{}()) {
   Routes();
@@ -223,13 +231,39 @@ absl::Status HttpFront::AwaitReply(runtime::Engine::Reply& reply,
 // One completion: its prompts queued together (so they can share a fused batch; a refusal
 // refuses them all), answered whole or streamed as they generate.
 void HttpFront::Completions(const httplib::Request& req, httplib::Response& res) {
-  auto request = std::make_shared<CompletionRequest>();
   absl::StatusOr<CompletionRequest> parsed =
-      ParseCompletionRequest(req.body, served_model_, tokenizer_);
+      ParseCompletionRequest(req.body, served_model_, tokenizer_, max_prompt_tokens_);
   if (!parsed.ok()) return SetError(parsed.status(), res);
-  *request = std::move(*parsed);
+  if (parsed->sparq.has_value()) {
+    absl::Status s = model_.backend().name() == "cpu"
+                         ? runtime::CheckSparqConfig(*parsed->sparq, model_.config().head_dim)
+                         : absl::InvalidArgumentError("sparq needs the CPU backend for now");
+    if (!s.ok()) return SetError(s, res);
+  }
+  Complete(std::make_shared<CompletionRequest>(std::move(*parsed)), nullptr, res);
+}
+
+void HttpFront::ChatCompletions(const httplib::Request& req, httplib::Response& res) {
+  if (renderer_ == nullptr) {
+    return SetError(absl::NotFoundError(
+                        "/v1/chat/completions needs a chat template renderer, which this server "
+                        "does not have (serve --chat-template-renderer): render the conversation "
+                        "yourself and send it to /v1/completions"),
+                    res);
+  }
+  absl::StatusOr<ChatRequest> parsed = ParseChatRequest(
+      req.body, served_model_, tokenizer_,
+      [this](const nlohmann::json& input) { return renderer_->Render(input); }, max_prompt_tokens_,
+      model_.config().max_position_embeddings);
+  if (!parsed.ok()) return SetError(parsed.status(), res);
+  auto chat = std::make_shared<ChatRequest>(std::move(*parsed));
+  Complete(std::shared_ptr<CompletionRequest>(chat, &chat->completion), chat, res);
+}
+
+void HttpFront::Complete(std::shared_ptr<CompletionRequest> request,
+                         std::shared_ptr<const ChatRequest> chat, httplib::Response& res) {
   std::vector<runtime::EngineRequest> prompts = EngineRequestsOf(*request, NextSeed(), tokenizer_);
-  const std::string id = absl::StrCat("cmpl-", next_id_++);
+  const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", next_id_++);
   std::shared_ptr<CompletionStream> stream;
   // Every prompt of the request ends together when its client leaves or the drain expires.
   auto cancelled = std::make_shared<std::atomic<bool>>(false);
@@ -237,6 +271,12 @@ void HttpFront::Completions(const httplib::Request& req, httplib::Response& res)
     stream =
         std::make_shared<CompletionStream>(*request, id, UnixSeconds(), served_model_, tokenizer_);
     cancelled = stream->cancelled();
+    if (chat) {
+      auto role_sent = std::make_shared<std::vector<bool>>(request->choices(), false);
+      stream->SetShape([chat, role_sent](nlohmann::ordered_json chunk) {
+        return ChatChunks(*chat, std::move(chunk), role_sent.get());
+      });
+    }
     for (size_t i = 0; i < prompts.size(); ++i) {
       prompts[i].on_token = stream->Sink(static_cast<int>(i));
     }
@@ -260,11 +300,16 @@ void HttpFront::Completions(const httplib::Request& req, httplib::Response& res)
     if (!r.ok()) return SetError(r.status(), res);
     if (r->finish_reason == "abort" && drain_expired_) return SetError(DrainExpired(), res);
     histograms_.Observe(*r);
+    if (request->max_tokens == 0) {  // echo alone: the prompt, nothing generated
+      r->tokens.clear();
+      r->finish_reason = "length";
+    }
     results.push_back(std::move(*r));
   }
-  res.set_content(
-      JsonText(CompletionResponse(*request, results, id, UnixSeconds(), served_model_, tokenizer_)),
-      kJson);
+  nlohmann::ordered_json answer =
+      CompletionResponse(*request, results, id, UnixSeconds(), served_model_, tokenizer_);
+  if (chat) answer = ChatResponse(*chat, std::move(answer));
+  res.set_content(JsonText(answer), kJson);
 }
 
 // A streamed completion: an error before any prompt's first token is answered as JSON with its
@@ -327,11 +372,11 @@ std::string HttpFront::Finale(const CompletionRequest& request, CompletionStream
       continue;
     }
     histograms_.Observe(*r);
+    if (request.max_tokens == 0) r->tokens.clear();  // echo alone: nothing was sent
     results.push_back(std::move(*r));
   }
   if (request.include_usage && results.size() == replies.size()) {
-    out += ServerSentEvent(
-        JsonText(UsageChunk(stream.id(), UnixSeconds(), served_model_, results, request.n)));
+    out += stream.Event(UsageChunk(stream.id(), UnixSeconds(), served_model_, results, request.n));
   }
   const bool aborted = std::any_of(results.begin(), results.end(),
                                    [](const auto& r) { return r.finish_reason == "abort"; });
@@ -390,6 +435,30 @@ void HttpFront::ServiceRoutes() {
                                         {"vocab_size", model_.config().vocab_size},
                                         {"text_prompts", tokenizer_ != nullptr}}}}};
     res.set_content(JsonText(models), kJson);
+  });
+  // Without --chat-template-renderer, a 404 that sends the client to completions.
+  s.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    ++running_;
+    ChatCompletions(req, res);
+    --running_;
+  });
+  // vLLM's tokenizer routes, answered on the HTTP thread (no engine work).
+  s.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    const int64_t max_model_len = model_.config().max_position_embeddings;
+    absl::StatusOr<nlohmann::ordered_json> out =
+        renderer_ == nullptr
+            ? Tokenize(req.body, served_model_, tokenizer_, max_model_len)
+            : TokenizeChat(
+                  req.body, served_model_, tokenizer_,
+                  [this](const nlohmann::json& input) { return renderer_->Render(input); },
+                  max_model_len);
+    if (!out.ok()) return SetError(out.status(), res);
+    res.set_content(JsonText(*out), kJson);
+  });
+  s.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    absl::StatusOr<nlohmann::ordered_json> out = Detokenize(req.body, served_model_, tokenizer_);
+    if (!out.ok()) return SetError(out.status(), res);
+    res.set_content(JsonText(*out), kJson);
   });
   s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     ServerCounters counters{.http_ok = ok_,

@@ -33,6 +33,8 @@ struct Response;
 
 namespace cpfill::launch {
 
+class ChatRenderer;
+struct ChatRequest;
 class CompletionStream;
 class GuardedServer;
 
@@ -54,6 +56,13 @@ struct HttpOptions {
   std::chrono::milliseconds keep_alive_timeout{5000};  // an idle connection, between requests
   int keep_alive_requests = 100;                       // requests on one connection
   std::chrono::milliseconds trim_after_idle{1000};     // malloc_trim once idle this long
+  // A prompt of more token ids is refused while its body is parsed (--max-batch-tokens: the
+  // engine would refuse it anyway), so that no body expands to more than a few times its size.
+  int64_t max_prompt_tokens = kMaxTokensPerRequest;
+  // --chat-template-renderer: the command of the co-process that renders chat conversations
+  // (chat_renderer.h); "": /v1/chat/completions answers 404 naming /v1/completions.
+  std::string chat_template_renderer;
+  std::chrono::milliseconds chat_render_timeout{2000};
 };
 
 class HttpFront {
@@ -91,6 +100,12 @@ class HttpFront {
   void KvLeaseRoutes();
   absl::Status Health();
   void Completions(const httplib::Request& req, httplib::Response& res);
+  // /v1/chat/completions: the conversation rendered (renderer_), then run as a completion.
+  void ChatCompletions(const httplib::Request& req, httplib::Response& res);
+  // A parsed completion, answered whole or streamed; `chat` (may be null) reshapes the answer
+  // into chat's objects.
+  void Complete(std::shared_ptr<CompletionRequest> request, std::shared_ptr<const ChatRequest> chat,
+                httplib::Response& res);
   // Waits until `reply` is ready or `enough` says so, while the client stays and the drain's
   // deadline has not passed; otherwise sets `cancelled` (the engine ends the generation at its
   // next token) and returns the refusal: the client left (nothing to answer) or the drain.
@@ -111,6 +126,8 @@ class HttpFront {
   runtime::LlamaModel& model_;
   const std::string served_model_;
   const runtime::Tokenizer* tokenizer_;
+  const int64_t max_prompt_tokens_;
+  std::unique_ptr<ChatRenderer> renderer_;  // null without --chat-template-renderer
   std::unique_ptr<GuardedServer> server_;
   std::atomic<bool> healthy_{false}, drain_expired_{false};
   std::mutex waiting_mu_;

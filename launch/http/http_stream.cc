@@ -50,13 +50,40 @@ bool CompletionStream::Next(std::string* out, std::chrono::milliseconds wait) {
   return finished_ < static_cast<int>(choices_.size());
 }
 
+std::string CompletionStream::Event(nlohmann::ordered_json chunk) const {
+  if (!shape_) return ServerSentEvent(JsonText(chunk));
+  std::string out;
+  for (const auto& shaped : shape_(std::move(chunk))) out += ServerSentEvent(JsonText(shaped));
+  return out;
+}
+
+std::string CompletionStream::EchoEvent(int index, const runtime::GeneratedToken& token) {
+  Choice& c = choices_[index];
+  const size_t prompt = static_cast<size_t>(index / request_.n);
+  const bool alone = request_.max_tokens == 0;  // the prompt only: the engine's token is dropped
+  nlohmann::ordered_json chunk =
+      EchoChunk(request_, prompt, index, id_, created_, served_model_, token.prompt_logprobs,
+                alone ? "length" : "", tokenizer_);
+  c.echo_points = CodePoints(chunk["choices"][0]["text"].get_ref<const std::string&>());
+  if (alone) {
+    c.finished = true;
+    ++finished_;
+  }
+  return Event(std::move(chunk));
+}
+
 // Only the HTTP thread (Next) reads and writes choices_ but for `started`.
 std::string CompletionStream::Events(int index, const runtime::GeneratedToken& token) {
   Choice& c = choices_[index];
+  std::string echoed;
+  if (request_.echo && c.tokens.empty()) {
+    echoed = EchoEvent(index, token);
+    if (c.finished) return echoed;
+  }
   c.starts.push_back(c.tokens.empty() ? 0 : NextTokenStart(c.text, c.starts.back()));
   c.tokens.push_back(token.token);
   c.ids.push_back(token.token.id);
-  c.text = DecodeText(tokenizer_, c.ids);
+  c.text = DecodeText(tokenizer_, c.ids, request_.skip_special_tokens);
   const bool last = !token.finish_reason.empty();
   const size_t cut = StopCut(request_, c.text);
   const size_t sendable = Sendable(c, cut, last);
@@ -77,7 +104,7 @@ std::string CompletionStream::Events(int index, const runtime::GeneratedToken& t
     c.finished = true;
     ++finished_;
   }
-  return out;
+  return echoed + out;
 }
 
 size_t CompletionStream::Sendable(const Choice& c, size_t cut, bool last) const {
@@ -99,21 +126,28 @@ std::string CompletionStream::TokenEvent(int index, size_t i, size_t end,
   StreamDelta delta{.index = index,
                     .text = c.text.substr(c.sent_bytes, end - c.sent_bytes),
                     .token = c.tokens[i],
-                    .text_offset = CodePoints(std::string_view(c.text).substr(0, c.starts[i])),
+                    .text_offset = c.echo_points +
+                                   CodePoints(std::string_view(c.text).substr(0, c.starts[i])),
                     .finish_reason = finish_reason};
+  if (request_.continuous_usage_stats) UsageSoFar(index, i + 1, &delta);
   c.sent_bytes = end;
-  return ServerSentEvent(
-      JsonText(StreamChunk(request_, id_, created_, served_model_, delta, tokenizer_)));
+  return Event(StreamChunk(request_, id_, created_, served_model_, delta, tokenizer_));
+}
+
+void CompletionStream::UsageSoFar(int index, size_t tokens, StreamDelta* delta) const {
+  delta->prompt_tokens =
+      static_cast<int64_t>(request_.prompts[index / request_.n].size());
+  delta->completion_tokens = static_cast<int64_t>(tokens);
 }
 
 // The tokens past the stop string: their ids, none of their text.
 std::string CompletionStream::ClosingEvent(int index, const std::string& finish_reason) {
   const Choice& c = choices_[index];
   StreamDelta closing{.index = index, .finish_reason = finish_reason};
+  if (request_.continuous_usage_stats) UsageSoFar(index, c.tokens.size(), &closing);
   closing.unsent_ids.assign(c.ids.begin() + static_cast<std::ptrdiff_t>(c.sent_tokens),
                             c.ids.end());
-  return ServerSentEvent(
-      JsonText(StreamChunk(request_, id_, created_, served_model_, closing, tokenizer_)));
+  return Event(StreamChunk(request_, id_, created_, served_model_, closing, tokenizer_));
 }
 
 }  // namespace cpfill::launch

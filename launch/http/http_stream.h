@@ -47,6 +47,12 @@ class CompletionStream : public std::enable_shared_from_this<CompletionStream> {
   // True when prompt `index`'s last token has been given out by Next (Next's thread).
   bool Finished(int index) const { return choices_[index].finished; }
   const std::string& id() const { return id_; }
+  // Chunks are given out as `shape` makes them (the chat route's chat.completion.chunk; default:
+  // each as it is). Set before the first token; called on Next's thread only.
+  using ChunkShape = std::function<std::vector<nlohmann::ordered_json>(nlohmann::ordered_json)>;
+  void SetShape(ChunkShape shape) { shape_ = std::move(shape); }
+  // The server-sent events of `chunk` as shaped (the usage chunk of the stream's end too).
+  std::string Event(nlohmann::ordered_json chunk) const;
 
  private:
   struct Choice {
@@ -56,6 +62,7 @@ class CompletionStream : public std::enable_shared_from_this<CompletionStream> {
     std::string text;            // decoded `ids`
     size_t sent_bytes = 0;       // of `text`, given out
     size_t sent_tokens = 0;      // of `tokens`, given out in chunks
+    size_t echo_points = 0;      // echo: characters of the prompt's text, sent before `text`
     bool started = false, finished = false;
   };
   void Push(int index, const runtime::GeneratedToken& token);
@@ -65,14 +72,20 @@ class CompletionStream : public std::enable_shared_from_this<CompletionStream> {
   size_t Sendable(const Choice& c, size_t cut, bool last) const;
   // The chunk of token `i`, its text up to `end`.
   std::string TokenEvent(int index, size_t i, size_t end, const std::string& finish_reason);
+  // continuous_usage_stats: choice `index`'s prompt and `tokens` generated tokens.
+  void UsageSoFar(int index, size_t tokens, StreamDelta* delta) const;
   // The last chunk of a choice whose tokens from sent_tokens on lie past a stop string.
   std::string ClosingEvent(int index, const std::string& finish_reason);
+  // echo: the choice's first chunk, its prompt's text (and prompt logprobs, which come with the
+  // first token); with max_tokens 0 it ends the choice, and the token is not sent.
+  std::string EchoEvent(int index, const runtime::GeneratedToken& token);
 
   const CompletionRequest& request_;
   const std::string id_, served_model_;
   const int64_t created_;
   const runtime::Tokenizer* tokenizer_;
   std::shared_ptr<std::atomic<bool>> cancelled_ = std::make_shared<std::atomic<bool>>(false);
+  ChunkShape shape_;
 
   mutable std::mutex mu_;
   std::condition_variable ready_;

@@ -187,5 +187,50 @@ TEST(CompletionStream, WithoutATokenizerEveryTokenGoesOutAtOnce) {
   EXPECT_TRUE(chunks[2]["choices"][0]["logprobs"].is_null());
 }
 
+// echo (as vLLM streams it): the prompt's text and prompt logprobs first, then the tokens, each
+// at its offset past the prompt; the whole adds up to the answer without streaming.
+TEST(CompletionStream, EchoSendsThePromptFirst) {
+  const runtime::Tokenizer tok = ByteTokenizer("stop", {"END"});
+  CompletionRequest request;
+  request.prompts = {ByteIds("ab")};
+  request.prompt_texts = {std::string("ab")};
+  request.echo = true;
+  request.logprobs = 1;
+  auto stream = std::make_shared<CompletionStream>(request, "cmpl-1", 0, "m", &tok);
+  runtime::SampledToken scored{.id = 'b', .logprob = -0.5};
+  stream->Sink(0)({.index = 0, .token = {.id = 'c', .logprob = -1.0}, .prompt_logprobs = {scored}});
+  stream->Sink(0)({.index = 1, .token = {.id = 'd', .logprob = -2.0}, .finish_reason = "length"});
+  const std::vector<nlohmann::json> chunks = Drain(*stream);
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_EQ(chunks[0]["choices"][0]["text"], "ab");
+  EXPECT_EQ(chunks[0]["choices"][0]["logprobs"]["token_logprobs"], nlohmann::json({nullptr, -0.5}));
+  EXPECT_EQ(chunks[1]["choices"][0]["logprobs"]["text_offset"], nlohmann::json({2}));
+  EXPECT_EQ(chunks[2]["choices"][0]["text"], "d");
+  runtime::EngineResult r{.tokens = {{.id = 'c', .logprob = -1.0}, {.id = 'd', .logprob = -2.0}},
+                          .prompt_logprobs = {scored},
+                          .finish_reason = "length"};
+  const nlohmann::json whole =
+      CompletionResponse(request, {r}, "cmpl-1", 0, "m", &tok)["choices"][0];
+  EXPECT_EQ(whole["text"], "abcd");
+  EXPECT_EQ(whole["logprobs"]["text_offset"], nlohmann::json({0, 1, 2, 3}));
+}
+
+// echo with max_tokens 0: the prompt alone, closed with "length"; the engine's token not sent.
+TEST(CompletionStream, EchoAloneIsOneChunk) {
+  const runtime::Tokenizer tok = ByteTokenizer("stop", {"END"});
+  CompletionRequest request;
+  request.prompts = {ByteIds("ab")};
+  request.prompt_texts = {std::nullopt};
+  request.echo = true;
+  request.max_tokens = 0;
+  auto stream = std::make_shared<CompletionStream>(request, "cmpl-1", 0, "m", &tok);
+  stream->Sink(0)({.index = 0, .token = {.id = 'c'}, .finish_reason = "length"});
+  std::string events;
+  EXPECT_FALSE(stream->Next(&events, std::chrono::milliseconds(0)));  // every choice finished
+  ASSERT_EQ(events.find("data: ", 1), std::string::npos) << events;  // one event
+  EXPECT_NE(events.find(R"("text":"ab")"), std::string::npos) << events;
+  EXPECT_NE(events.find(R"("finish_reason":"length")"), std::string::npos) << events;
+}
+
 }  // namespace
 }  // namespace cpfill::launch

@@ -29,18 +29,32 @@ inline std::vector<int32_t> ByteIds(std::string_view text) {
 }
 
 // A byte-level BPE tokenizer: the 256 bytes (id = the byte's value), then `words` (ids 256, 257,
-// ...), no merges. Written under the test's temporary directory as `name` and loaded.
+// ...), then `specials` as special added tokens (the ids after the words), no merges. Written
+// under the test's temporary directory as `name` and loaded.
 inline runtime::Tokenizer ByteTokenizer(const std::string& name,
-                                        const std::vector<std::string>& words) {
+                                        const std::vector<std::string>& words,
+                                        const std::vector<std::string>& specials = {}) {
   nlohmann::json vocab = nlohmann::json::object();
   for (int b = 0; b < 256; ++b) vocab[SpellBytes(std::string(1, static_cast<char>(b)))] = b;
   for (size_t i = 0; i < words.size(); ++i) vocab[SpellBytes(words[i])] = 256 + i;
+  nlohmann::json added = nlohmann::json::array();
+  for (size_t i = 0; i < specials.size(); ++i) {
+    const int id = static_cast<int>(256 + words.size() + i);
+    vocab[specials[i]] = id;
+    added.push_back({{"id", id},
+                     {"content", specials[i]},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
+  }
   const nlohmann::json byte_level = {{"type", "ByteLevel"},
                                      {"add_prefix_space", false},
                                      {"trim_offsets", true},
                                      {"use_regex", true}};
   const nlohmann::json root = {{"version", "1.0"},
-                               {"added_tokens", nlohmann::json::array()},
+                               {"added_tokens", added},
                                {"normalizer", nullptr},
                                {"pre_tokenizer", byte_level},
                                {"post_processor", nullptr},
@@ -59,6 +73,11 @@ inline runtime::Tokenizer ByteTokenizer(const std::string& name,
   absl::StatusOr<runtime::Tokenizer> tokenizer = runtime::Tokenizer::Load(dir);
   EXPECT_TRUE(tokenizer.ok()) << tokenizer.status();
   return *std::move(tokenizer);
+}
+
+// ByteTokenizer plus the special token "<|im_end|>" (id 256), as chat models end a turn.
+inline runtime::Tokenizer SpecialTokenizer() {
+  return ByteTokenizer("special", {}, {"<|im_end|>"});
 }
 
 }  // namespace cpfill::launch

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -75,18 +76,29 @@ runtime::StepOptions OptionsFrom(const EngineFlags& f, const SelectorChoice& cho
   return o;
 }
 
-// The checkpoint's tokenizer, if it has one. Every rank reads it (one verdict for a malformed
-// file, like config.json), though only rank 0 tokenizes.
-absl::StatusOr<std::optional<runtime::Tokenizer>> TokenizerFor(const EngineFlags& f,
-                                                               const runtime::ModelConfig& config) {
-  if (runtime::IsPreset(f.model.name)) return std::nullopt;
+// The checkpoint's tokenizer, if it has one cpfill can read. Every rank reads it (one verdict),
+// though only rank 0 tokenizes. A file cpfill cannot read (another tokenizer family, a malformed
+// file) does not stop a job whose prompts are token ids: it is named on rank 0's stderr and kept
+// in `host->tokenizer_status`, and text is refused. Ids past the model's vocabulary are refused:
+// the tokenizer belongs to another model.
+absl::Status TokenizerFor(const EngineFlags& f, const runtime::ModelConfig& config, bool is_root,
+                          EngineHost* host) {
+  if (runtime::IsPreset(f.model.name)) return absl::OkStatus();
   absl::StatusOr<runtime::Tokenizer> tokenizer = runtime::Tokenizer::Load(f.model.name);
-  if (absl::IsNotFound(tokenizer.status())) return std::nullopt;
-  CPFILL_RETURN_IF_ERROR(tokenizer.status());
+  if (absl::IsNotFound(tokenizer.status())) return absl::OkStatus();
+  if (!tokenizer.ok()) {
+    host->tokenizer_status = tokenizer.status();
+    if (is_root) {
+      std::fprintf(stderr, "cpfill: warning: no tokenizer, token ids only: %s\n",
+                   std::string(tokenizer.status().message()).c_str());
+    }
+    return absl::OkStatus();
+  }
   CPFILL_CHECK_ARG(tokenizer->vocab_size() <= config.vocab_size, f.model.name,
                    "/tokenizer.json has ids up to ", tokenizer->vocab_size() - 1,
                    ", past the model's vocabulary of ", config.vocab_size);
-  return std::optional<runtime::Tokenizer>(std::move(*tokenizer));
+  host->tokenizer = *std::move(tokenizer);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -102,7 +114,7 @@ absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f
                           ResolveBackendName(f.model.backend, {"cpu", "cuda"}, *grid.world));
   CPFILL_RETURN_IF_ERROR(CheckBatchInvariant(f, host->backend));
   CPFILL_ASSIGN_OR_RETURN(host->config, ModelConfigFor(f.model, grid.tp_size));
-  CPFILL_ASSIGN_OR_RETURN(host->tokenizer, TokenizerFor(f, host->config));
+  CPFILL_RETURN_IF_ERROR(TokenizerFor(f, host->config, job.is_root(), host.get()));
   CPFILL_ASSIGN_OR_RETURN(SelectorChoice choice,
                           ResolveSelector(f.selector, flags, RingContextOf(host->backend, grid)));
   const runtime::StepOptions model_options = OptionsFrom(f, choice, job.ThreadsPerRank(grid));
@@ -121,11 +133,12 @@ absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& f
   if (options.eos_ids.empty() && host->tokenizer && host->tokenizer->eos_id() >= 0) {
     options.eos_ids = {host->tokenizer->eos_id()};
   }
-  // Idle ranks hear from rank 0 well within every wait's deadline.
+  // Idle ranks hear from rank 0 well within every wait's deadline, and an idle rank 0 starts a
+  // heartbeat soon enough after a rank stops that the job still ends within the deadline + 1 s.
   const auto deadline =
       std::chrono::duration_cast<std::chrono::milliseconds>(job.mpi().options().timeout);
   options.heartbeat =
-      std::min<std::chrono::milliseconds>(std::chrono::milliseconds(1000), deadline / 4);
+      std::min<std::chrono::milliseconds>(std::chrono::milliseconds(500), deadline / 8);
   host->engine = std::make_unique<runtime::Engine>(*host->loaded.model, *grid.world, options);
   return host;
 }

@@ -58,17 +58,20 @@ struct EngineHost {
   runtime::ModelConfig config;
   LoadedModel loaded;
   std::unique_ptr<runtime::Engine> engine;
-  // A checkpoint's tokenizer.json (and tokenizer_config.json); none for presets and checkpoints
-  // without one (they take token ids only).
+  // A checkpoint's tokenizer.json (and tokenizer_config.json); none for presets, checkpoints
+  // without one, and ones cpfill cannot read (they take token ids only; `tokenizer_status` says
+  // why a present file was not loaded, OK otherwise).
   std::optional<runtime::Tokenizer> tokenizer;
+  absl::Status tokenizer_status;
 };
 
 // Collective. `options` brings what the caller adds (on_batch); the bounds come from the flags
 // and the heartbeat from the job's deadline. Bad input fails alike on every rank
 // (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted), also a checkpoint that only
-// some ranks cannot read (LoadWeightsAgreed), a malformed tokenizer.json, and threads that some
-// rank cannot start once its KV cache is allocated (ResourceExhausted naming the rank and the
-// flags that make them fit: --kv-memory-fraction, EngineFlags::front_threads_flag).
+// some ranks cannot read (LoadWeightsAgreed), a tokenizer.json with ids past the model's
+// vocabulary, and threads that some rank cannot start once its KV cache is allocated
+// (ResourceExhausted naming the rank and the flags that make them fit: --kv-memory-fraction,
+// EngineFlags::front_threads_flag).
 absl::StatusOr<std::unique_ptr<EngineHost>> BuildEngineHost(const EngineFlags& engine_flags,
                                                             const FlagSet& flags, Job& job,
                                                             const parallel::ProcessGrid& grid,

@@ -14,6 +14,18 @@ void AddModelFlags(FlagSet& flags, ModelFlags* f) {
   flags.Int("seed", &f->seed, "seed of synthetic weights").Within(Range::AtLeast(0));
   flags.String("backend", &f->backend,
                "auto | cpu | cuda (auto: cuda when every rank sees a GPU); cuda computes in bf16");
+  flags.String("quantize", &f->quantize,
+               "fp8-rowwise[:ffn|all]: quantize the feed-forward (ffn, the default) or all "
+               "projections to row-wise FP8 at load, as fbgemm_fp8 checkpoints store them");
+}
+
+absl::Status ApplyQuantizeFlag(const std::string& flag, runtime::ModelConfig* config) {
+  if (flag.empty()) return absl::OkStatus();  // as the checkpoint stores it
+  CPFILL_ASSIGN_OR_RETURN(config->fp8.modules, runtime::ParseQuantizeFlag(flag));
+  // The flag decides which projections are FP8, not the checkpoint's quantization_config (whose
+  // FP8 tensors still load as stored).
+  config->fp8.from_checkpoint = false;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<runtime::ModelConfig> ModelConfigFor(const ModelFlags& f, int tp_size) {
@@ -23,6 +35,7 @@ absl::StatusOr<runtime::ModelConfig> ModelConfigFor(const ModelFlags& f, int tp_
   CPFILL_CHECK_ARG(f.layers <= config.num_layers, "--layers ", f.layers, ": the model has only ",
                    config.num_layers, " layers");
   if (f.layers > 0) config.num_layers = f.layers;
+  CPFILL_RETURN_IF_ERROR(ApplyQuantizeFlag(f.quantize, &config));
   CPFILL_RETURN_IF_ERROR(config.ValidateForTp(tp_size));
   return config;
 }

@@ -32,14 +32,19 @@ struct ModelFlags {
   std::string backend = "auto";  // auto | cpu | cuda
   int layers = 0;                // the first K layers only; 0: all
   int64_t seed = 1;              // of a preset's synthetic weights (and synthetic prompts)
+  std::string quantize;          // --quantize: "" (as stored), fp8-rowwise[:ffn|all], none
 };
 
-// --model (required), --layers, --seed, --backend.
+// --model (required), --layers, --seed, --backend, --quantize.
 void AddModelFlags(FlagSet& flags, ModelFlags* model_flags);
 
 // The model's geometry, cut to --layers and checked against the TP size: bad input, the same on
 // every rank (InvalidArgument naming --layers or the model; NotFound for a missing checkpoint).
 absl::StatusOr<runtime::ModelConfig> ModelConfigFor(const ModelFlags& model_flags, int tp_size);
+
+// --quantize into config->fp8 (empty: leave it as config.json says). InvalidArgument naming the
+// flag for an unknown scheme.
+absl::Status ApplyQuantizeFlag(const std::string& flag, runtime::ModelConfig* config);
 
 struct KvFlags {
   int64_t capacity_tokens = 0;  // per rank, every layer's K and V; 0: not given

@@ -117,12 +117,12 @@ absl::StatusOr<LoadedModel> BuildModel(const runtime::ModelConfig& config,
     CPFILL_ASSIGN_OR_RETURN(parallel::NcclGrid nccl, parallel::CreateNcclGrid(grid, comm_options));
     auto shared = std::make_shared<parallel::NcclGrid>(std::move(nccl));
     m.device = shared;
-    // The bf16 slice goes to the GPU: half the fp32 bytes WeightsFit counted on the host.
+    // The bf16 slice goes to the GPU (row-wise FP8 projections at a byte an element).
     CPFILL_RETURN_IF_ERROR(runtime::CheckFitsOnEveryRank(
         *grid.world,
         absl::StrCat("the weights of ", config.name, " on the GPU (bf16, one TP slice of ",
                      grid.tp_size, ")"),
-        runtime::HostWeightBytes(config, grid.tp_size) / 2, runtime::cuda::FreeDeviceBytes,
+        runtime::WeightBytes(config, grid.tp_size, 2), runtime::cuda::FreeDeviceBytes,
         "use more tensor-parallel ranks (--tp) or fewer layers (--layers)"));
     CPFILL_ASSIGN_OR_RETURN(be, runtime::cuda::MakeCudaBackend(config, weights, *shared));
     weights = runtime::ModelWeights{};  // on the GPU now: free the host's fp32 copy

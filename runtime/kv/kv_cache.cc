@@ -117,6 +117,10 @@ int64_t KvCacheSpec::row_bytes() const {
 int64_t KvCacheSpec::block_bytes() const { return block_tokens * row_bytes(); }
 int64_t KvCacheSpec::bytes_per_token() const { return 2 * int64_t{num_layers} * row_bytes(); }
 
+int64_t KvCacheSpec::v_sum_bytes() const {
+  return int64_t{num_layers} * (int64_t{kv_heads} * head_dim * 4 + 8);
+}
+
 double KvUsage::usage_ratio() const {
   return blocks_total == 0 ? 0.0 : static_cast<double>(blocks_used) / blocks_total;
 }
@@ -134,7 +138,7 @@ absl::StatusOr<int64_t> CapacityFromMemory(const KvCacheSpec& spec, double fract
   const double usable = fraction * static_cast<double>(free_bytes);
   const int64_t usable_bytes =
       usable >= static_cast<double>(free_bytes) ? free_bytes : static_cast<int64_t>(usable);
-  const int64_t blocks = std::min(usable_bytes / (per_id + kHostBytesPerBlock), kMaxBlockId);
+  const int64_t blocks = std::min(usable_bytes / (per_id + HostBytesPerBlock(spec)), kMaxBlockId);
   return blocks * spec.block_tokens;
 }
 
@@ -295,6 +299,7 @@ absl::Status KvCache::Truncate(SeqId seq, int64_t tokens) {
   CPFILL_CHECK_ARG(tokens >= 0 && tokens <= s.length, "KV cache: cannot truncate sequence ", seq,
                    " of ", s.length, " tokens to ", tokens);
   s.length = s.reserved = tokens;
+  for (int64_t& rows : s.v.rows) rows = rows > tokens ? -1 : rows;
   for (int64_t keep = BlocksFor(tokens); static_cast<int64_t>(s.blocks.size()) > keep;) {
     Unref(s.blocks.back());
     s.blocks.pop_back();
@@ -345,6 +350,8 @@ absl::Status KvCache::Fork(SeqId parent, SeqId child, int64_t prefix_tokens) {
   for (size_t i = 0; i < full; ++i) {
     if (++refcount_[static_cast<size_t>(c.blocks[i])] == 2) ++shared_blocks_;
   }
+  // A fork of the whole parent starts from its sums; of a part, they are summed again on use.
+  if (prefix_tokens == p.length) c.v = p.v;
   seqs_.emplace(child, std::move(c));
   return absl::OkStatus();
 }
@@ -379,6 +386,9 @@ KvUsage KvCache::usage() const {
   u.bytes_total = num_blocks_ * BytesPerBlockId();
   u.bytes_used = u.blocks_used * BytesPerBlockId();
   u.sequences = static_cast<int>(seqs_.size());
+  for (const auto& [id, s] : seqs_) {
+    u.v_sum_bytes += static_cast<int64_t>(s.v.sum.size() * 4 + s.v.rows.size() * 8);
+  }
   return u;
 }
 
@@ -454,7 +464,61 @@ absl::Status KvCache::Copy(int layer, std::span<const Rows> rows, bool write) {
 }
 
 absl::Status KvCache::Write(int layer, std::span<const Rows> rows) {
-  return Copy(layer, rows, /*write=*/true);
+  CPFILL_RETURN_IF_ERROR(Copy(layer, rows, /*write=*/true));
+  AddToVSums(layer, rows);
+  return absl::OkStatus();
+}
+
+void KvCache::AddToVSums(int layer, std::span<const Rows> rows) {
+  if (storage_->on_device() || spec_.dtype != KvDtype::kFloat32) return;
+  const int64_t width = int64_t{spec_.kv_heads} * spec_.head_dim;
+  for (const Rows& r : rows) {
+    VSums& v = seqs_.find(r.seq)->second.v;
+    if (v.rows.empty()) {
+      v.sum.assign(static_cast<size_t>(spec_.num_layers * width), 0.0f);
+      v.rows.assign(static_cast<size_t>(spec_.num_layers), 0);
+    }
+    int64_t& summed = v.rows[static_cast<size_t>(layer)];
+    if (summed != r.token_begin) {  // overwrites or skips rows: sum the blocks again on use
+      summed = -1;
+      continue;
+    }
+    float* sum = v.sum.data() + layer * width;
+    const float* src = static_cast<const float*>(r.v);
+    for (int64_t t = 0; t < r.count; ++t) {
+      for (int64_t i = 0; i < width; ++i) sum[i] += src[t * width + i];
+    }
+    summed += r.count;
+  }
+}
+
+absl::StatusOr<std::span<const float>> KvCache::VSum(int layer, SeqId seq) {
+  auto it = seqs_.find(seq);
+  CPFILL_CHECK_ARG(it != seqs_.end(), "KV cache: VSum of unknown sequence ", seq);
+  CPFILL_CHECK_ARG(layer >= 0 && layer < spec_.num_layers, "KV cache: VSum of layer ", layer);
+  if (storage_->on_device() || spec_.dtype != KvDtype::kFloat32) {
+    return absl::FailedPreconditionError(
+        "KV cache: V sums are kept for a host fp32 pool only (SparQ needs the CPU backend)");
+  }
+  Sequence& s = it->second;
+  const int64_t width = int64_t{spec_.kv_heads} * spec_.head_dim, bt = spec_.block_tokens;
+  if (s.v.rows.empty()) {
+    s.v.sum.assign(static_cast<size_t>(spec_.num_layers * width), 0.0f);
+    s.v.rows.assign(static_cast<size_t>(spec_.num_layers), -1);
+  }
+  float* sum = s.v.sum.data() + layer * width;
+  int64_t& summed = s.v.rows[static_cast<size_t>(layer)];
+  if (summed != s.length) {  // stale, or rows appended without a Write: sum the blocks
+    std::fill(sum, sum + width, 0.0f);
+    for (int64_t t = 0; t < s.length; ++t) {
+      const float* row = reinterpret_cast<const float*>(
+          BlockAddress(layer, 1, s.blocks[static_cast<size_t>(t / bt)]) +
+          (t % bt) * spec_.row_bytes());
+      for (int64_t i = 0; i < width; ++i) sum[i] += row[i];
+    }
+    summed = s.length;
+  }
+  return std::span<const float>(sum, static_cast<size_t>(width));
 }
 
 absl::Status KvCache::Read(int layer, std::span<const Rows> rows) {

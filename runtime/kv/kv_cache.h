@@ -71,10 +71,18 @@ struct KvCacheSpec {
   int64_t block_bytes() const;
   // K and V of every layer: 2 * num_layers * row_bytes().
   int64_t bytes_per_token() const;
+  // One sequence's running V sums (KvCache::VSum): num_layers * kv_heads * head_dim fp32 plus a
+  // row count per layer.
+  int64_t v_sum_bytes() const;
 };
 
 // Host bytes the cache keeps per block besides its K and V (its free list and reference count).
 inline constexpr int64_t kHostBytesPerBlock = 8;
+// Host bytes per block with a sequence's V sums (SparQ's v_bar, KvCache::VSum) counted too: a
+// sequence of rows holds at least one block, so one set of sums per block bounds them.
+inline int64_t HostBytesPerBlock(const KvCacheSpec& spec) {
+  return kHostBytesPerBlock + spec.v_sum_bytes();
+}
 
 // The capacity in tokens (whole blocks) that `fraction` (0 < f <= 1) of `free_bytes` holds,
 // the blocks' bookkeeping (kHostBytesPerBlock) counted.
@@ -111,6 +119,7 @@ struct KvUsage {
   int64_t blocks_total = 0, blocks_used = 0, blocks_shared = 0;  // shared: reference count > 1
   int64_t tokens_held = 0;                                       // sum of sequence lengths
   int64_t bytes_total = 0, bytes_used = 0;                       // every layer's K and V
+  int64_t v_sum_bytes = 0;  // the sequences' V sums (VSum), host memory
   int sequences = 0;
   double usage_ratio() const;  // blocks_used / blocks_total
 };
@@ -182,12 +191,29 @@ class KvCache {
   // is out of range.
   char* BlockAddress(int layer, int kind, int32_t block) const;
 
+  // The fp32 sum of V over all length(seq) rows of `layer`, [kv_heads, head_dim] (SparQ's v_bar
+  // times the count; sums, not means, so CP ranks' sums add exactly). Kept per sequence and
+  // layer as Write appends rows in order (O(row) each); a Truncate, a Fork of part of a sequence
+  // or an out-of-order Write marks it stale and the next call sums the blocks again. Released
+  // with the sequence. Host fp32 storage only: FailedPrecondition on a device pool.
+  // Valid until the next call that changes `seq`.
+  absl::StatusOr<std::span<const float>> VSum(int layer, SeqId seq);
+
  private:
+  // Per layer: the V sum [kv_heads * head_dim] over rows [0, rows[layer]); rows -1 = stale.
+  struct VSums {
+    std::vector<float> sum;
+    std::vector<int64_t> rows;
+  };
   struct Sequence {
     int64_t length = 0;
     int64_t reserved = 0;  // >= length; <= blocks.size() * block_tokens
     std::vector<int32_t> blocks;
+    VSums v;  // empty until a host Write or VSum
   };
+  // Adds Write's V rows to the sums of their sequences where they continue them, else marks
+  // the sums stale.
+  void AddToVSums(int layer, std::span<const Rows> rows);
 
   KvCache(const KvCacheSpec& spec, int64_t num_blocks, std::unique_ptr<KvStorage> storage);
 

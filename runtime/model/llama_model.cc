@@ -8,7 +8,10 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "parallel/mixed_ring.h"
+#include "base/thread_pool.h"
+#include "parallel/sparq_cp.h"
 #include "runtime/model/memory.h"
+#include "runtime/model/prompt_logprobs.h"
 
 namespace cpfill::runtime {
 namespace {
@@ -42,6 +45,34 @@ enum Slot {
   kLogitsWhole,
   kBlockTable
 };
+
+// Prompt positions put through the LM head at once for prompt logprobs: the logits of a chunk
+// (rows x vocab / tp fp32, 32 MB for Llama 3 on one rank) bound the memory they take.
+constexpr int64_t kPromptChunkRows = 64;
+
+// World rank 0 receives every rank's `mine` (its own first), one after another; the others an
+// empty vector. Collective over `world`.
+absl::StatusOr<std::vector<double>> GatherToRoot(const std::vector<double>& mine,
+                                                 parallel::Communicator& world) {
+  const int n = world.size();
+  const bool root = world.rank() == 0;
+  if (n == 1) return mine;
+  int64_t my_bytes = static_cast<int64_t>(mine.size() * sizeof(double));
+  std::vector<int64_t> all_bytes(n);
+  CPFILL_RETURN_IF_ERROR(world.AllGather(&my_bytes, sizeof(int64_t), all_bytes.data()));
+  std::vector<size_t> sb(n, 0), so(n, 0), rb(n, 0), ro(n, 0);
+  if (!root) sb[0] = static_cast<size_t>(my_bytes);
+  size_t total = root ? mine.size() * sizeof(double) : 0;
+  for (int p = 1; root && p < n; ++p) {
+    ro[p] = total;
+    rb[p] = static_cast<size_t>(all_bytes[p]);
+    total += rb[p];
+  }
+  std::vector<double> recv(total / sizeof(double));
+  if (root) std::copy(mine.begin(), mine.end(), recv.begin());
+  CPFILL_RETURN_IF_ERROR(world.AllToAll(mine.data(), sb, so, recv.data(), rb, ro));
+  return recv;
+}
 
 // Of the last-position rows, those whose sequences want logits (no draw in place), their logits
 // moved to the front of `logits` in that order: what GatherLastLogits sends.
@@ -95,6 +126,11 @@ struct LlamaModel::Running {
   std::vector<int64_t> seq_kv_begin, seq_table_begin;
   // The tables' name for the ring's plan cache (attention::PagedKv::generation); 0 until built.
   uint64_t table_generation = 0;
+  // Decode steps: each sequence's SparQ config (in this plan's order; unset: dense).
+  std::vector<std::optional<attention::sparq::SparqConfig>> sparq;
+  // Every sequence of this decode step attends with SparQ (SparqAttends): the dense ring is
+  // skipped. The same on every rank (the configs and lengths travel with the step).
+  bool every_sparq = false;
 };
 
 absl::StatusOr<KvCacheSpec> KvSpecFor(const ModelConfig& config, int tp_size, KvDtype dtype,
@@ -146,7 +182,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Create(
   CPFILL_RETURN_IF_ERROR(CheckFitsOnEveryRank(
       world, absl::StrCat("the KV cache (", spec.capacity_tokens, " tokens per rank)"),
       SaturatingBytes(blocks *
-                      (spec.block_tokens * double(spec.bytes_per_token()) + kHostBytesPerBlock)),
+                      (spec.block_tokens * double(spec.bytes_per_token()) + HostBytesPerBlock(spec))),
       [&] { return backend->FreeMemoryBytes(); },
       "lower --kv-capacity-tokens or --kv-memory-fraction, send fewer or shorter prompts (each "
       "sequence holds whole blocks: --kv-block-tokens 16 wastes less on short ones), or use more "
@@ -301,6 +337,10 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Prefill(
 absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Decode(
     const std::vector<PrefillRequest>& batch, int64_t step, StepTimings* timings) {
   for (size_t i = 0; i < batch.size(); ++i) {
+    // The SparQ kernels cannot read the paged KV pool on a GPU yet: refused, never dense instead.
+    CPFILL_CHECK_ARG(!batch[i].sparq.has_value() || backend_->name() == "cpu",
+                     "sparq needs the CPU backend for now (this one is ",
+                     std::string(backend_->name()), ")");
     CPFILL_CHECK_ARG(batch[i].tokens.size() == 1, "decode: request ", i, " has ",
                      batch[i].tokens.size(), " tokens; a decode step takes one per sequence");
     if (!sessions_.count(batch[i].session)) {
@@ -353,6 +393,12 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
   for (const PrefillRequest& req : grouped) {
     auto it = sessions_.find(req.session);
     r.seq.push_back(req.session.empty() || it == sessions_.end() ? next_seq_++ : it->second.seq);
+    if (decode_step.has_value()) r.sparq.push_back(req.sparq);
+  }
+  r.every_sparq = !r.sparq.empty();
+  for (int s = 0; s < static_cast<int>(r.sparq.size()); ++s) {
+    const sharding::SequenceRequest& q = r.b.sequences[s];
+    r.every_sparq = r.every_sparq && SparqAttends(r.sparq[s], q.cached_tokens + q.new_tokens);
   }
   r.kv_gathered = !decode_step.has_value() && PrefillReadsKvInPlace(r);
   r.kv_in_place = decode_step.has_value() || r.kv_gathered;
@@ -366,6 +412,9 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::Step(
   absl::Status status = Forward(r, t, progress);
   absl::StatusOr<std::vector<SequenceOutput>> out =
       status.ok() ? LastLogits(grouped, r, t) : absl::StatusOr<std::vector<SequenceOutput>>(status);
+  if (out.ok()) {
+    if (absl::Status scored = PromptLogprobs(grouped, r, t, &*out); !scored.ok()) out = scored;
+  }
   if (!out.ok()) {
     RollBackKv(r);
     backend_->ResetPhases();
@@ -673,6 +722,114 @@ absl::Status LlamaModel::AttentionRing(int l, Running& r) {
                      nullptr, run);
 }
 
+// Decode steps with SparQ (PrefillRequest::sparq): the dense ring has run for the batch unless
+// every sequence takes SparQ (Running::every_sparq); the rows of the sequences longer than k + l
+// are written with SparQ's output, one exchange per distinct config (SparqAttentionCp takes
+// one). The same on every rank: the configs and lengths travel with the step.
+absl::Status LlamaModel::SparqDecode(int l, Running& r) {
+  using attention::sparq::SparqConfig;
+  std::vector<std::pair<SparqConfig, std::vector<int>>> groups;
+  for (int s = 0; s < static_cast<int>(r.sparq.size()); ++s) {
+    const sharding::SequenceRequest& q = r.b.sequences[s];
+    if (!SparqAttends(r.sparq[s], q.cached_tokens + q.new_tokens)) continue;  // dense
+    const SparqConfig& c = *r.sparq[s];
+    auto same = [&](const auto& g) {
+      return g.first.r == c.r && g.first.k == c.k && g.first.local_window == c.local_window &&
+             g.first.oracle == c.oracle;
+    };
+    auto it = std::find_if(groups.begin(), groups.end(), same);
+    if (it == groups.end()) it = groups.insert(groups.end(), {c, {}});
+    it->second.push_back(s);
+  }
+  for (const auto& [config, seqs] : groups) CPFILL_RETURN_IF_ERROR(SparqGroup(l, r, config, seqs));
+  return absl::OkStatus();
+}
+
+// SparQ over the CP group for `seqs` (plan indices) of layer l: each query (on the one CP rank
+// that holds it this step) is summed into every rank's copy, each rank passes its own K/V rows
+// with their global positions and V sums, and the merged output replaces the holder's row.
+absl::Status LlamaModel::SparqGroup(int l, Running& r,
+                                    const attention::sparq::SparqConfig& config,
+                                    const std::vector<int>& seqs) {
+  static ThreadPool pool(1);  // groups are few per step on the CPU backend; BLAS has the cores
+  const sharding::LocalLayout& layout = r.b.layout;
+  const attention::AttentionShape shape = AttentionShapeOf();
+  const int64_t q_width = int64_t{shape.num_heads} * shape.head_dim;
+  const int64_t kv_width = int64_t{shape.num_kv_heads} * shape.head_dim;
+  const int64_t n = static_cast<int64_t>(seqs.size());
+  // Kept across layers and steps (the model steps on one thread): fresh vectors of a sequence's
+  // K/V each layer cost more in page faults and zeroing than the SparQ stages themselves.
+  struct Scratch {
+    std::vector<float> q, o, k, v, v_sum;
+    std::vector<int32_t> k_pos;
+  };
+  static thread_local Scratch scratch;
+  std::vector<float>& q = scratch.q;
+  std::vector<float>& o = scratch.o;
+  q.assign(n * q_width, 0.0f);  // summed over the CP group: zero where this rank has no query
+  o.resize(n * q_width);
+  std::vector<int64_t> kv_begin, kv_len, seq_len;
+  int64_t rows = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int s = seqs[i];
+    if (layout.q_len[s] > 0) {
+      const float* src = r.q.Rows(layout.q_offset[s], 1).As<float>();
+      std::copy(src, src + q_width, q.begin() + i * q_width);
+    }
+    kv_begin.push_back(rows);
+    kv_len.push_back(layout.kv_len[s]);
+    seq_len.push_back(r.b.sequences[s].cached_tokens + r.b.sequences[s].new_tokens);
+    rows += layout.kv_len[s];
+  }
+  parallel::Communicator& cp = backend_->cp();
+  if (cp.size() > 1) {
+    CPFILL_RETURN_IF_ERROR(
+        cp.AllReduce(q.data(), q.size(), parallel::DataType::kFloat32, parallel::ReduceOp::kSum));
+  }
+  // This rank's rows of each sequence, as the cache holds them (ascending positions, the order
+  // of the layout's runs), their positions, and their V sums.
+  const std::vector<int32_t> all_pos = sharding::ExpandPositions(layout.kv_runs);
+  // Every row below is written before it is read (a sequence without rows here: V sum 0).
+  std::vector<float>& k = scratch.k;
+  std::vector<float>& v = scratch.v;
+  std::vector<float>& v_sum = scratch.v_sum;
+  std::vector<int32_t>& k_pos = scratch.k_pos;
+  k.resize(rows * kv_width);
+  v.resize(rows * kv_width);
+  v_sum.assign(n * kv_width, 0.0f);
+  k_pos.resize(rows);
+  std::vector<KvCache::Rows> reads;
+  for (int64_t i = 0; i < n; ++i) {
+    const int s = seqs[i];
+    if (kv_len[i] == 0) continue;
+    reads.push_back({r.seq[s], 0, kv_len[i], k.data() + kv_begin[i] * kv_width,
+                     v.data() + kv_begin[i] * kv_width});
+    std::copy_n(all_pos.begin() + layout.kv_offset[s], kv_len[i], k_pos.begin() + kv_begin[i]);
+    CPFILL_ASSIGN_OR_RETURN(std::span<const float> sum, kv_->VSum(l, r.seq[s]));
+    std::copy(sum.begin(), sum.end(), v_sum.begin() + i * kv_width);
+  }
+  CPFILL_RETURN_IF_ERROR(kv_->Read(l, reads));
+  const attention::sparq::SparqBatch batch{
+      .shape = {shape.num_heads, shape.num_kv_heads, shape.head_dim},
+      .config = config,
+      .q = q.data(),
+      .k = k.data(),
+      .v = v.data(),
+      .kv_begin = kv_begin,
+      .kv_len = kv_len,
+      .k_pos = k_pos.data(),
+      .seq_len = seq_len,
+      .v_sum = v_sum.data()};
+  CPFILL_RETURN_IF_ERROR(parallel::SparqAttentionCp(
+      cp, batch, parallel::SparqCpSelection::kGlobalTopK, o.data(), nullptr, &pool));
+  for (int64_t i = 0; i < n; ++i) {
+    const int s = seqs[i];
+    if (layout.q_len[s] == 0) continue;
+    std::copy_n(o.begin() + i * q_width, q_width, r.attn.Rows(layout.q_offset[s], 1).As<float>());
+  }
+  return absl::OkStatus();
+}
+
 // One decoder layer on this rank's rows, each phase timed on its own.
 absl::Status LlamaModel::Layer(int l, Running& r, StepTimings& t) {
   ModelBackend& be = *backend_;
@@ -716,7 +873,11 @@ absl::Status LlamaModel::Layer(int l, Running& r, StepTimings& t) {
   }));
   const bool convert = be.compute_type() != ElemType::kF32;
   CPFILL_RETURN_IF_ERROR(phase(t.attention_s, "attention ring", [&]() -> absl::Status {
-    CPFILL_RETURN_IF_ERROR(AttentionRing(l, r));
+    // A decode step whose every sequence attends with SparQ skips the dense ring: SparqDecode
+    // writes every row of r.attn (r.lse is not read after decode). A mixed batch still runs the
+    // ring for all (decode reads K/V in place, which MixedRing takes as one ring only).
+    if (!r.every_sparq) CPFILL_RETURN_IF_ERROR(AttentionRing(l, r));
+    CPFILL_RETURN_IF_ERROR(SparqDecode(l, r));
     return convert ? be.Convert(r.attn, &r.attn_compute) : absl::OkStatus();
   }));
   CPFILL_RETURN_IF_ERROR(phase(t.gemm_s, "o proj", [&] {
@@ -788,6 +949,61 @@ absl::StatusOr<std::vector<SequenceOutput>> LlamaModel::LastLogits(
   }
   t.lm_head_s += Since(t0);
   return result;
+}
+
+// After LastLogits (its scratch is free again): this rank's positions of the requests that ask
+// for prompt logprobs, except each one's last (it scores no prompt token), through the final
+// norm and the LM head a chunk at a time; their partial log-softmax records (prompt_logprobs.h)
+// go to world rank 0, which merges the vocabulary slices. Every rank knows the batch, so all
+// take part or none.
+absl::Status LlamaModel::PromptLogprobs(const std::vector<PrefillRequest>& batch,
+                                        const Running& r, StepTimings& t,
+                                        std::vector<SequenceOutput>* out) {
+  if (std::none_of(batch.begin(), batch.end(),
+                   [](const PrefillRequest& q) { return q.prompt_logprobs >= 0; })) {
+    return absl::OkStatus();
+  }
+  ModelBackend& be = *backend_;
+  const auto t0 = Clock::now();
+  const int64_t D = config_.hidden_size, V = config_.vocab_size / be.tp().size();
+  std::vector<std::pair<int, int64_t>> rows;  // (sequence, local row)
+  for (int s = 0; s < r.b.plan.num_sequences(); ++s) {
+    if (batch[s].prompt_logprobs < 0) continue;
+    const int64_t last = r.b.sequences[s].cached_tokens + r.b.sequences[s].new_tokens - 1;
+    for (int64_t i = 0; i < r.b.layout.q_len[s]; ++i) {
+      const int64_t row = r.b.layout.q_offset[s] + i;
+      if (r.b.layout.q_positions[row] < last) rows.push_back({s, row});
+    }
+  }
+  std::vector<double> mine;
+  std::vector<float> host;
+  for (size_t begin = 0; begin < rows.size(); begin += kPromptChunkRows) {
+    const int64_t n = std::min<int64_t>(kPromptChunkRows, rows.size() - begin);
+    std::vector<int64_t> row_index;
+    for (int64_t i = 0; i < n; ++i) row_index.push_back(rows[begin + i].second);
+    CPFILL_ASSIGN_OR_RETURN(Tensor last, be.Scratch(kLast, ElemType::kF32, n, D));
+    CPFILL_ASSIGN_OR_RETURN(Tensor normed, be.Scratch(kNormed, be.compute_type(), n, D));
+    CPFILL_ASSIGN_OR_RETURN(Tensor logits, be.Scratch(kLogits, ElemType::kF32, n, V));
+    CPFILL_RETURN_IF_ERROR(be.GatherRows(r.x, row_index, &last));
+    CPFILL_RETURN_IF_ERROR(
+        be.RmsNorm(last, be.weights().final_norm, config_.rms_norm_eps, &normed));
+    CPFILL_RETURN_IF_ERROR(be.Linear(normed, be.weights().lm_head, &logits));
+    host.resize(static_cast<size_t>(n * V));
+    CPFILL_RETURN_IF_ERROR(be.Download(logits, host.data()));
+    for (int64_t i = 0; i < n; ++i) {
+      const auto [seq, row] = rows[begin + i];
+      const int64_t position = r.b.layout.q_positions[row];
+      const int32_t target = batch[seq].tokens[position + 1 - r.b.sequences[seq].cached_tokens];
+      AppendSliceScores(std::span<const float>(host).subspan(i * V, V), be.tp().rank() * V, seq,
+                        position, target, batch[seq].prompt_logprobs, &mine);
+    }
+  }
+  CPFILL_ASSIGN_OR_RETURN(std::vector<double> all, GatherToRoot(mine, world_));
+  t.lm_head_s += Since(t0);
+  if (world_.rank() != 0) return absl::OkStatus();
+  std::vector<int64_t> cached;
+  for (const sharding::SequenceRequest& q : r.b.sequences) cached.push_back(q.cached_tokens);
+  return MergeSliceScores(all, batch, cached, out);
 }
 
 // The tokens of the rows whose requests draw in place, as (sequence, token): the TP group's

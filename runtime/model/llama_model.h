@@ -8,7 +8,8 @@
 // attention over the CP group (pass-KV or pass-Q, chosen by the selector per sequence; a decode
 // step's pass-Q reads the K/V in place from the cache's blocks instead); o
 // projection row-parallel and an all-reduce over the TP group; the SwiGLU MLP column/row-parallel
-// and an all-reduce. The LM head runs only at each sequence's last position.
+// and an all-reduce. The LM head runs only at each sequence's last position, and at every position
+// of a request that asks for prompt logprobs (prompt_logprobs.h).
 //
 // KV lives in one KvCache per rank, allocated at Create from a capacity in tokens or a fraction
 // of free memory, never per request. Every sequence of a batch holds blocks while it is
@@ -147,8 +148,13 @@ class LlamaModel {
   absl::Status EnqueueLayers(Running& r, StepTimings& t, const std::function<void(int)>& progress);
   absl::Status Layer(int layer, Running& r, StepTimings& t);
   absl::Status AttentionRing(int layer, Running& r);
+  absl::Status SparqDecode(int layer, Running& r);
+  absl::Status SparqGroup(int layer, Running& r, const attention::sparq::SparqConfig& config,
+                          const std::vector<int>& seqs);
   absl::StatusOr<std::vector<SequenceOutput>> LastLogits(const std::vector<PrefillRequest>& batch,
                                                          const Running& r, StepTimings& t);
+  absl::Status PromptLogprobs(const std::vector<PrefillRequest>& batch, const Running& r,
+                              StepTimings& t, std::vector<SequenceOutput>* out);
   absl::StatusOr<std::vector<std::pair<int, int64_t>>> DrawInPlace(
       const std::vector<PrefillRequest>& batch, const std::vector<std::pair<int, int64_t>>& rows,
       const Tensor& logits);

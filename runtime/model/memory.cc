@@ -84,12 +84,30 @@ absl::StatusOr<int64_t> HostBytesAvailable() {
   return std::min(shared / knobs::LocalRanks(), AddressSpaceLeft());
 }
 
-int64_t HostWeightBytes(const ModelConfig& c, int tp_size) {
-  const int64_t d = c.hidden_size, tp = tp_size;
+int64_t HostWeightBytes(const ModelConfig& c, int tp_size) { return WeightBytes(c, tp_size, 4); }
+
+int64_t WeightBytes(const ModelConfig& c, int tp_size, int64_t elem_bytes) {
+  const int64_t d = c.hidden_size, tp = tp_size, inter = c.intermediate_size;
   const int64_t q = int64_t{c.num_heads} * c.head_dim, kv = int64_t{c.num_kv_heads} * c.head_dim;
-  const int64_t per_layer = ((q + 2 * kv) * d + d * q + 3 * d * c.intermediate_size) / tp + 2 * d;
+  // Each projection: {module suffix, this rank's rows (its scales), elements on this rank}.
+  const struct {
+    const char* suffix;
+    int64_t rows, elems;
+  } projections[] = {
+      {"self_attn.q_proj", q / tp, q * d / tp},      {"self_attn.k_proj", kv / tp, kv * d / tp},
+      {"self_attn.v_proj", kv / tp, kv * d / tp},    {"self_attn.o_proj", d, d * q / tp},
+      {"mlp.gate_proj", inter / tp, inter * d / tp}, {"mlp.up_proj", inter / tp, inter * d / tp},
+      {"mlp.down_proj", d, d * inter / tp}};
+  int64_t bytes = 0;
+  for (int layer = 0; layer < c.num_layers; ++layer) {
+    for (const auto& p : projections) {
+      const bool fp8 = c.fp8.Quantizes(absl::StrCat("model.layers.", layer, ".", p.suffix));
+      bytes += fp8 ? p.elems + 4 * p.rows : elem_bytes * p.elems;  // FP8: 1 byte + fp32 scales
+    }
+    bytes += elem_bytes * 2 * d;  // norms
+  }
   const int64_t vocab = c.vocab_size;
-  return 4 * (c.num_layers * per_layer + vocab * d + vocab / tp * d + d);
+  return bytes + elem_bytes * (vocab * d + vocab / tp * d + d);
 }
 
 int64_t SaturatingBytes(double bytes) {

@@ -25,6 +25,9 @@ absl::StatusOr<int64_t> HostBytesAvailable();
 // Host bytes of one TP rank's weights in fp32 (weights.h): its slices of every layer, the whole
 // embedding, its slice of the LM head, the norms.
 int64_t HostWeightBytes(const ModelConfig& config, int tp_size);
+// The same with `elem_bytes` per high-precision element (2 for the GPU's bf16), row-wise FP8
+// projections (config.fp8) at 1 byte an element plus a 4-byte scale per row.
+int64_t WeightBytes(const ModelConfig& config, int tp_size, int64_t elem_bytes);
 
 // A byte count computed in double (products of flags that may overflow int64), as int64,
 // saturated at INT64_MAX: such a count is only compared with what is free.

@@ -8,6 +8,8 @@ namespace cpfill::runtime {
 
 size_t ElemBytes(ElemType type) {
   switch (type) {
+    case ElemType::kF8E4M3:
+      return 1;
     case ElemType::kBf16:
       return 2;
     case ElemType::kF32:

@@ -31,7 +31,8 @@
 
 namespace cpfill::runtime {
 
-enum class ElemType { kF32, kBf16, kI32 };
+// kF8E4M3: row-wise FP8 weights only (fp8.h), never an activation or a scratch tensor.
+enum class ElemType { kF32, kBf16, kI32, kF8E4M3 };
 size_t ElemBytes(ElemType type);
 
 // A row-major matrix [rows, cols] in the backend's memory (host or device). Not owning.
@@ -39,6 +40,8 @@ struct Tensor {
   void* data = nullptr;
   ElemType type = ElemType::kF32;
   int64_t rows = 0, cols = 0;
+  // kF8E4M3 weights: [rows] fp32 per-output-row scales in the same memory as `data` (fp8.h).
+  const float* row_scale = nullptr;
 
   int64_t numel() const { return rows * cols; }
   size_t bytes() const { return static_cast<size_t>(numel()) * ElemBytes(type); }
@@ -48,7 +51,8 @@ struct Tensor {
   }
   // Rows [begin, begin + count) as a tensor of their own.
   Tensor Rows(int64_t begin, int64_t count) const {
-    return {static_cast<char*>(data) + begin * cols * ElemBytes(type), type, count, cols};
+    return {static_cast<char*>(data) + begin * cols * ElemBytes(type), type, count, cols,
+            row_scale ? row_scale + begin : nullptr};
   }
 };
 

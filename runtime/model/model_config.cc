@@ -266,6 +266,38 @@ absl::Status RefuseUnimplemented(const ConfigReader& reader, const nlohmann::jso
   return absl::OkStatus();
 }
 
+// quantization_config: only fbgemm's row-wise FP8 ("fbgemm_fp8"); which projections are FP8 is
+// then read from each tensor's dtype (weights.cc), the key only supplies the activation bound.
+absl::StatusOr<Fp8Quantization> ParseQuantizationConfig(const ConfigReader& reader,
+                                                        const nlohmann::json& config) {
+  Fp8Quantization q;
+  const nlohmann::json* qc = json::Find(config, "quantization_config");
+  if (qc == nullptr || qc->is_null()) return q;
+  const nlohmann::json* method = qc->is_object() ? json::Find(*qc, "quant_method") : nullptr;
+  if (method == nullptr || !method->is_string() ||
+      method->get_ref<const std::string&>() != "fbgemm_fp8") {
+    return reader.Error("quantization_config",
+                        absl::StrCat("has quant_method ", method ? json::Show(*method) : "(none)",
+                                     "; only \"fbgemm_fp8\" (row-wise FP8) is implemented"));
+  }
+  q.modules = Fp8Modules::kAll;
+  q.from_checkpoint = true;
+  if (const nlohmann::json* ub = json::Find(*qc, "activation_scale_ub"); ub && !ub->is_null()) {
+    if (!ub->is_number() || !(ub->get<double>() > 0)) {
+      return reader.Error("quantization_config.activation_scale_ub",
+                          absl::StrCat("is ", json::Show(*ub), ", expected a positive number"));
+    }
+    q.activation_scale_ub = ub->get<float>();
+  }
+  if (const nlohmann::json* skip = json::Find(*qc, "modules_to_not_convert");
+      skip && skip->is_array()) {
+    for (const nlohmann::json& m : *skip) {
+      if (m.is_string()) q.modules_to_not_convert.push_back(m.get<std::string>());
+    }
+  }
+  return q;
+}
+
 }  // namespace
 
 int64_t ModelConfig::ParameterCount() const {
@@ -385,6 +417,7 @@ absl::StatusOr<ModelConfig> ParseHfConfig(const nlohmann::json& config, std::str
   CPFILL_ASSIGN_OR_RETURN(c.tie_word_embeddings, reader.Bool("tie_word_embeddings", false));
   CPFILL_ASSIGN_OR_RETURN(c.max_position_embeddings,
                           reader.PositiveInt<int64_t>("max_position_embeddings"));
+  CPFILL_ASSIGN_OR_RETURN(c.fp8, ParseQuantizationConfig(reader, config));
   const std::string where = "model config '" + c.name + "'";
   for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
     const nlohmann::json* ids = json::Find(config, key);

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
+#include "runtime/model/fp8.h"
 
 namespace cpfill::runtime {
 
@@ -42,6 +43,8 @@ struct ModelConfig {
   // generation_config.json's when that file names one (as transformers' generate does). Presets
   // have none.
   std::vector<int32_t> eos_token_ids;
+  // Row-wise FP8 projections: config.json's quantization_config (fbgemm_fp8) or --quantize.
+  Fp8Quantization fp8;
 
   // Parameters of the whole model (embedding, layers, norms, LM head unless tied).
   int64_t ParameterCount() const;

@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "attention/prefix_batched.h"
+#include "attention/sparq/sparq.h"
 #include "parallel/communicator.h"
 #include "parallel/ring_plan.h"
 #include "parallel/selector.h"
@@ -28,12 +30,43 @@ struct PrefillRequest {
   // Set: the next token is drawn where the last position's logits are (on the GPU, on the CP
   // rank that holds it) and only its id comes back, no logits. Unset: the logits come back.
   std::optional<TokenDraw> draw;
+  // >= 0: SequenceOutput::prompt_logprobs, with the top this many at each position; -1: none.
+  // Costs the LM head over every new position of this request (a chunk of rows at a time).
+  int prompt_logprobs = -1;
+  // Set: decode steps attend with SparQ (attention/sparq/sparq.h; the CPU backend only), once the
+  // sequence is longer than k + local_window (shorter ones stay dense, which SparQ would equal).
+  // Prefill is always dense.
+  std::optional<attention::sparq::SparqConfig> sparq;
 };
+
+// Whether a decode step of a sequence that holds `seq_tokens` tokens (the new one included)
+// attends with SparQ: the model decides with it, and the engine counts with it.
+// A request's SparQ config against the model's head_dim: InvalidArgument naming the field
+// ("sparq.r" 1..head_dim, "sparq.k" >= 1, "sparq.l" >= 0), for the HTTP body and --sparq.
+inline absl::Status CheckSparqConfig(const attention::sparq::SparqConfig& c, int head_dim) {
+  if (c.r < 1 || c.r > head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sparq.r = ", c.r, " must be in 1..", head_dim, " (the head dim)"));
+  }
+  if (c.k < 1) return absl::InvalidArgumentError(absl::StrCat("sparq.k = ", c.k, " must be >= 1"));
+  if (c.local_window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("sparq.l = ", c.local_window, " must be >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+inline bool SparqAttends(const std::optional<attention::sparq::SparqConfig>& config,
+                         int64_t seq_tokens) {
+  return config.has_value() && seq_tokens > int64_t{config->k} + config->local_window;
+}
 
 // World rank 0's (the others' are empty).
 struct SequenceOutput {
   std::vector<float> logits;  // [vocab] of the last position; empty for a request with a draw
   int32_t first_token = -1;   // the argmax of the logits, or the token drawn
+  // With PrefillRequest::prompt_logprobs: entry i for the request's token i + 1 (a position's
+  // logits score the next token): its id, log-softmax and top k, most likely first.
+  std::vector<SampledToken> prompt_logprobs;
 };
 
 struct StepOptions {

@@ -36,8 +36,9 @@ namespace {
 // us parse the whole file as JSON).
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
-constexpr DType kAllDTypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kF64, DType::kI32,
-                                DType::kI64, DType::kU8,  DType::kI8,   DType::kBool};
+constexpr DType kAllDTypes[] = {DType::kF32,  DType::kF16,   DType::kBF16, DType::kF64,
+                                DType::kI32,  DType::kI64,   DType::kU8,   DType::kI8,
+                                DType::kBool, DType::kF8E4M3};
 
 // Position in the reference library's Dtype enum, which is ordered by alignment. The writer
 // sorts by it (descending), then by name, as the reference does, so that every tensor starts
@@ -50,6 +51,8 @@ int ReferenceRank(DType dtype) {
       return 1;
     case DType::kI8:
       return 2;
+    case DType::kF8E4M3:
+      return 4;
     case DType::kF16:
       return 7;
     case DType::kBF16:
@@ -126,6 +129,8 @@ std::string_view DTypeName(DType dtype) {
       return "I8";
     case DType::kBool:
       return "BOOL";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -144,6 +149,7 @@ int64_t DTypeSize(DType dtype) {
     case DType::kU8:
     case DType::kI8:
     case DType::kBool:
+    case DType::kF8E4M3:
       return 1;
   }
   return 0;

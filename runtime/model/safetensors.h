@@ -38,9 +38,9 @@
 
 namespace cpfill::runtime {
 
-// The dtypes cpfill reads and writes; the format's F8_*, I16, U16, U32, U64 are rejected as
-// unknown rather than misread.
-enum class DType { kF32, kF16, kBF16, kF64, kI32, kI64, kU8, kI8, kBool };
+// The dtypes cpfill reads and writes; the format's other F8_*, I16, U16, U32, U64 are rejected
+// as unknown rather than misread. kF8E4M3: OCP E4M3 ("e4m3fn"), row-wise FP8 weights (fp8.h).
+enum class DType { kF32, kF16, kBF16, kF64, kI32, kI64, kU8, kI8, kBool, kF8E4M3 };
 
 std::string_view DTypeName(DType dtype);  // the format's spelling: "F32", "BF16", "BOOL", ...
 int64_t DTypeSize(DType dtype);           // bytes per element

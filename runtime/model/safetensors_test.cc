@@ -53,9 +53,9 @@ TEST(DType, NamesSizesAndParsing) {
   }
   EXPECT_EQ(DTypeName(DType::kBF16), "BF16");
   EXPECT_EQ(DTypeName(DType::kBool), "BOOL");
-  absl::StatusOr<DType> bad = ParseDType("F8_E4M3");
+  absl::StatusOr<DType> bad = ParseDType("F8_E5M2");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.status().message().find("F8_E4M3"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("F8_E5M2"), std::string::npos);
   EXPECT_FALSE(ParseDType("f32").ok());  // the format's names are upper case
 }
 
@@ -285,8 +285,8 @@ TEST(Safetensors, RejectsEveryCorruptionNamingFileAndProblem) {
       {"entry not object", FileWithHeader(R"({"w": 3})", 0),
        "tensor \"w\": entry is not an object"},
       {"unknown dtype",
-       FileWithHeader(R"({"w":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}})", 2),
-       "tensor \"w\": unknown dtype \"F8_E4M3\""},
+       FileWithHeader(R"({"w":{"dtype":"F8_E5M2","shape":[2],"data_offsets":[0,2]}})", 2),
+       "tensor \"w\": unknown dtype \"F8_E5M2\""},
       {"missing dtype", FileWithHeader(R"({"w":{"shape":[2],"data_offsets":[0,8]}})", 8),
        "tensor \"w\": missing string \"dtype\""},
       {"negative shape",

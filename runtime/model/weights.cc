@@ -53,10 +53,13 @@ struct TensorSpec {
   int layer = -1;
   std::vector<float> ModelWeights::*model_field = nullptr;
   std::vector<float> LayerWeights::*layer_field = nullptr;
+  Fp8Matrix LayerWeights::*fp8_field = nullptr;  // the projections' FP8 twin; else nullptr
 
   std::vector<int64_t> HfShape() const {
     return is_vector ? std::vector<int64_t>{cols} : std::vector<int64_t>{rows, cols};
   }
+  // HF module name: "model.layers.3.mlp.down_proj" for "model.layers.3.mlp.down_proj.weight".
+  std::string Module() const { return name.substr(0, name.rfind('.')); }
   // The tensor's storage in `w` (ModelWeights or const ModelWeights).
   template <typename W>
   auto& In(W& w) const {
@@ -81,6 +84,19 @@ Block SliceOf(const TensorSpec& t, int tp_rank, int tp_size) {
   return {0, t.rows, 0, t.cols};
 }
 
+// The FP8 twin of a projection's fp32 field (nullptr for norms).
+Fp8Matrix LayerWeights::*Fp8TwinOf(std::vector<float> LayerWeights::*field) {
+  using L = LayerWeights;
+  const std::pair<std::vector<float> L::*, Fp8Matrix L::*> twins[] = {
+      {&L::wq, &L::wq_fp8},        {&L::wk, &L::wk_fp8},         {&L::wv, &L::wv_fp8},
+      {&L::wo, &L::wo_fp8},        {&L::w_gate, &L::w_gate_fp8}, {&L::w_up, &L::w_up_fp8},
+      {&L::w_down, &L::w_down_fp8}};
+  for (const auto& [f, twin] : twins) {
+    if (f == field) return twin;
+  }
+  return nullptr;
+}
+
 // The model's tensors in HF order. The LM head is listed only when untied: a tied model's head
 // is the embedding.
 std::vector<TensorSpec> ModelTensors(const ModelConfig& c) {
@@ -96,7 +112,7 @@ std::vector<TensorSpec> ModelTensors(const ModelConfig& c) {
   auto layer = [&](int i, const char* suffix, int64_t rows, int64_t cols, bool is_vector,
                    Split split, Init init, std::vector<float> LayerWeights::*field) {
     specs.push_back({absl::StrCat("model.layers.", i, ".", suffix), rows, cols, is_vector, split,
-                     init, i, nullptr, field});
+                     init, i, nullptr, field, Fp8TwinOf(field)});
   };
   model("model.embed_tokens.weight", c.vocab_size, d, false, Split::kReplicated, Init::kMatrix,
         &ModelWeights::embedding);
@@ -223,8 +239,47 @@ class Checkpoint {
                                             "model.safetensors.index.json"));
   }
 
-  // The tensor `name` checked against `shape` and a float dtype.
-  absl::StatusOr<TensorView> Get(const std::string& name, const std::vector<int64_t>& shape) {
+  // The tensor `name` checked against `shape` and a float dtype (or F8_E4M3 if `allow_fp8`).
+  absl::StatusOr<TensorView> Get(const std::string& name, const std::vector<int64_t>& shape,
+                                 bool allow_fp8 = false) {
+    CPFILL_ASSIGN_OR_RETURN(const Found found, Lookup(name));
+    const auto& [file, info] = found;
+    const bool fp8 = allow_fp8 && info->dtype == DType::kF8E4M3;
+    if (!fp8 && info->dtype != DType::kF32 && info->dtype != DType::kBF16 &&
+        info->dtype != DType::kF16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights: '", file->path(), "': tensor \"", name, "\" has dtype ",
+                       Sv(DTypeName(info->dtype)), "; weights must be F32, BF16 or F16",
+                       allow_fp8 ? " (or F8_E4M3 with a weight_scale)" : ""));
+    }
+    if (info->shape != shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weights: '", file->path(), "': tensor \"", name, "\" has shape ",
+          ShapeString(info->shape), ", expected ", ShapeString(shape), " from the model config"));
+    }
+    return file->Get(name, info->dtype, shape);
+  }
+
+  // A row-wise FP8 weight's scales, whole: `name` F32 or BF16 of shape [rows, 1] or [rows].
+  absl::StatusOr<std::vector<float>> RowScales(const std::string& name, int64_t rows) {
+    CPFILL_ASSIGN_OR_RETURN(const Found found, Lookup(name));
+    const auto& [file, info] = found;
+    const bool shape_ok =
+        info->shape == std::vector<int64_t>{rows, 1} || info->shape == std::vector<int64_t>{rows};
+    if (!shape_ok || (info->dtype != DType::kF32 && info->dtype != DType::kBF16)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weights: '", file->path(), "': FP8 scale \"", name, "\" is ", Sv(DTypeName(info->dtype)),
+          " ", ShapeString(info->shape), ", expected F32 or BF16 [", rows, ", 1] or [", rows, "]"));
+    }
+    CPFILL_ASSIGN_OR_RETURN(const TensorView view, file->Get(name, info->dtype, info->shape));
+    std::vector<float> scales(static_cast<size_t>(rows));
+    ConvertToFloat(static_cast<const unsigned char*>(view.data), view.dtype, rows, scales.data());
+    return scales;
+  }
+
+ private:
+  using Found = std::pair<const SafetensorsFile*, const TensorInfo*>;
+  absl::StatusOr<Found> Lookup(const std::string& name) {
     std::string file_name = single_;
     if (file_name.empty()) {
       const auto it = weight_map_.find(name);
@@ -240,20 +295,9 @@ class Checkpoint {
       return absl::NotFoundError(
           absl::StrCat("weights: '", file->path(), "': no tensor \"", name, "\""));
     }
-    if (info->dtype != DType::kF32 && info->dtype != DType::kBF16 && info->dtype != DType::kF16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("weights: '", file->path(), "': tensor \"", name, "\" has dtype ",
-                       Sv(DTypeName(info->dtype)), "; weights must be F32, BF16 or F16"));
-    }
-    if (info->shape != shape) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "weights: '", file->path(), "': tensor \"", name, "\" has shape ",
-          ShapeString(info->shape), ", expected ", ShapeString(shape), " from the model config"));
-    }
-    return file->Get(name, info->dtype, shape);
+    return Found{file, info};
   }
 
- private:
   absl::StatusOr<const SafetensorsFile*> File(const std::string& file_name) {
     auto it = files_.find(file_name);
     if (it == files_.end()) {
@@ -310,6 +354,83 @@ void ParallelRows(int64_t rows, const std::function<void(int64_t)>& fn) {
   });
 }
 
+// Row-wise FP8 of this rank's block of `t`; `whole_row(row, dst)` writes row `row` of the whole
+// tensor (all t.cols values: the scale is the whole row's, whatever the column slice).
+void QuantizeBlock(const TensorSpec& t, const Block& b,
+                   const std::function<void(int64_t, float*)>& whole_row, Fp8Matrix* m) {
+  m->codes.resize(static_cast<size_t>(b.nrows * b.ncols));
+  m->row_scale.resize(static_cast<size_t>(b.nrows));
+  ParallelRows(b.nrows, [&](int64_t r) {
+    thread_local std::vector<float> row;
+    row.resize(static_cast<size_t>(t.cols));
+    whole_row(b.row0 + r, row.data());
+    m->row_scale[r] =
+        QuantizeRowSlice(row.data(), t.cols, b.col0, b.ncols, m->codes.data() + r * b.ncols);
+  });
+}
+
+// Whether the load-time --quantize applies to `t` (a checkpoint's own quantization_config
+// leaves its fp32/bf16 tensors as stored).
+bool QuantizeAtLoad(const ModelConfig& c, const TensorSpec& t) {
+  return t.fp8_field != nullptr && !c.fp8.from_checkpoint && c.fp8.Quantizes(t.Module());
+}
+
+// An F8_E4M3 projection as stored, or a float one quantized at load. False: load it as floats.
+absl::StatusOr<bool> LoadFp8(Checkpoint& ckpt, const ModelConfig& c, const TensorSpec& t,
+                             const Block& b, ModelWeights& w) {
+  CPFILL_ASSIGN_OR_RETURN(const TensorView view, ckpt.Get(t.name, t.HfShape(), true));
+  const bool stored_fp8 = view.dtype == DType::kF8E4M3;
+  if (!stored_fp8 && !QuantizeAtLoad(c, t)) return false;
+  Fp8Matrix& m = w.layers[static_cast<size_t>(t.layer)].*t.fp8_field;
+  const auto* base = static_cast<const unsigned char*>(view.data);
+  if (!stored_fp8) {
+    QuantizeBlock(
+        t, b,
+        [&](int64_t row, float* dst) {
+          ConvertToFloat(base + row * t.cols * DTypeSize(view.dtype), view.dtype, t.cols, dst);
+        },
+        &m);
+    return true;
+  }
+  CPFILL_ASSIGN_OR_RETURN(std::vector<float> scales,
+                          ckpt.RowScales(t.Module() + ".weight_scale", t.rows));
+  m.row_scale.assign(scales.begin() + b.row0, scales.begin() + b.row0 + b.nrows);
+  m.codes.resize(static_cast<size_t>(b.nrows * b.ncols));
+  ParallelRows(b.nrows, [&](int64_t r) {
+    std::memcpy(m.codes.data() + r * b.ncols, base + (b.row0 + r) * t.cols + b.col0,
+                static_cast<size_t>(b.ncols));
+  });
+  return true;
+}
+
+// The FP8 twin of `t` in `w` when it is filled; nullptr otherwise.
+const Fp8Matrix* Fp8Of(const TensorSpec& t, const ModelWeights& w) {
+  if (t.fp8_field == nullptr) return nullptr;
+  const Fp8Matrix& m = w.layers[static_cast<size_t>(t.layer)].*t.fp8_field;
+  return m.empty() ? nullptr : &m;
+}
+
+// fbgemm_fp8's quantization_config as transformers reads it (FbgemmFp8Config): the projections
+// kept in high precision by name, and the LM head. Null when nothing is FP8.
+nlohmann::ordered_json Fp8QuantizationConfig(const ModelConfig& c, const ModelWeights& w,
+                                             const std::vector<TensorSpec>& specs) {
+  nlohmann::ordered_json skip = nlohmann::ordered_json::array();
+  bool any = false;
+  for (const TensorSpec& t : specs) {
+    if (t.fp8_field == nullptr) continue;
+    if (Fp8Of(t, w) != nullptr) {
+      any = true;
+    } else {
+      skip.push_back(t.Module());
+    }
+  }
+  if (!any) return nullptr;
+  skip.push_back("lm_head");
+  return {{"quant_method", "fbgemm_fp8"},
+          {"activation_scale_ub", c.fp8.activation_scale_ub},
+          {"modules_to_not_convert", std::move(skip)}};
+}
+
 }  // namespace
 
 absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const std::string& dir,
@@ -318,8 +439,12 @@ absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const std::s
   CPFILL_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::Open(dir));
   ModelWeights w = EmptyWeights(config, tp_rank, tp_size);
   for (const TensorSpec& t : ModelTensors(config)) {
-    CPFILL_ASSIGN_OR_RETURN(const TensorView view, ckpt.Get(t.name, t.HfShape()));
     const Block b = SliceOf(t, tp_rank, tp_size);
+    if (t.fp8_field != nullptr) {
+      CPFILL_ASSIGN_OR_RETURN(const bool fp8, LoadFp8(ckpt, config, t, b, w));
+      if (fp8) continue;
+    }
+    CPFILL_ASSIGN_OR_RETURN(const TensorView view, ckpt.Get(t.name, t.HfShape()));
     const int64_t elem = DTypeSize(view.dtype);
     const auto* base = static_cast<const unsigned char*>(view.data);
     std::vector<float>& out = t.In(w);
@@ -344,6 +469,18 @@ absl::StatusOr<ModelWeights> SyntheticWeights(const ModelConfig& config, uint64_
   for (const TensorSpec& t : ModelTensors(config)) {
     const uint64_t stream = Mix64(Fnv1a64(t.name));
     const Block b = SliceOf(t, tp_rank, tp_size);
+    if (QuantizeAtLoad(config, t)) {
+      QuantizeBlock(
+          t, b,
+          [&](int64_t row, float* dst) {
+            const uint64_t row_base = static_cast<uint64_t>(row * t.cols);
+            for (int64_t c = 0; c < t.cols; ++c) {
+              dst[c] = matrix_scale * UniformAt(seed, stream, row_base + static_cast<uint64_t>(c));
+            }
+          },
+          &(w.layers[static_cast<size_t>(t.layer)].*t.fp8_field));
+      continue;
+    }
     std::vector<float>& out = t.In(w);
     out.resize(static_cast<size_t>(b.nrows * b.ncols));
     ParallelRows(b.nrows, [&](int64_t r) {
@@ -375,6 +512,13 @@ absl::Status SaveHfCheckpoint(const ModelConfig& config, const ModelWeights& wei
                    config.num_layers);
   const std::vector<TensorSpec> specs = ModelTensors(config);
   for (const TensorSpec& t : specs) {
+    if (const Fp8Matrix* q = Fp8Of(t, weights)) {
+      CPFILL_CHECK_ARG(q->codes.size() == static_cast<size_t>(t.rows * t.cols) &&
+                           q->row_scale.size() == static_cast<size_t>(t.rows),
+                       "SaveHfCheckpoint: ", t.name, " holds ", q->codes.size(), " FP8 codes and ",
+                       q->row_scale.size(), " scales, expected ", ShapeString(t.HfShape()));
+      continue;
+    }
     CPFILL_CHECK_ARG(t.In(weights).size() == static_cast<size_t>(t.rows * t.cols),
                      "SaveHfCheckpoint: ", t.name, " holds ", t.In(weights).size(),
                      " values, expected ", ShapeString(t.HfShape()));
@@ -415,6 +559,9 @@ absl::Status SaveHfCheckpoint(const ModelConfig& config, const ModelWeights& wei
         {"original_max_position_embeddings", s.original_max_position_embeddings}};
   }
   cfg["tie_word_embeddings"] = config.tie_word_embeddings;
+  if (nlohmann::ordered_json q = Fp8QuantizationConfig(config, weights, specs); !q.is_null()) {
+    cfg["quantization_config"] = std::move(q);
+  }
   cfg["torch_dtype"] = bf16 ? "bfloat16" : "float32";
   const std::string config_path = (std::filesystem::path(dir) / "config.json").string();
   if (absl::Status s = json::WriteFile(config_path, cfg); !s.ok()) {
@@ -427,6 +574,12 @@ absl::Status SaveHfCheckpoint(const ModelConfig& config, const ModelWeights& wei
   std::vector<std::vector<uint16_t>> bf16_copies;
   bf16_copies.reserve(specs.size());
   for (const TensorSpec& t : specs) {
+    if (const Fp8Matrix* q = Fp8Of(t, weights)) {
+      CPFILL_RETURN_IF_ERROR(writer.Add(t.name, DType::kF8E4M3, t.HfShape(), q->codes.data()));
+      CPFILL_RETURN_IF_ERROR(
+          writer.Add(t.Module() + ".weight_scale", DType::kF32, {t.rows, 1}, q->row_scale.data()));
+      continue;
+    }
     if (bf16) {
       bf16_copies.push_back(ToBfloat16(t.In(weights)));
       CPFILL_RETURN_IF_ERROR(

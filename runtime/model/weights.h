@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "runtime/model/fp8.h"
 #include "runtime/model/model_config.h"
 
 namespace cpfill::runtime {
@@ -35,6 +36,10 @@ struct LayerWeights {
   std::vector<float> w_gate;      // [I, D]              mlp.gate_proj.weight rows
   std::vector<float> w_up;        // [I, D]              mlp.up_proj.weight rows
   std::vector<float> w_down;      // [D, I]              mlp.down_proj.weight columns
+  // Row-wise FP8 twins of the projections (fp8.h), same shapes and slices: filled, and the fp32
+  // matrix left empty, when the checkpoint stores the projection as F8_E4M3 with a weight_scale
+  // or config.fp8 quantizes it at load. A column (row-parallel) slice keeps its whole row's scale.
+  Fp8Matrix wq_fp8, wk_fp8, wv_fp8, wo_fp8, w_gate_fp8, w_up_fp8, w_down_fp8;
 };
 
 struct ModelWeights {
@@ -53,6 +58,8 @@ struct ModelWeights {
 absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const std::string& dir,
                                          int tp_rank, int tp_size);
 
+// Both quantize the projections config.fp8 selects (not those a checkpoint stores in fp32/bf16
+// when its own quantization_config is the source: there the tensors' dtypes decide).
 // Seeded synthetic weights with the scale of a trained model (uniform, std 0.02 for matrices;
 // norms near 1), deterministic per (seed, tensor name, element of the whole tensor).
 absl::StatusOr<ModelWeights> SyntheticWeights(const ModelConfig& config, uint64_t seed, int tp_rank,
@@ -60,7 +67,8 @@ absl::StatusOr<ModelWeights> SyntheticWeights(const ModelConfig& config, uint64_
 
 // Writes `weights` (which must be a tp_size == 1 set) as a Hugging Face checkpoint: config.json
 // and model.safetensors with HF names, fp32 or bf16. For tests and for handing synthetic
-// models to other tools.
+// models to other tools. FP8 projections are written as fbgemm_fp8 checkpoints are (F8_E4M3
+// weight, F32 weight_scale [out, 1], quantization_config naming the modules left unconverted).
 absl::Status SaveHfCheckpoint(const ModelConfig& config, const ModelWeights& weights,
                               const std::string& dir, bool bf16);
 

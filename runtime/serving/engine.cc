@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cmath>
 #include <thread>
 #include <utility>
 
@@ -254,7 +255,10 @@ absl::Status Engine::RunStep(StepPlan& plan, Clock::time_point start, StepOutcom
                       parallel::AlgorithmsName(t.algorithms), outcome.seconds);
   }
   outcome.tokens = SampleAll(plan, *out);
-  for (SequenceOutput& o : *out) outcome.logits.push_back(std::move(o.logits));
+  for (SequenceOutput& o : *out) {
+    outcome.logits.push_back(std::move(o.logits));
+    outcome.prompt_logprobs.push_back(std::move(o.prompt_logprobs));
+  }
   return absl::OkStatus();
 }
 
@@ -341,7 +345,22 @@ std::vector<SampledToken> Engine::SampleAll(const StepPlan& plan,
       return;
     }
     // The draw of token k is a function of (seed, k) alone: the same on any thread.
-    sampled[i] = SampleToken(outputs[i].logits, p.request.sampling, p.result.tokens.size());
+    const size_t k = p.result.tokens.size();
+    if (static_cast<int>(k) >= p.request.min_tokens) {
+      sampled[i] = SampleToken(outputs[i].logits, p.request.sampling, k);
+      return;
+    }
+    // Before min_tokens: EOS (unless ignored) and the stop ids cannot be drawn (vLLM's
+    // MinTokensLogitsProcessor).
+    std::vector<float> masked = outputs[i].logits;
+    const auto mask = [&](const std::vector<int32_t>& ids) {
+      for (const int32_t id : ids) {
+        if (id >= 0 && static_cast<size_t>(id) < masked.size()) masked[id] = -INFINITY;
+      }
+    };
+    mask(p.request.stop_ids);
+    if (!p.request.ignore_eos) mask(options_.eos_ids);
+    sampled[i] = SampleToken(masked, p.request.sampling, k);
   });
   return sampled;
 }

@@ -31,6 +31,9 @@ struct GeneratedToken {
   int index = 0;  // 0: the first token (from the prefill)
   SampledToken token;
   std::string finish_reason;  // set on the last token: "stop", "length" or "abort"
+  // The first token only, with EngineRequest::prompt_logprobs: EngineResult::prompt_logprobs, so
+  // that a stream can send them before the generation ends (echo).
+  std::vector<SampledToken> prompt_logprobs;
 };
 
 struct EngineRequest {
@@ -40,6 +43,14 @@ struct EngineRequest {
   SamplingParams sampling;
   std::vector<int32_t> stop_ids;  // stop at these too
   bool ignore_eos = false;        // do not stop at the engine's eos_ids
+  // Until this many tokens are generated, EOS and the stop ids are masked out of the logits
+  // (drawn on rank 0's host then, as vLLM's min_tokens does).
+  int min_tokens = 0;
+  // >= 0: the log-probability of every prompt token after the first under the model, and the
+  // top `prompt_logprobs` tokens at each position (EngineResult::prompt_logprobs; echo with
+  // logprobs). The LM head then runs over every prompt position of this request only, a chunk
+  // of rows at a time; the prefix cache is not used for it (a cached prefix has no logits).
+  int prompt_logprobs = -1;
   // Rank 0's engine thread asks it after each token (the generated tokens so far, the newest
   // last); true ends the generation with finish_reason "stop", as a stop id does (its decode slot
   // and, without a session, its KV are freed). The token that made it true is kept like any
@@ -59,17 +70,22 @@ struct EngineRequest {
   // Keep the KV under a lease and return its hand-off handle (EngineResult::kv_handle). Needs
   // AttachKvHandoff, max_tokens 1 (decode runs elsewhere) and no session.
   bool publish_kv = false;
+  // Decode with SparQ (PrefillRequest::sparq; the CPU backend only); unset: dense.
+  std::optional<attention::sparq::SparqConfig> sparq;
 };
 
 struct EngineResult {
   int32_t first_token = -1;
   std::vector<float> logits;         // [vocab] of the prompt's last position, with return_logits
   std::vector<SampledToken> tokens;  // generated, first token first
+  // With prompt_logprobs: entry i is prompt token i + 1 (its id, logprob and top k).
+  std::vector<SampledToken> prompt_logprobs;
   std::string finish_reason;  // "stop" (a stop id), "length" (max_tokens, positions), "abort"
   int64_t prompt_tokens = 0;  // this turn's new tokens
   int64_t cached_tokens = 0;  // tokens whose KV was reused: the session's, or a cached prefix's
   bool recomputed = false;    // the session had been evicted: its history was prefilled again
   int preemptions = 0;        // times the KV cache filled and this sequence was recomputed
+  int64_t sparq_decode_steps = 0;  // decode steps that attended with SparQ (SparqAttends)
   double queue_s = 0;         // from Submit to the start of the batch that answered it
   double prefill_s = 0;       // that batch's prefill, every rank together
   double decode_s = 0;        // from the first token to the last
@@ -93,6 +109,7 @@ struct EngineStats {
   int64_t requests_ok = 0, requests_failed = 0, prompt_tokens = 0, cached_tokens = 0;
   int64_t batches = 0, evictions = 0, waiting = 0, sessions = 0;
   int64_t generation_tokens = 0, decode_steps = 0, preemptions = 0, running = 0;
+  int64_t sparq_decode_steps = 0;  // decode steps where some sequence attended with SparQ
   double kv_usage_ratio = 0;  // rank 0's KV cache, after the last batch or session end
   int64_t kv_leases = 0, kv_leased_tokens = 0;  // held now
   int64_t kv_leases_released = 0, kv_leases_expired = 0;

@@ -43,6 +43,13 @@ absl::Status Scheduler::Check(const EngineRequest& request) const {
   }
   CPFILL_CHECK_ARG(!HasControlCharacter(request.session),
                    "the session name has a control character");
+  // A session's cached turns left no logits for this turn's first token.
+  CPFILL_CHECK_ARG(request.prompt_logprobs < 0 || request.session.empty(),
+                   "prompt logprobs take no session");
+  CPFILL_CHECK_ARG(request.prompt_logprobs <= 20 && request.min_tokens >= 0 &&
+                       request.min_tokens <= request.max_tokens,
+                   "prompt_logprobs ", request.prompt_logprobs, " (at most 20) or min_tokens ",
+                   request.min_tokens, " (0 to max_tokens ", request.max_tokens, ") is out of range");
   CPFILL_CHECK_ARG(request.max_tokens >= 1, "max_tokens is ", request.max_tokens,
                    ", must be at least 1");
   const int64_t wanted = static_cast<int64_t>(request.tokens.size()) + request.max_tokens - 1;
@@ -207,7 +214,7 @@ StepPlan Scheduler::FormBatch() {
 std::optional<PrefillRequest> Scheduler::BatchRequest(PendingRequest& p, const StepPlan& plan) {
   const std::string& name = p.request.session;
   const bool generates = p.request.max_tokens > 1;
-  PrefillRequest r{.session = name, .draw = DrawInPlace(p)};
+  PrefillRequest r{.session = name, .draw = DrawInPlace(p), .sparq = p.request.sparq};
   p.cached = 0;
   p.recomputed = false;
   p.looked_up = false;
@@ -227,7 +234,12 @@ std::optional<PrefillRequest> Scheduler::BatchRequest(PendingRequest& p, const S
     p.kv_name = name.empty() ? InternalSession(next_id_++) : name;
   }
   if (generates || p.request.publish_kv) r.session = p.kv_name;
-  if (p.cached == 0 && options_.prefix_cache && !PlanPrefix(p, r, plan)) return std::nullopt;
+  // Prompt logprobs need the logits of every prompt position: a cached prefix has none.
+  if (!p.started) r.prompt_logprobs = p.request.prompt_logprobs;
+  if (p.cached == 0 && options_.prefix_cache && r.prompt_logprobs < 0 &&
+      !PlanPrefix(p, r, plan)) {
+    return std::nullopt;
+  }
   return r;
 }
 
@@ -320,7 +332,10 @@ StepPlan Scheduler::DecodeStep() {
   drop_next_.clear();
   for (auto& p : running_) {
     c.batch.push_back(
-        {.tokens = {p->result.tokens.back().id}, .session = p->kv_name, .draw = DrawInPlace(*p)});
+        {.tokens = {p->result.tokens.back().id},
+         .session = p->kv_name,
+         .draw = DrawInPlace(*p),
+         .sparq = p->request.sparq});
     c.items.push_back(std::move(p));
   }
   decoding_ = static_cast<int64_t>(running_.size());
@@ -358,6 +373,10 @@ void Scheduler::PrefillDone(StepPlan& plan, StepOutcome outcome, Clock::time_poi
     }
     p->positions_left = options_.max_positions - p->cached - p->reused -
                         static_cast<int64_t>(plan.batch[i].tokens.size());
+    // Before NextToken: a stream's first token carries them (GeneratedToken::prompt_logprobs).
+    if (first && i < outcome.prompt_logprobs.size()) {
+      p->result.prompt_logprobs = std::move(outcome.prompt_logprobs[i]);
+    }
     const bool done = NextToken(*p, outcome.tokens[i]);
     if (first) {
       p->result.first_token = p->result.tokens.front().id;
@@ -397,13 +416,22 @@ void Scheduler::DecodeDone(StepPlan& plan, StepOutcome outcome, Clock::time_poin
   }
   ++stats_.decode_steps;
   stats_.prefix_batched_key_rows += outcome.timings.prefix_batch.key_rows_saved;
+  bool sparq_step = false;
   for (size_t i = 0; i < plan.items.size(); ++i) {
     std::unique_ptr<PendingRequest> p = std::move(plan.items[i]);
     --p->positions_left;  // the token this step fed
+    // The sequence held its cached and prompt tokens and every token generated so far.
+    const EngineResult& so_far = p->result;
+    if (SparqAttends(p->request.sparq, so_far.prompt_tokens + so_far.cached_tokens +
+                                           static_cast<int64_t>(so_far.tokens.size()))) {
+      ++p->result.sparq_decode_steps;
+      sparq_step = true;
+    }
     p->result.decode_timings.AddPhases(outcome.timings);
     const bool done = NextToken(*p, outcome.tokens[i]);
     Continue(std::move(p), done, now);
   }
+  stats_.sparq_decode_steps += sparq_step ? 1 : 0;
 }
 
 void Scheduler::Continue(std::unique_ptr<PendingRequest> p, bool done, Clock::time_point now) {
@@ -508,7 +536,11 @@ void Scheduler::MakeRoomToDecode(const StepPlan& plan, const absl::Status& why,
 
 std::optional<TokenDraw> Scheduler::DrawInPlace(const PendingRequest& p) {
   const EngineRequest& q = p.request;
-  if (q.sampling.logprobs > 0 || (q.return_logits && !p.started)) return std::nullopt;
+  // min_tokens masks stop tokens out of the logits on the host (Engine::SampleAll).
+  if (q.sampling.logprobs > 0 || (q.return_logits && !p.started) ||
+      static_cast<int>(p.result.tokens.size()) < q.min_tokens) {
+    return std::nullopt;
+  }
   return TokenDraw{.params = q.sampling, .step = p.result.tokens.size()};
 }
 
@@ -522,15 +554,20 @@ bool Scheduler::NextToken(PendingRequest& p, const SampledToken& token) {
   const auto in = [id](const std::vector<int32_t>& ids) {
     return std::find(ids.begin(), ids.end(), id) != ids.end();
   };
-  if (in(q.stop_ids) || (!q.ignore_eos && in(options_.eos_ids)) ||
-      (q.stop_when && q.stop_when(r.tokens))) {
+  // Before min_tokens nothing stops it (stop ids and EOS were masked; stop strings wait).
+  const bool may_stop = static_cast<int>(r.tokens.size()) > q.min_tokens;
+  if (may_stop && (in(q.stop_ids) || (!q.ignore_eos && in(options_.eos_ids)) ||
+                   (q.stop_when && q.stop_when(r.tokens)))) {
     r.finish_reason = "stop";
   } else if (static_cast<int>(r.tokens.size()) >= q.max_tokens || p.positions_left <= 0) {
     r.finish_reason = "length";
   } else if (q.cancelled && q.cancelled->load()) {
     r.finish_reason = "abort";
   }
-  if (q.on_token) q.on_token({index, r.tokens.back(), r.finish_reason});
+  if (q.on_token) {
+    q.on_token({index, r.tokens.back(), r.finish_reason,
+                index == 0 ? r.prompt_logprobs : std::vector<SampledToken>{}});
+  }
   return !r.finish_reason.empty();
 }
 

@@ -74,6 +74,8 @@ struct StepOutcome {
   absl::Status status;  // OK, or the refusal of the whole step (nothing changed on any rank)
   std::vector<SampledToken> tokens;        // the next token of each item
   std::vector<std::vector<float>> logits;  // each item's last logits (return_logits only)
+  // kPrefill: each item's prompt logprobs (PrefillRequest::prompt_logprobs; empty when none).
+  std::vector<std::vector<SampledToken>> prompt_logprobs;
   StepTimings timings;
   double seconds = 0;  // the step, every rank together
   // kPrefill with publishes: each published KV's handle, by KV name.

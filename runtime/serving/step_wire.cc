@@ -111,6 +111,14 @@ std::vector<char> StepToWire(const StepPlan& plan) {
     w.Str(r.session);
     w.Ids(r.tokens);
     w.Draw(r.draw);
+    w.U32(static_cast<uint32_t>(r.prompt_logprobs));  // -1 (none) travels as 0xffffffff
+    // SparQ: 0 (dense) or 1 then r, k, l, oracle.
+    w.U32(r.sparq.has_value() ? 1 : 0);
+    if (r.sparq.has_value()) {
+      for (int x : {r.sparq->r, r.sparq->k, r.sparq->local_window, int{r.sparq->oracle}}) {
+        w.U32(static_cast<uint32_t>(x));
+      }
+    }
   }
   w.U32(static_cast<uint32_t>(plan.publish.size()));
   for (const StepPlan::Publish& p : plan.publish) {
@@ -134,7 +142,20 @@ absl::StatusOr<StepPlan> StepFromWire(const std::vector<char>& bytes) {
   ok = ok && r.U32(&n);
   for (uint32_t i = 0; ok && i < n; ++i) {
     PrefillRequest& req = c.batch.emplace_back();
-    ok = r.Str(&req.session) && r.Ids(&req.tokens) && r.Draw(&req.draw);
+    uint32_t prompt_logprobs = 0;
+    ok = r.Str(&req.session) && r.Ids(&req.tokens) && r.Draw(&req.draw) &&
+         r.U32(&prompt_logprobs);
+    req.prompt_logprobs = static_cast<int32_t>(prompt_logprobs);
+    ok = ok && req.prompt_logprobs >= -1 && req.prompt_logprobs <= 1024;
+    uint32_t sparq = 0, f[4] = {};
+    ok = ok && r.U32(&sparq) && sparq <= 1;
+    if (ok && sparq == 1) {
+      ok = r.U32(&f[0]) && r.U32(&f[1]) && r.U32(&f[2]) && r.U32(&f[3]);
+      req.sparq = attention::sparq::SparqConfig{.r = static_cast<int>(f[0]),
+                                                .k = static_cast<int>(f[1]),
+                                                .local_window = static_cast<int>(f[2]),
+                                                .oracle = f[3] != 0};
+    }
   }
   ok = ok && r.U32(&n);
   for (uint32_t i = 0; ok && i < n; ++i) {

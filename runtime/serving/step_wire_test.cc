@@ -15,7 +15,8 @@ StepPlan Sample() {
       {.tokens = {9},
        .session = "",
        .draw = TokenDraw{.params = {.temperature = 0.7, .top_k = 5, .top_p = 0.9, .seed = 42},
-                         .step = 3}});
+                         .step = 3},
+       .sparq = attention::sparq::SparqConfig{.r = 16, .k = 64, .local_window = 8}});
   p.publish.push_back(
       {.kv_name = "\x01kv-1", .request_id = "kv-1", .slot = 2, .nonce = {.hi = 5, .lo = 7}});
   p.forks.push_back({.parent = "\x01pfx-1", .child = "chat", .tokens = 64});
@@ -40,6 +41,12 @@ TEST(StepWire, RoundTripsEveryField) {
   EXPECT_EQ(q->batch[1].draw->params.top_p, 0.9);
   EXPECT_EQ(q->batch[1].draw->params.seed, 42u);
   EXPECT_EQ(q->batch[1].draw->step, 3u);
+  EXPECT_FALSE(q->batch[0].sparq.has_value());
+  ASSERT_TRUE(q->batch[1].sparq.has_value());
+  EXPECT_EQ(q->batch[1].sparq->r, 16);
+  EXPECT_EQ(q->batch[1].sparq->k, 64);
+  EXPECT_EQ(q->batch[1].sparq->local_window, 8);
+  EXPECT_FALSE(q->batch[1].sparq->oracle);
   ASSERT_EQ(q->publish.size(), 1u);
   EXPECT_EQ(q->publish[0].kv_name, p.publish[0].kv_name);
   EXPECT_EQ(q->publish[0].request_id, "kv-1");

@@ -435,6 +435,17 @@ absl::Status MustBeNull(const Json& obj, std::string_view key, const Where& w,
   return absl::OkStatus();
 }
 
+// An affix that adds nothing: transformers writes "" for the BPE prefix and suffix it has none of
+// (SmolLM2's tokenizer.json), and tokenizers, gluing "" to each word, encodes as with null.
+absl::Status MustBeNullOrEmpty(const Json& obj, std::string_view key, const Where& w,
+                               std::string_view why) {
+  if (const Json* v = Present(obj, key);
+      v != nullptr && v->is_string() && v->get_ref<const std::string&>().empty()) {
+    return absl::OkStatus();
+  }
+  return MustBeNull(obj, key, w, why);
+}
+
 // Reads one tokenizer.json (and tokenizer_config.json) into a TokenizerModel. Members keep what
 // later steps of loading need (the vocabulary by token and by id) and is dropped afterwards.
 class Loader {
@@ -519,8 +530,9 @@ class Loader {
           json::Show(*dropout), " is not supported (only null): encoding would be random"));
     }
     CPFILL_RETURN_IF_ERROR(
-        MustBeNull(model, "continuing_subword_prefix", w, "byte-level BPE has none"));
-    CPFILL_RETURN_IF_ERROR(MustBeNull(model, "end_of_word_suffix", w, "byte-level BPE has none"));
+        MustBeNullOrEmpty(model, "continuing_subword_prefix", w, "byte-level BPE has none"));
+    CPFILL_RETURN_IF_ERROR(
+        MustBeNullOrEmpty(model, "end_of_word_suffix", w, "byte-level BPE has none"));
     CPFILL_ASSIGN_OR_RETURN(const bool byte_fallback, BoolOr(model, "byte_fallback", false, w));
     if (byte_fallback) {
       return w.In("byte_fallback").Bad("true is not supported (a SentencePiece-style BPE)");
@@ -694,7 +706,8 @@ class Loader {
     if (type == "ByteLevel") return ReadByteLevel(*pt, w);
     if (type != "Sequence") {
       return w.In("type").Bad(absl::StrCat(
-          "\"", type, "\" is not supported (ByteLevel, or a Sequence of Split and ByteLevel)"));
+          "\"", type,
+          "\" is not supported (ByteLevel, or a Sequence of Split, Digits, ByteLevel)"));
     }
     const Json* list = Present(*pt, "pretokenizers");
     if (list == nullptr || !list->is_array() || list->empty()) {
@@ -706,11 +719,13 @@ class Loader {
       const bool last = i + 1 == list->size();
       if (item_type == "Split" && !last) {
         CPFILL_RETURN_IF_ERROR(ReadSplit((*list)[i], wi));
+      } else if (item_type == "Digits" && !last) {
+        CPFILL_RETURN_IF_ERROR(ReadDigits((*list)[i], wi));
       } else if (item_type == "ByteLevel" && last) {
         CPFILL_RETURN_IF_ERROR(ReadByteLevel((*list)[i], wi));
       } else {
-        return wi.In("type").Bad(
-            absl::StrCat("\"", item_type, "\" is not supported here (Split, then ByteLevel last)"));
+        return wi.In("type").Bad(absl::StrCat(
+            "\"", item_type, "\" is not supported here (Split or Digits, then ByteLevel last)"));
       }
     }
     return absl::OkStatus();
@@ -722,6 +737,15 @@ class Loader {
     CPFILL_ASSIGN_OR_RETURN(const bool use_regex, BoolOr(pt, "use_regex", true, w));
     if (!use_regex) return absl::OkStatus();
     CPFILL_ASSIGN_OR_RETURN(Pcre2Code code, Compile(kGpt2Pattern, false, w));
+    model_->splits.push_back(std::move(code));
+    return absl::OkStatus();
+  }
+
+  // Digits (SmolLM2, StarCoder) isolates runs of Unicode numbers (Rust's char::is_numeric: the
+  // categories Nd, Nl, No, as \p{N}), or each one alone with individual_digits: an Isolated Split.
+  absl::Status ReadDigits(const Json& pt, const Where& w) {
+    CPFILL_ASSIGN_OR_RETURN(const bool individual, BoolOr(pt, "individual_digits", false, w));
+    CPFILL_ASSIGN_OR_RETURN(Pcre2Code code, Compile(individual ? "\\p{N}" : "\\p{N}+", false, w));
     model_->splits.push_back(std::move(code));
     return absl::OkStatus();
   }

@@ -213,6 +213,18 @@ TEST(Tokenizer, IgnoreMergesTakesWholePreTokens) {
   }
 }
 
+// transformers writes "" for the affixes a byte-level BPE has none of; tokenizers reads "" as
+// null, and so must cpfill (SmolLM2's tokenizer.json).
+TEST(Tokenizer, EmptyAffixesReadAsNull) {
+  TokenizerJson j;
+  const int32_t ab = j.Token("ab");
+  j.Merge("a", "b");
+  j.root()["model"]["continuing_subword_prefix"] = "";
+  j.root()["model"]["end_of_word_suffix"] = "";
+  const Tokenizer t = MustLoad("empty_affixes", j.root());
+  EXPECT_THAT(Ids(t, "abc ab"), ElementsAre(ab, 'c', ' ', ab));
+}
+
 TEST(Tokenizer, PreTokenizerSplitsBeforeMerging) {
   TokenizerJson j;
   const int32_t ab = j.Token("ab"), sp_a = j.Token(" a");
@@ -464,6 +476,7 @@ TEST(Tokenizer, MalformedFilesAreRefused) {
        "model.ignore_merges: is a string"},
       {"prefix", [](Json& r) { r["model"]["continuing_subword_prefix"] = "##"; },
        "continuing_subword_prefix"},
+      {"suffix", [](Json& r) { r["model"]["end_of_word_suffix"] = "</w>"; }, "end_of_word_suffix"},
       {"unk unknown", [](Json& r) { r["model"]["unk_token"] = "<unk>"; }, "model.unk_token"},
       {"pre_tokenizer null", [](Json& r) { r["pre_tokenizer"] = nullptr; }, "pre_tokenizer: null"},
       {"pre_tokenizer type",

@@ -61,6 +61,12 @@ BASE_ARGS = {
     # A stand-in decode worker needs a server: only its refusals are fuzzed (in-range values
     # would ask this address, where nothing listens, and fail with exit 3).
     "kv-pull": ["--url", "http://127.0.0.1:9", "--prompt-tokens", "8", "--timeout-s", "1"],
+    # Arithmetic only (no MPI): the repository's H100 and one-host link profiles.
+    "plan": ["--model", "tiny", "--prompt-lens", "64", "--gpus-per-node", "2",
+             "--device-profile", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+                 os.path.abspath(__file__)))), "bench", "plan", "h100.json"),
+             "--link-profile", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+                 os.path.abspath(__file__)))), "bench", "plan", "links-one-host.json")],
 }
 # `tokenize` reads a tokenizer directory and input files that run_suite writes first (see
 # write_tokenizer); its base invocation is set there.
@@ -121,12 +127,13 @@ def fmt(x):
 
 
 class Case:
-    def __init__(self, name, command, args, expect, needle=None, mpi=0, writes=()):
+    def __init__(self, name, command, args, expect, needle=None, mpi=0, writes=(), env=None):
         self.name, self.command, self.args = name, command, args
         self.expect = expect  # "refused" | "either"
         self.needle = needle  # text the error message must contain (refused)
         self.mpi = mpi        # ranks under mpirun (0: run directly)
         self.writes = writes  # output paths, relative to the case's directory
+        self.env = env or {}  # variables set for this case (knobs)
 
 
 def with_flag(base, flag, values):
@@ -327,19 +334,19 @@ def config_mutations(base_dir):
     config = json.load(open(os.path.join(base_dir, "config.json")))
     muts = []
 
-    def edit(name, fn, expect="refused"):
+    def edit(name, fn, expect="refused", needle=None):
         def m(d):
             c = json.loads(json.dumps(config))
             fn(c)
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(c, f)
-        muts.append((name, m, expect))
+        muts.append((name, m, expect, needle))
 
     def text(name, body):
         def m(d):
             with open(os.path.join(d, "config.json"), "wb") as f:
                 f.write(body)
-        muts.append((name, m, "refused"))
+        muts.append((name, m, "refused", None))
 
     ints = ["hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
             "num_hidden_layers", "vocab_size"]
@@ -368,20 +375,21 @@ def config_mutations(base_dir):
                    ("rope_scaling", "linear"), ("model_type", "mistral"),
                    ("max_position_embeddings", -5)]:
         edit(f"config {key}={v!r}", lambda c, k=key, v=v: c.__setitem__(k, v))
-    # Another model, a null activation, token ids outside the vocabulary, a dtype that is none.
+    # Another model, a null activation, token ids outside the vocabulary, a dtype that is none:
+    # each refused naming the key.
     for key, v in [("architectures", ["MistralForCausalLM"]), ("architectures", []),
                    ("architectures", "LlamaForCausalLM"), ("model_type", None),
                    ("hidden_act", None), ("bos_token_id", -7), ("bos_token_id", 10**6),
                    ("eos_token_id", [1, -1]), ("pad_token_id", "0"), ("torch_dtype", 5),
                    ("dtype", "int4")]:
-        edit(f"config {key}={v!r}", lambda c, k=key, v=v: c.__setitem__(k, v))
+        edit(f"config {key}={v!r}", lambda c, k=key, v=v: c.__setitem__(k, v), needle=key)
     edit("config naming no model", lambda c: (c.pop("model_type"), c.pop("architectures")))
 
     def device(name, target):  # read without end if it were read at all
         def m(d):
             os.remove(os.path.join(d, "config.json"))
             os.symlink(target, os.path.join(d, "config.json"))
-        muts.append((name, m, "refused"))
+        muts.append((name, m, "refused", None))
     device("config.json a link to /dev/urandom", "/dev/urandom")
     device("config.json a link to /dev/zero", "/dev/zero")
     # Harmless additions: accepted.
@@ -495,7 +503,7 @@ class Runner:
         return result
 
     def spawn(self, case, argv, d):
-        env = dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1")
+        env = dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1", **case.env)
         try:
             p = subprocess.run(argv, cwd=d, env=env, capture_output=True,
                                timeout=self.args.case_timeout_s,
@@ -570,13 +578,13 @@ def file_cases(cpfill, work):
     ckpt, fit = prepare(cpfill, work)
     cases = []
     prefill = ["--prompt-lens", "4", "--backend", "cpu", "--threads", "1"]
-    for i, (name, mutate, expect) in enumerate(checkpoint_mutations(ckpt) +
-                                               config_mutations(ckpt)):
+    for i, (name, mutate, expect, *needle) in enumerate(checkpoint_mutations(ckpt) +
+                                                        config_mutations(ckpt)):
         d = os.path.join(work, f"ckpt{i:04d}")
         shutil.copytree(ckpt, d)
         mutate(d)
         cases.append(Case(f"prefill checkpoint: {name}", "prefill", ["--model", d] + prefill,
-                          expect))
+                          expect, needle[0] if needle else None))
         if i % 25 == 0 and expect == "refused":  # every rank reads it: still one message
             cases.append(Case(f"mpirun -np 2 prefill checkpoint: {name}", "prefill",
                               ["--model", d] + prefill, expect, mpi=2))
@@ -704,6 +712,16 @@ def tokenizer_mutations():
         muts.append((f"{file} a link to {target}", m, "refused"))
     device("tokenizer.json", "/dev/urandom")
     device("tokenizer.json", "/dev/zero")
+
+    def random_bytes(d):  # a regular file this time: read, refused as not JSON
+        with open(os.path.join(d, "tokenizer.json"), "wb") as f:
+            f.write(os.urandom(1 << 16))
+    muts.append(("tokenizer.json random bytes", random_bytes, "refused"))
+
+    def huge(d):  # 8 GiB, sparse: refused by its size, never read whole
+        with open(os.path.join(d, "tokenizer.json"), "r+b") as f:
+            f.truncate(8 << 30)
+    muts.append(("tokenizer.json of 8 GiB", huge, "refused"))
     device("tokenizer_config.json", "/dev/urandom")
     # Accepted variations.
     edit("tokenizer with an unknown key", lambda t: t.__setitem__("extra", 1), "either")
@@ -776,10 +794,19 @@ def limit_cases():
     out.append(Case("mpirun -np 2 generate 3 prompts --max-queue 2", "generate",
                     with_flag(BASE_ARGS["generate"], "prompt-lens", ["8,8,8"]) +
                     ["--max-queue", "2"], "refused", "--max-queue", mpi=2))
-    # Above 8 per core refused (exit 2); on a host with 512 cores or more, 4096 may run.
-    for command in ["attention", "prefill", "generate"]:
+    # Above 8 per core refused (exit 2) naming the flag; on a host with 512 cores or more, 4096
+    # may run (a server would then serve: not run there).
+    many = 4096 > 8 * (os.cpu_count() or 1)
+    for command in ["attention", "prefill", "generate"] + (["serve"] if many else []):
         out.append(Case(f"{command} --threads 4096", command,
-                        with_flag(BASE_ARGS[command], "threads", ["4096"]), "either"))
+                        with_flag(BASE_ARGS[command], "threads", ["4096"]),
+                        "refused" if many else "either", "--threads"))
+    # Knobs are taken exactly as written: a blank around a number is refused, naming the knob.
+    for command in ["select", "prefill", "serve"]:
+        for value in [" 3", "3 ", "4", "x"]:
+            out.append(Case(f"{command} with CPFILL_ATTENTION_VARIANT={value!r}", command,
+                            BASE_ARGS[command], "refused", "CPFILL_ATTENTION_VARIANT",
+                            env={"CPFILL_ATTENTION_VARIANT": value}))
     return out
 
 

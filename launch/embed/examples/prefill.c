@@ -130,7 +130,7 @@ static int CancelLong(cpfill_engine* e) {
 /* Bad params are refused at once, each message naming its field. Prints one line each:
  *   bad params refused: <message>
  * 1 when every one was refused. */
-enum { kBadParams = 8 };
+enum { kBadParams = 11 };
 static int RefuseBadParams(cpfill_engine* e) {
   const int32_t prompt[4] = {1, 2, 3, 4};
   cpfill_generate_params bad[kBadParams];
@@ -143,6 +143,12 @@ static int RefuseBadParams(cpfill_engine* e) {
   bad[5].temperature = -1;
   bad[6].top_k = -1;
   bad[7].num_stop_token_ids = 2; /* with stop_token_ids NULL */
+  bad[8].sparq_r = 65;           /* beyond the tiny preset's head_dim, 64 */
+  bad[8].sparq_k = 16;
+  bad[9].sparq_k = -1;
+  bad[10].sparq_r = 8;
+  bad[10].sparq_k = 16;
+  bad[10].sparq_l = -1;
   int refused = 0;
   for (int k = 0; k < kBadParams; ++k) {
     cpfill_request* r = NULL;

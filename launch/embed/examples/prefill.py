@@ -16,9 +16,9 @@ waits for the greedy one to finish), and has bad generation params refused:
 The other ranks run the worker loop until rank 0 shuts the engine down. Exits 0 when everything
 behaved as documented.
 """
+import concurrent.futures
 import ctypes
 import sys
-import threading
 
 LENS = [300, 77, 1000]
 TURN2 = 50
@@ -39,7 +39,8 @@ class GenerateParams(ctypes.Structure):
                 ("temperature", ctypes.c_double), ("top_k", ctypes.c_int32),
                 ("top_p", ctypes.c_double), ("seed", ctypes.c_uint64), ("ignore_eos", ctypes.c_int),
                 ("stop_token_ids", ctypes.POINTER(ctypes.c_int32)),
-                ("num_stop_token_ids", ctypes.c_size_t)]
+                ("num_stop_token_ids", ctypes.c_size_t), ("sparq_r", ctypes.c_int32),
+                ("sparq_k", ctypes.c_int32), ("sparq_l", ctypes.c_int32)]
 
 
 class CpfillError(RuntimeError):
@@ -161,17 +162,18 @@ def prompt(i, n, vocab):
     return [(i * 7919 + j * 31) % vocab for j in range(n)]
 
 
+def in_threads(function, args):
+    """[function(a) for a in args], each call on a thread of its own; waits for all of them. The
+    first exception, in the order of `args`, is raised again here (a threading.Thread would only
+    print it, and the example would go on as if the call had worked)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(args)) as pool:
+        futures = [pool.submit(function, a) for a in args]
+    return [f.result() for f in futures]
+
+
 def serve(engine):
-    answers = [None] * len(LENS)
-
-    def one(i):
-        answers[i] = engine.prefill(prompt(i, LENS[i], engine.vocab))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(LENS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    answers = in_threads(lambda i: engine.prefill(prompt(i, LENS[i], engine.vocab)),
+                         list(range(len(LENS))))
     for i, (tok, n, cached, top5) in enumerate(answers):
         print(f"prompt {i}: first_token {tok} prompt_tokens {n} cached_tokens {cached} "
               f"top5 {top5}", flush=True)
@@ -188,7 +190,7 @@ def serve(engine):
         if e.code != INVALID_ARGUMENT:
             return False
     engine.check(engine.lib.cpfill_session_end(engine.handle, b"chat"), "session end")
-    return generate(engine) and refuse_bad_params(engine)
+    return generate(engine) and refuse_bad_params(engine) and sparq_at_large_k(engine)
 
 
 def generate(engine):
@@ -197,35 +199,26 @@ def generate(engine):
     runs = {"greedy": engine.params(max_tokens=GENERATED, temperature=0.0, ignore_eos=1),
             "sampled": engine.params(max_tokens=GENERATED, temperature=0.9, top_k=50, top_p=0.95,
                                      seed=7, ignore_eos=1)}
-    lines, errors = {}, []
     reqs = {label: engine.submit_generate(prompt(1, LENS[1], engine.vocab), p)
             for label, p in runs.items()}
 
     def consume(label):
-        try:
-            pieces = []
-            reason = engine.stream(reqs[label], pieces.append)
-            ids = [t for piece in pieces for t in piece]
-            lines[label] = (f"{label}: tokens {' '.join(map(str, ids))} finish {reason} "
-                            f"reads {len(pieces)}")
-        except CpfillError as e:
-            errors.append(e)
+        if label == "wait":
+            engine.check(engine.lib.cpfill_request_wait(reqs["greedy"], -1.0), "wait")
+            return None
+        pieces = []
+        reason = engine.stream(reqs[label], pieces.append)
+        ids = [t for piece in pieces for t in piece]
+        return f"{label}: tokens {' '.join(map(str, ids))} finish {reason} reads {len(pieces)}"
 
-    threads = [threading.Thread(target=consume, args=(label,)) for label in runs]
-    threads.append(threading.Thread(
-        target=lambda: engine.check(engine.lib.cpfill_request_wait(reqs["greedy"], -1.0), "wait")))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for req in reqs.values():
-        engine.lib.cpfill_request_free(req)
-    for label in runs:
-        if label in lines:
-            print(lines[label], flush=True)
-    for e in errors:
-        print(f"example: {e}", file=sys.stderr)
-    return not errors and len(lines) == len(runs)
+    try:
+        lines = in_threads(consume, list(runs) + ["wait"])  # a thread's CpfillError raised here
+    finally:
+        for req in reqs.values():
+            engine.lib.cpfill_request_free(req)
+    for line in lines[:len(runs)]:
+        print(line, flush=True)
+    return True
 
 
 def refuse_bad_params(engine):
@@ -233,7 +226,9 @@ def refuse_bad_params(engine):
     bad = [GenerateParams(),  # never initialized: struct_size 0
            engine.params(max_tokens=0), engine.params(max_tokens=-1), engine.params(top_p=1.5),
            engine.params(top_p=0.0), engine.params(temperature=-1.0), engine.params(top_k=-1),
-           engine.params(num_stop_token_ids=2)]  # with stop_token_ids NULL
+           engine.params(num_stop_token_ids=2),  # with stop_token_ids NULL
+           engine.params(sparq_r=65, sparq_k=16),  # the tiny preset's head_dim is 64
+           engine.params(sparq_r=8, sparq_k=-1), engine.params(sparq_r=8, sparq_k=16, sparq_l=-1)]
     ok = True
     for p in bad:
         try:
@@ -244,6 +239,25 @@ def refuse_bad_params(engine):
             print(f"bad params refused: {engine.lib.cpfill_last_error().decode()}", flush=True)
             ok = ok and e.code == INVALID_ARGUMENT
     return ok
+
+
+def sparq_at_large_k(engine):
+    """SparQ decode (sparq_k > 0) whose k covers the whole sequence attends to every position:
+    its greedy tokens equal dense decode's."""
+    prompt = [(j * 31 + 5) % 1024 for j in range(200)]
+    runs = []
+    for sparq in ({}, {"sparq_r": 8, "sparq_k": 4096, "sparq_l": 4}):
+        p = engine.params(max_tokens=8, temperature=0.0, ignore_eos=1, **sparq)
+        req = engine.submit_generate(prompt, p)
+        got = []
+        engine.stream(req, got.extend)
+        engine.lib.cpfill_request_free(req)
+        runs.append(got)
+    if runs[0] != runs[1] or len(runs[0]) != 8:
+        print(f"example: sparq at k 4096 {runs[1]} differs from dense {runs[0]}", file=sys.stderr)
+        return False
+    print(f"sparq at k >= S: {len(runs[1])} tokens equal dense", flush=True)
+    return True
 
 
 def main():

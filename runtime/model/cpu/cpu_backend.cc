@@ -10,6 +10,7 @@
 #include "base/status.h"
 #include "base/thread_pool.h"
 #include "base/wall_clock.h"
+#include "runtime/model/cpu/fp8_linear.h"
 #include "runtime/model/cpu/layers.h"
 #include "runtime/model/memory.h"
 
@@ -22,6 +23,12 @@ Tensor Wrap(std::vector<float>& v, int64_t rows, int64_t cols) {
   return {v.data(), ElemType::kF32, rows, cols};
 }
 
+// A projection: its row-wise FP8 twin when the weights have one, else the fp32 matrix.
+Tensor WrapProjection(std::vector<float>& v, Fp8Matrix& q, int64_t rows, int64_t cols) {
+  if (q.empty()) return Wrap(v, rows, cols);
+  return {q.codes.data(), ElemType::kF8E4M3, rows, cols, q.row_scale.data()};
+}
+
 class CpuBackend : public ModelBackend {
  public:
   CpuBackend(const ModelConfig& config, ModelWeights weights, parallel::Communicator& tp,
@@ -32,7 +39,8 @@ class CpuBackend : public ModelBackend {
         cp_(cp),
         pool_(threads),
         ring_ops_(&pool_),
-        rope_(RopeTable::Make(config)) {
+        rope_(RopeTable::Make(config)),
+        activation_scale_ub_(config.fp8.activation_scale_ub) {
     SetBlasThreads(pool_.num_threads());
     WrapWeights(config, tp.size());
   }
@@ -74,6 +82,11 @@ class CpuBackend : public ModelBackend {
     return absl::OkStatus();
   }
   absl::Status Linear(const Tensor& x, const Tensor& w, Tensor* y) override {
+    if (w.type == ElemType::kF8E4M3) {
+      LinearFp8Rowwise(x.As<float>(), x.rows, x.cols, w.As<uint8_t>(), w.row_scale, w.rows,
+                       activation_scale_ub_, batch_invariant_, y->As<float>(), &fp8_scratch_);
+      return absl::OkStatus();
+    }
     if (batch_invariant_ && x.cols > 0) {
       cpu::LinearPerRow(x.As<float>(), x.rows, x.cols, w.As<float>(), w.rows, y->As<float>());
     } else {
@@ -141,14 +154,14 @@ class CpuBackend : public ModelBackend {
     const int64_t kvw = int64_t{c.num_kv_heads / tp} * c.head_dim;
     for (LayerWeights& w : weights_.layers) {
       tensors_.layers.push_back({.input_norm = Wrap(w.input_norm, 1, D),
-                                 .wq = Wrap(w.wq, qw, D),
-                                 .wk = Wrap(w.wk, kvw, D),
-                                 .wv = Wrap(w.wv, kvw, D),
-                                 .wo = Wrap(w.wo, D, qw),
+                                 .wq = WrapProjection(w.wq, w.wq_fp8, qw, D),
+                                 .wk = WrapProjection(w.wk, w.wk_fp8, kvw, D),
+                                 .wv = WrapProjection(w.wv, w.wv_fp8, kvw, D),
+                                 .wo = WrapProjection(w.wo, w.wo_fp8, D, qw),
                                  .post_norm = Wrap(w.post_norm, 1, D),
-                                 .w_gate = Wrap(w.w_gate, I, D),
-                                 .w_up = Wrap(w.w_up, I, D),
-                                 .w_down = Wrap(w.w_down, D, I)});
+                                 .w_gate = WrapProjection(w.w_gate, w.w_gate_fp8, I, D),
+                                 .w_up = WrapProjection(w.w_up, w.w_up_fp8, I, D),
+                                 .w_down = WrapProjection(w.w_down, w.w_down_fp8, D, I)});
     }
     tensors_.embedding = Wrap(weights_.embedding, c.vocab_size, D);
     tensors_.final_norm = Wrap(weights_.final_norm, 1, D);
@@ -163,6 +176,8 @@ class CpuBackend : public ModelBackend {
   ThreadPool pool_;
   parallel::CpuRingOps ring_ops_;
   RopeTable rope_;
+  float activation_scale_ub_;  // FP8 projections' per-token bound (fp8.h)
+  Fp8LinearScratch fp8_scratch_;
   std::vector<HostBuffer> scratch_;
   Clock::time_point open_;
   std::optional<Clock::time_point> origin_;  // the first phase since ResetPhases()

@@ -14,6 +14,7 @@
 #include "parallel/cuda/device_buffer.h"
 #include "runtime/kv/cuda/kv_storage_cuda.h"
 #include "runtime/model/cpu/layers.h"
+#include "runtime/model/cuda/fp8_gemm.h"
 #include "runtime/model/cuda/gemm.h"
 #include "runtime/model/cuda/layer_kernels.h"
 #include "runtime/model/cuda/token_draw.h"
@@ -131,6 +132,7 @@ class CudaBackend : public ModelBackend {
                          y->As<Bf16>(), stream_);
   }
   absl::Status Linear(const Tensor& x, const Tensor& w, Tensor* y) override {
+    if (w.type == ElemType::kF8E4M3) return LinearFp8(x, w, y);
     return gemm_.Linear(x.As<Bf16>(), x.rows, x.cols, w.As<Bf16>(), w.rows, y->data,
                         y->type == ElemType::kF32 ? OutType::kFloat32 : OutType::kBfloat16);
   }
@@ -208,10 +210,20 @@ class CudaBackend : public ModelBackend {
 
  private:
   absl::StatusOr<Tensor> UploadWeight(const std::vector<float>& host, int64_t rows, int64_t cols);
+  // A projection: its row-wise FP8 twin (codes and scales on the device) when it has one.
+  absl::StatusOr<Tensor> UploadProjection(const std::vector<float>& host, const Fp8Matrix& fp8,
+                                          int64_t rows, int64_t cols);
+  // x quantized per token on the GPU, then the FP8 GEMM with both sides' scales (fp8_gemm.h).
+  absl::Status LinearFp8(const Tensor& x, const Tensor& w, Tensor* y);
 
   parallel::NcclGrid& nccl_;
   cudaStream_t stream_;
   Gemm gemm_;
+  Fp8Gemm fp8_gemm_;
+  float activation_scale_ub_ = 0;
+  // FP8 activations of the current Linear: codes [T, in], scales [T], and the epilogue mode's
+  // fp32 accumulators [T, out]; grown to the largest batch, like the scratch slots.
+  DeviceBuffer fp8_codes_, fp8_scales_, fp8_acc_;
   std::vector<DeviceBuffer> weight_buffers_;  // owns what tensors_ points at
   ModelTensors tensors_;
   DeviceBuffer inv_freq_;
@@ -232,8 +244,52 @@ absl::StatusOr<Tensor> CudaBackend::UploadWeight(const std::vector<float>& host,
   return Tensor{dst.As<void>(), ElemType::kBf16, rows, cols};
 }
 
+absl::StatusOr<Tensor> CudaBackend::UploadProjection(const std::vector<float>& host,
+                                                     const Fp8Matrix& fp8, int64_t rows,
+                                                     int64_t cols) {
+  if (fp8.empty()) return UploadWeight(host, rows, cols);
+  // One buffer: codes, then the scales 16-byte aligned (cuBLASLt's FP8 operands need that).
+  const size_t codes_bytes = (fp8.codes.size() + 15) / 16 * 16;
+  DeviceBuffer& dst = weight_buffers_.emplace_back();
+  CPFILL_RETURN_IF_ERROR(dst.Reserve(codes_bytes + fp8.row_scale.size() * sizeof(float)));
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(dst.As<void>(), fp8.codes.data(), fp8.codes.size(),
+                                    cudaMemcpyHostToDevice, stream_));
+  float* scales = dst.As<float>(codes_bytes);
+  CPFILL_CUDA_CHECK(cudaMemcpyAsync(scales, fp8.row_scale.data(),
+                                    fp8.row_scale.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                    stream_));
+  CPFILL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return Tensor{dst.As<void>(), ElemType::kF8E4M3, rows, cols, scales};
+}
+
+absl::Status CudaBackend::LinearFp8(const Tensor& x, const Tensor& w, Tensor* y) {
+  const int64_t tokens = x.rows, in = x.cols, out = w.rows;
+  if (tokens == 0) return absl::OkStatus();
+  CPFILL_RETURN_IF_ERROR(fp8_codes_.Reserve(std::max<size_t>(16, tokens * in)));
+  CPFILL_RETURN_IF_ERROR(fp8_scales_.Reserve(std::max<size_t>(16, tokens * sizeof(float))));
+  auto* codes = fp8_codes_.As<uint8_t>();
+  auto* scales = fp8_scales_.As<float>();
+  CPFILL_RETURN_IF_ERROR(
+      QuantizeRowsFp8(x.As<Bf16>(), tokens, in, activation_scale_ub_, codes, scales, stream_));
+  const OutType out_type = y->type == ElemType::kF32 ? OutType::kFloat32 : OutType::kBfloat16;
+  const Fp8GemmArgs args{codes, scales, w.As<uint8_t>(), w.row_scale, tokens, in, out};
+  const Fp8ScaleMode mode = fp8_gemm_.ModeFor(args, out_type);
+  float* acc = nullptr;
+  if (mode == Fp8ScaleMode::kEpilogue) {
+    if (out_type == OutType::kFloat32) {
+      acc = y->As<float>();  // scaled in place
+    } else {
+      CPFILL_RETURN_IF_ERROR(fp8_acc_.Reserve(std::max<size_t>(16, tokens * out * 4)));
+      acc = fp8_acc_.As<float>();
+    }
+  }
+  return fp8_gemm_.Linear(args, y->data, out_type, mode, acc);
+}
+
 absl::Status CudaBackend::Init(const ModelConfig& c, const ModelWeights& weights) {
   CPFILL_RETURN_IF_ERROR(gemm_.Init(stream_));
+  CPFILL_RETURN_IF_ERROR(fp8_gemm_.Init(stream_));
+  activation_scale_ub_ = c.fp8.activation_scale_ub;
   CPFILL_ASSIGN_OR_RETURN(ring_ops_, parallel::CudaRingOps::Create(*nccl_.cp, stream_));
   const int tp = nccl_.tp->size();
   const int64_t D = c.hidden_size, I = c.intermediate_size / tp, V = c.vocab_size / tp;
@@ -241,16 +297,16 @@ absl::Status CudaBackend::Init(const ModelConfig& c, const ModelWeights& weights
   const int64_t kvw = int64_t{c.num_kv_heads / tp} * c.head_dim;
   for (const LayerWeights& w : weights.layers) {
     LayerTensors& t = tensors_.layers.emplace_back();
-    for (auto [dst, src, rows, cols] : {std::tuple{&t.input_norm, &w.input_norm, int64_t{1}, D},
-                                        {&t.wq, &w.wq, qw, D},
-                                        {&t.wk, &w.wk, kvw, D},
-                                        {&t.wv, &w.wv, kvw, D},
-                                        {&t.wo, &w.wo, D, qw},
-                                        {&t.post_norm, &w.post_norm, int64_t{1}, D},
-                                        {&t.w_gate, &w.w_gate, I, D},
-                                        {&t.w_up, &w.w_up, I, D},
-                                        {&t.w_down, &w.w_down, D, I}}) {
-      CPFILL_ASSIGN_OR_RETURN(*dst, UploadWeight(*src, rows, cols));
+    CPFILL_ASSIGN_OR_RETURN(t.input_norm, UploadWeight(w.input_norm, 1, D));
+    CPFILL_ASSIGN_OR_RETURN(t.post_norm, UploadWeight(w.post_norm, 1, D));
+    for (auto [dst, src, fp8, rows, cols] : {std::tuple{&t.wq, &w.wq, &w.wq_fp8, qw, D},
+                                             {&t.wk, &w.wk, &w.wk_fp8, kvw, D},
+                                             {&t.wv, &w.wv, &w.wv_fp8, kvw, D},
+                                             {&t.wo, &w.wo, &w.wo_fp8, D, qw},
+                                             {&t.w_gate, &w.w_gate, &w.w_gate_fp8, I, D},
+                                             {&t.w_up, &w.w_up, &w.w_up_fp8, I, D},
+                                             {&t.w_down, &w.w_down, &w.w_down_fp8, D, I}}) {
+      CPFILL_ASSIGN_OR_RETURN(*dst, UploadProjection(*src, *fp8, rows, cols));
     }
   }
   CPFILL_ASSIGN_OR_RETURN(tensors_.embedding, UploadWeight(weights.embedding, c.vocab_size, D));

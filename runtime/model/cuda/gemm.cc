@@ -2,19 +2,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "runtime/model/cuda/cublas_check.h"
 #include "runtime/model/cuda/gemv.h"
 
 namespace cpfill::runtime::cuda {
 namespace {
-
-#define CPFILL_CUBLAS_CHECK(call)                                                                  \
-  do {                                                                                             \
-    const cublasStatus_t cpfill_cublas_rc_ = (call);                                               \
-    if (cpfill_cublas_rc_ != CUBLAS_STATUS_SUCCESS)                                                \
-      return absl::InternalError(absl::StrCat("cuBLASLt call ", #call, " failed with status ",     \
-                                              static_cast<int>(cpfill_cublas_rc_), " (", __FILE__, \
-                                              ":", __LINE__, ")"));                                \
-  } while (0)
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
