@@ -485,7 +485,7 @@ int RunServeCommand(int argc, char** argv) {
   // Few malloc arenas, set before any thread starts: each thread that first allocates gets an
   // arena of its own (up to 8 per core), and what an arena keeps after malloc_trim stays for the
   // life of the process. Measured on rank 0 (tests/serve_adversary_test.py's burst, 16 worker
-  // threads touched at once): +12.6 MiB (+17%) with glibc's default, +3.7 MiB (+5%) with 4.
+  // threads touched at once): +12.6 MiB (+17%) with glibc's default, +4.3 MiB (+6%) with 4.
   ::mallopt(M_ARENA_MAX, 4);
   ServeFlags f;
   FlagSet flags("serve",
