@@ -25,7 +25,6 @@ this Python (launch/setup.sh installs it with CPFILL_AIPERF=1) or SmolLM2 is not
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "models"))
 import convert_smollm2  # noqa: E402
-from serve_test import MPI_ENV, fail, wait_port  # noqa: E402
+from serve_test import fail, start_checkpoint_serve, stop_serve_cleanly  # noqa: E402
 
 RANKS = 2
 API_KEY = "aiperf-smoke-key"
@@ -56,29 +55,11 @@ def find_aiperf():
 
 
 def start(cpfill, checkpoint, tmp):
-    port_file, pid_file = os.path.join(tmp, "port"), os.path.join(tmp, "pid")
     key_file = os.path.join(tmp, "key")
     with open(key_file, "w") as f:
         f.write(API_KEY + "\n")
-    log = open(os.path.join(tmp, "serve.log"), "w+")
-    server = subprocess.Popen(
-        ["mpirun", "-np", str(RANKS), cpfill, "serve", "--model", checkpoint, "--tp", "1",
-         "--backend", "cpu", "--host", "127.0.0.1", "--port", "0", "--api-key-file", key_file,
-         "--port-file", port_file, "--pid-file", pid_file, "--kv-capacity-tokens", "8192",
-         "--timeout-s", "120"],
-        stdout=log, stderr=subprocess.STDOUT, env=MPI_ENV)
-    return server, log, wait_port(server, port_file, log=log), pid_file
-
-
-def stop(server, pid_file):
-    try:
-        os.kill(int(open(pid_file).read()), signal.SIGTERM)
-        code = server.wait(timeout=60)
-    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
-        server.kill()
-        fail(f"the server did not stop on SIGTERM: {e}")
-    if code != 0:
-        fail(f"the server exited {code} after SIGTERM")
+    return start_checkpoint_serve(cpfill, checkpoint, tmp, RANKS, "--tp", "1", "--api-key-file",
+                                  key_file, kv_tokens=8192)
 
 
 def profile(aiperf, tag, port, checkpoint, out, n, extra):
@@ -204,7 +185,7 @@ def main():
         ended_eos, _ = check_run("eos", summary, artifacts, len(QUESTIONS), eos_id)
         if ended_eos == 0:
             fail("eos: no answer ended with the EOS token; the EOS count went unchecked")
-        stop(server, pid_file)
+        stop_serve_cleanly(server, pid_file)
     finally:
         if server.poll() is None:
             server.kill()

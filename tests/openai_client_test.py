@@ -20,8 +20,6 @@ index (1 where CI=true), or when the venv lacks `openai` and cannot install it.
 """
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 
@@ -29,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "models"))
 import convert_smollm2  # noqa: E402
-from serve_test import MPI_ENV, fail, wait_port  # noqa: E402
+from serve_test import fail, start_checkpoint_serve, stop_serve_cleanly  # noqa: E402
 
 MODEL = None  # the id /v1/models gives (the checkpoint's path)
 RANKS = 4
@@ -45,15 +43,7 @@ def import_openai():
 
 
 def start(cpfill, checkpoint, tmp):
-    port_file, pid_file = os.path.join(tmp, "port"), os.path.join(tmp, "pid")
-    log = open(os.path.join(tmp, "serve.log"), "w+")
-    server = subprocess.Popen(
-        ["mpirun", "-np", str(RANKS), cpfill, "serve", "--model", checkpoint, "--tp", "1",
-         "--backend", "cpu", "--host", "127.0.0.1", "--port", "0",
-         "--port-file", port_file, "--pid-file", pid_file, "--kv-capacity-tokens", "8192",
-         "--timeout-s", "120"],
-        stdout=log, stderr=subprocess.STDOUT, env=MPI_ENV)
-    return server, log, wait_port(server, port_file, log=log), pid_file
+    return start_checkpoint_serve(cpfill, checkpoint, tmp, RANKS, "--tp", "1", kv_tokens=8192)
 
 
 def check_completion(client, tok):
@@ -123,17 +113,6 @@ def check_refusal(client, openai):
     fail("an id outside the vocabulary was answered")
 
 
-def stop(server, pid_file):
-    try:
-        os.kill(int(open(pid_file).read()), signal.SIGTERM)
-        code = server.wait(timeout=60)
-    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
-        server.kill()
-        fail(f"the server did not stop on SIGTERM: {e}")
-    if code != 0:
-        fail(f"the server exited {code} after SIGTERM")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("cpfill")
@@ -156,7 +135,7 @@ def main():
         check_stream(client, prompt, text)
         check_session(client, tok)
         check_refusal(client, openai)
-        stop(server, pid_file)
+        stop_serve_cleanly(server, pid_file)
     finally:
         if server.poll() is None:
             server.kill()

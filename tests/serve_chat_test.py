@@ -23,7 +23,6 @@ Exit 77 (SKIPPED) without the package index (1 where CI=true).
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "models"))
 import convert_smollm2  # noqa: E402
-from serve_test import MPI_ENV, fail, http, wait_port  # noqa: E402
+from serve_test import fail, http, start_checkpoint_serve, stop_serve  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -66,16 +65,9 @@ def start(cpfill, checkpoint, tmp):
     wrapper = os.path.join(tmp, "renderer.py")
     with open(wrapper, "w") as f:
         f.write(WRAPPER.format(http_dir=os.path.join(ROOT, "launch", "http"), model=checkpoint))
-    port_file, pid_file = os.path.join(tmp, "port"), os.path.join(tmp, "pid")
-    log = open(os.path.join(tmp, "serve.log"), "w+")
-    server = subprocess.Popen(
-        ["mpirun", "-np", "2", cpfill, "serve", "--model", checkpoint, "--tp", "1",
-         "--backend", "cpu", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-         "--pid-file", pid_file, "--kv-capacity-tokens", "4096", "--timeout-s", "120",
-         "--chat-template-renderer", f"{sys.executable} {wrapper}",
-         "--chat-render-timeout-s", "2"],
-        stdout=log, stderr=subprocess.STDOUT, env=MPI_ENV)
-    return server, log, wait_port(server, port_file, log=log), pid_file
+    return start_checkpoint_serve(cpfill, checkpoint, tmp, 2, "--tp", "1",
+                                  "--chat-template-renderer", f"{sys.executable} {wrapper}",
+                                  "--chat-render-timeout-s", "2")
 
 
 def check_plain(client, model, tok, rendered):
@@ -185,12 +177,7 @@ def main():
         check_renderer_failures(port)
         ok = True
     finally:
-        try:
-            os.kill(int(open(pid_file).read()), 15)
-            code = server.wait(timeout=60)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            server.kill()
-            code = server.wait()
+        code = stop_serve(server, pid_file)
         if not ok or code != 0:
             log.seek(0)
             print(log.read()[-4000:])

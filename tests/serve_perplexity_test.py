@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -30,31 +29,15 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "models"))
 import convert_smollm2  # noqa: E402
 import hf_llama_reference as ref  # noqa: E402
-from serve_test import MPI_ENV, fail, http, wait_port  # noqa: E402
+from serve_test import fail, http, start_checkpoint_serve, stop_serve  # noqa: E402
 
 REL_TOLERANCE = 1e-4  # perplexity, relative
 LOGPROB_TOLERANCE = 1e-4  # each token's logprob, absolute (fp32 against fp64)
 LAYOUTS = {"1": 1, "4": 4}  # ranks, all CP (TP1)
 
 
-def serve(cpfill, checkpoint, tmp, ranks):
-    port_file, pid_file = os.path.join(tmp, f"port{ranks}"), os.path.join(tmp, f"pid{ranks}")
-    log = open(os.path.join(tmp, f"serve{ranks}.log"), "w+")
-    server = subprocess.Popen(
-        ["mpirun", "-np", str(ranks), cpfill, "serve", "--model", checkpoint, "--tp", "1",
-         "--backend", "cpu", "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-         "--pid-file", pid_file, "--kv-capacity-tokens", "4096", "--timeout-s", "120"],
-        stdout=log, stderr=subprocess.STDOUT, env=MPI_ENV)
-    return server, log, wait_port(server, port_file, log=log), pid_file
-
-
 def stop(server, log, pid_file):
-    try:
-        os.kill(int(open(pid_file).read()), 15)
-        code = server.wait(timeout=60)
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        server.kill()
-        code = server.wait()
+    code = stop_serve(server, pid_file)
     if code != 0:
         log.seek(0)
         print(log.read()[-4000:])
@@ -147,8 +130,9 @@ def main():
     tok = Tokenizer.from_file(os.path.join(checkpoint, "tokenizer.json"))
     results, reference = {}, None
     for name in args.layouts.split(","):
-        server, log, port, pid_file = serve(os.path.abspath(args.cpfill), checkpoint, tmp,
-                                            LAYOUTS[name])
+        server, log, port, pid_file = start_checkpoint_serve(
+            os.path.abspath(args.cpfill), checkpoint, tmp, LAYOUTS[name], "--tp", "1",
+            tag=str(LAYOUTS[name]))
         try:
             choice = echo(port, text)
             check_echo_stream(port, text, choice)

@@ -71,6 +71,44 @@ def wait_port(server, port_file, seconds=180, log=None):
     return int(open(port_file).read())
 
 
+def start_checkpoint_serve(cpfill, model, tmp, ranks, *extra, tag="", kv_tokens=4096):
+    """`cpfill serve --model MODEL` on `ranks` CPU ranks, on a free port of 127.0.0.1, with its
+    port, pid and log files under `tmp` (named with `tag`; stale ones removed) and `extra` flags;
+    (server, log, port, pid file) once it listens."""
+    port_file, pid_file = os.path.join(tmp, f"port{tag}"), os.path.join(tmp, f"pid{tag}")
+    for f in (port_file, pid_file):
+        if os.path.exists(f):
+            os.remove(f)
+    log = open(os.path.join(tmp, f"serve{tag}.log"), "w+")
+    server = subprocess.Popen(
+        ["mpirun", "-np", str(ranks), cpfill, "serve", "--model", model, "--backend", "cpu",
+         "--host", "127.0.0.1", "--port", "0", "--port-file", port_file, "--pid-file", pid_file,
+         "--kv-capacity-tokens", str(kv_tokens), "--timeout-s", "120", *extra],
+        stdout=log, stderr=subprocess.STDOUT, env=MPI_ENV)
+    return server, log, wait_port(server, port_file, log=log), pid_file
+
+
+def stop_serve(server, pid_file):
+    """SIGTERM to rank 0 (it drains and ends every rank): mpirun's exit code, or None when the
+    pid could not be read or the job outlived 60 s (then it is killed)."""
+    try:
+        os.kill(int(open(pid_file).read()), signal.SIGTERM)
+        return server.wait(timeout=60)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        server.kill()
+        server.wait()
+        return None
+
+
+def stop_serve_cleanly(server, pid_file):
+    """stop_serve, failing the test unless every rank exited 0."""
+    code = stop_serve(server, pid_file)
+    if code is None:
+        fail("the server did not stop on SIGTERM")
+    if code != 0:
+        fail(f"the server exited {code} after SIGTERM")
+
+
 def http(port, method, path, body=None, timeout=120):
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,

@@ -49,7 +49,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "models"))
 import convert_smollm2  # noqa: E402
 import hf_llama_reference as ref  # noqa: E402
-from serve_test import MPI_ENV, http, wait_port  # noqa: E402
+from serve_test import MPI_ENV, http, start_checkpoint_serve, stop_serve  # noqa: E402
 
 PREFILL_TOLERANCE = 2e-4  # max |logit - fp64 logit|
 LOGPROB_TOLERANCE = 1e-4  # max |logprob - fp64 log-softmax|
@@ -120,34 +120,6 @@ def check_prefill(got, prompts, last_logits, name, problems):
         fail_soft(problems, f"{name} prefill: max |logits - fp64| {worst:.3g} > "
                   f"{PREFILL_TOLERANCE:g}")
     return worst
-
-
-def serve(cpfill, model, workdir, ranks, tp, algo):
-    port_file = os.path.join(workdir, "port")
-    pid_file = os.path.join(workdir, "pid")
-    for f in (port_file, pid_file):
-        if os.path.exists(f):
-            os.remove(f)
-    log = open(os.path.join(workdir, "serve.log"), "w+")
-    server = subprocess.Popen(
-        mpirun(ranks, [cpfill, "serve", "--model", model, "--tp", str(tp), "--algo", algo,
-                       "--backend", "cpu", "--host", "127.0.0.1", "--port", "0", "--port-file",
-                       port_file, "--pid-file", pid_file, "--kv-capacity-tokens", "4096",
-                       "--timeout-s", "120"]),
-        stdout=log, stderr=subprocess.STDOUT, env=MPI_ENV)
-    return server, log, wait_port(server, port_file, log=log)
-
-
-def stop(server, log, workdir):
-    """SIGTERM to rank 0 (it drains and releases every rank); killed if it outlives 60 s."""
-    try:
-        pid = int(open(os.path.join(workdir, "pid")).read())
-        os.kill(pid, 15)
-        server.wait(timeout=60)
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        server.kill()
-        server.wait()
-    log.close()
 
 
 def check_text_refused(port, problems):
@@ -257,12 +229,14 @@ def main():
             fail_soft(problems, err)
             continue
         prefill_worst = check_prefill(got, prompts, last_logits, name, problems)
-        server, log, port = serve(cpfill, model, workdir, ranks, tp, algo)
+        server, log, port, pid_file = start_checkpoint_serve(
+            cpfill, model, workdir, ranks, "--tp", str(tp), "--algo", algo)
         try:
             lps, err = generate(port, prompts, args.decode_tokens)
             check_text_refused(port, problems)
         finally:
-            stop(server, log, workdir)
+            stop_serve(server, pid_file)
+            log.close()
         if lps is None:
             with open(os.path.join(workdir, "serve.log")) as f:
                 fail_soft(problems, f"{name}: {err}\n{f.read()}")
