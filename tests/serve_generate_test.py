@@ -29,18 +29,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serve_test import (MPI_ENV, fail, http, in_threads, rank_pid, read_logits,  # noqa: E402
-                        wait_port)
+from serve_test import (MPI_ENV, complete, fail, http, in_threads, metric,  # noqa: E402
+                        rank_pid, read_logits, wait_port)
 
 VOCAB = 1024  # the tiny preset's
 NEW = 10
-
-
-def complete(port, body):
-    status, text = http(port, "POST", "/v1/completions", body)
-    if status != 200:
-        fail(f"{json.dumps(body)[:120]}: {status} {text}")
-    return json.loads(text)
 
 
 def stream(port, body):
@@ -215,14 +208,6 @@ def check_prefix_cache(cpfill, port, tmp, generations):
     if len(prompt) >= 256 and metric(port, "cpfill:prefix_batched_key_rows_total") <= 0:
         fail("n 4: no decode step batched the choices over their shared prompt")
     metric(port, "cpfill:kv_cache_shared_blocks")
-
-
-def metric(port, name):
-    _, text = http(port, "GET", "/metrics")
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    fail(f"/metrics lacks {name}")
 
 
 def check_client_leaves(port):

@@ -23,27 +23,12 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from serve_test import MPI_ENV, fail, http, rank_pid, wait_port  # noqa: E402
+from serve_test import MPI_ENV, complete, fail, http, metric, rank_pid, wait_port  # noqa: E402
 
 VOCAB = 1024  # the tiny preset's
 HEAD_DIM = 64
 PROMPT = [(j * 7919 + 13) % VOCAB for j in range(300)]
 NEW = 12
-
-
-def complete(port, body):
-    status, text = http(port, "POST", "/v1/completions", body)
-    if status != 200:
-        fail(f"{json.dumps(body)[:160]}: {status} {text}")
-    return json.loads(text)
-
-
-def metric(port, name):
-    _, text = http(port, "GET", "/metrics")
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    fail(f"/metrics lacks {name}")
 
 
 def greedy(port, sparq=None):

@@ -120,6 +120,23 @@ def http(port, method, path, body=None, timeout=120):
         return e.code, e.read().decode()
 
 
+def complete(port, body):
+    """POST /v1/completions: the answer's JSON; fails on any status but 200."""
+    status, text = http(port, "POST", "/v1/completions", body)
+    if status != 200:
+        fail(f"{json.dumps(body)[:160]}: {status} {text}")
+    return json.loads(text)
+
+
+def metric(port, name):
+    """One unlabelled series of /metrics; fails when it is missing."""
+    _, text = http(port, "GET", "/metrics")
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    fail(f"/metrics lacks {name}")
+
+
 def parent_pid(pid):
     try:
         stat = open(f"/proc/{pid}/stat").read()
