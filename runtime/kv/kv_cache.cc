@@ -474,10 +474,9 @@ void KvCache::AddToVSums(int layer, std::span<const Rows> rows) {
   const int64_t width = int64_t{spec_.kv_heads} * spec_.head_dim;
   for (const Rows& r : rows) {
     VSums& v = seqs_.find(r.seq)->second.v;
-    if (v.rows.empty()) {
-      v.sum.assign(static_cast<size_t>(spec_.num_layers * width), 0.0f);
-      v.rows.assign(static_cast<size_t>(spec_.num_layers), 0);
-    }
+    // A sequence no one asked VSum of keeps none: dense requests pay neither the pass over
+    // their V rows nor the memory; VSum's first call sums the blocks once.
+    if (v.rows.empty()) continue;
     int64_t& summed = v.rows[static_cast<size_t>(layer)];
     if (summed != r.token_begin) {  // overwrites or skips rows: sum the blocks again on use
       summed = -1;

@@ -209,10 +209,10 @@ class KvCache {
     int64_t length = 0;
     int64_t reserved = 0;  // >= length; <= blocks.size() * block_tokens
     std::vector<int32_t> blocks;
-    VSums v;  // empty until a host Write or VSum
+    VSums v;  // empty until the sequence's first VSum (only SparQ's sequences pay for sums)
   };
-  // Adds Write's V rows to the sums of their sequences where they continue them, else marks
-  // the sums stale.
+  // Adds Write's V rows to the sums of the sequences that keep them, where they continue them,
+  // else marks the sums stale.
   void AddToVSums(int layer, std::span<const Rows> rows);
 
   KvCache(const KvCacheSpec& spec, int64_t num_blocks, std::unique_ptr<KvStorage> storage);
